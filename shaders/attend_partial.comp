@@ -1,0 +1,159 @@
+#version 450
+// Split-K decode attention, partial pass. One workgroup takes one chunk of
+// tokens of one KV head for GROUP of its query heads and writes, per query
+// head, the chunk's running max m, sum l = sum_t exp(s_t - m) and
+// unnormalised output o = sum_t exp(s_t - m) v_t, where s_t = scale q·k_t.
+// K and V rows are fp16, packed two per 32-bit word, D/8 uvec4 per row.
+#extension GL_EXT_control_flow_attributes : enable
+
+layout(local_size_x_id = 0) in;
+layout(constant_id = 0) const uint WG = 256;      // threads, a power of two
+layout(constant_id = 1) const uint D = 128;       // head dimension, multiple of 8
+layout(constant_id = 2) const uint GROUP = 4;     // query heads per workgroup, <= 8
+layout(constant_id = 3) const uint CHUNK_MAX = 1024;
+
+const uint DV = D / 8;  // uvec4 words per K/V row
+const uint D4 = D / 4;  // vec4 per query row
+
+layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };      // [B][Hq][D/4]
+layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };        // [heads][headStride]
+layout(std430, binding = 2) readonly buffer Values { uvec4 v[]; };      // [heads][headStride]
+layout(std430, binding = 3) writeonly buffer PartialO { float po[]; };  // [B][Hq][maxChunks][D]
+layout(std430, binding = 4) writeonly buffer PartialML { vec2 pml[]; }; // [B][Hq][maxChunks]
+
+layout(push_constant) uniform Push {
+	uint n;           // tokens of this sequence
+	uint headStride;  // uvec4 words between consecutive KV heads in Keys/Values
+	uint kvBase;      // index of the bound range's first KV head
+	uint seq;         // sequence index in the batch
+	uint chunk;       // tokens per chunk, <= CHUNK_MAX
+	uint maxChunks;   // chunk slots per (sequence, head) in the partial buffers
+	float scale;      // multiplies q·k
+	uint qHeads;      // query heads per sequence
+	uint groupSize;   // query heads per KV head
+} pc;
+
+shared vec4 qs[GROUP * D4];
+shared float sc[GROUP * CHUNK_MAX];
+shared float red[8 * WG];
+
+// reduce combines red[g*WG + i] over i for every g < GROUP into red[g*WG].
+void reduceMax() {
+	uint tid = gl_LocalInvocationID.x;
+	barrier();
+	for (uint s = WG / 2; s > 0; s >>= 1) {
+		if (tid < s) {
+			[[unroll]] for (uint g = 0; g < GROUP; g++)
+				red[g * WG + tid] = max(red[g * WG + tid], red[g * WG + tid + s]);
+		}
+		barrier();
+	}
+}
+
+void reduceSum() {
+	uint tid = gl_LocalInvocationID.x;
+	barrier();
+	for (uint s = WG / 2; s > 0; s >>= 1) {
+		if (tid < s) {
+			[[unroll]] for (uint g = 0; g < GROUP; g++)
+				red[g * WG + tid] += red[g * WG + tid + s];
+		}
+		barrier();
+	}
+}
+
+void main() {
+	uint tid = gl_LocalInvocationID.x;
+	uint c = gl_WorkGroupID.x;
+	uint headBlocks = pc.groupSize / GROUP;
+	uint kvLocal = gl_WorkGroupID.y / headBlocks;
+	uint h0 = (pc.kvBase + kvLocal) * pc.groupSize + (gl_WorkGroupID.y % headBlocks) * GROUP;
+	uint t0 = c * pc.chunk;
+	uint len = min(pc.chunk, pc.n - t0);
+	uint rowBase = kvLocal * pc.headStride + t0 * DV;
+
+	for (uint i = tid; i < GROUP * D4; i += WG) {
+		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
+	}
+	barrier();
+
+	// Scores, one token per thread, and each thread's running max.
+	float mloc[GROUP];
+	[[unroll]] for (uint g = 0; g < GROUP; g++) mloc[g] = -1.0 / 0.0;
+	for (uint t = tid; t < len; t += WG) {
+		float s[GROUP];
+		[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] = 0.0;
+		uint row = rowBase + t * DV;
+		[[unroll]] for (uint j = 0; j < DV; j++) {
+			uvec4 w = k[row + j];
+			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+			[[unroll]] for (uint g = 0; g < GROUP; g++)
+				s[g] += dot(a, qs[g * D4 + 2 * j]) + dot(b, qs[g * D4 + 2 * j + 1]);
+		}
+		[[unroll]] for (uint g = 0; g < GROUP; g++) {
+			sc[g * CHUNK_MAX + t] = s[g];
+			mloc[g] = max(mloc[g], s[g]);
+		}
+	}
+	[[unroll]] for (uint g = 0; g < GROUP; g++) red[g * WG + tid] = mloc[g];
+	reduceMax();
+	float m[GROUP];
+	[[unroll]] for (uint g = 0; g < GROUP; g++) m[g] = red[g * WG];
+	barrier();
+
+	// Weights p = exp(s - m) in place, and their sums.
+	float lsum[GROUP];
+	[[unroll]] for (uint g = 0; g < GROUP; g++) lsum[g] = 0.0;
+	for (uint t = tid; t < len; t += WG) {
+		[[unroll]] for (uint g = 0; g < GROUP; g++) {
+			float p = exp(sc[g * CHUNK_MAX + t] - m[g]);
+			sc[g * CHUNK_MAX + t] = p;
+			lsum[g] += p;
+		}
+	}
+	[[unroll]] for (uint g = 0; g < GROUP; g++) red[g * WG + tid] = lsum[g];
+	reduceSum();
+	float l[GROUP];
+	[[unroll]] for (uint g = 0; g < GROUP; g++) l[g] = red[g * WG];
+	barrier();
+
+	// Weighted values: lane takes tokens lane, lane+LANES, ...; dg is its
+	// eight dimensions of the row, so a row is read by DV adjacent threads.
+	const uint LANES = WG / DV;
+	uint lane = tid / DV;
+	uint dg = tid % DV;
+	vec4 acc[GROUP * 2];
+	[[unroll]] for (uint i = 0; i < GROUP * 2; i++) acc[i] = vec4(0.0);
+	if (lane < LANES) {
+		for (uint t = lane; t < len; t += LANES) {
+			uvec4 w = v[rowBase + t * DV + dg];
+			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+			[[unroll]] for (uint g = 0; g < GROUP; g++) {
+				float p = sc[g * CHUNK_MAX + t];
+				acc[2 * g] += p * a;
+				acc[2 * g + 1] += p * b;
+			}
+		}
+	}
+
+	// Sum the lanes, one query head at a time.
+	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
+	[[unroll]] for (uint g = 0; g < GROUP; g++) {
+		[[unroll]] for (uint j = 0; j < 8; j++)
+			red[j * WG + tid] = lane < LANES ? acc[2 * g + j / 4][j % 4] : 0.0;
+		barrier();
+		for (uint i = tid; i < D; i += WG) {
+			uint j = i / DV;
+			uint d = i % DV;
+			float sum = 0.0;
+			for (uint ln = 0; ln < LANES; ln++) sum += red[j * WG + ln * DV + d];
+			po[(base + g * pc.maxChunks) * D + d * 8 + j] = sum;
+		}
+		barrier();
+	}
+	if (tid < GROUP) {
+		pml[base + tid * pc.maxChunks] = vec2(m[tid], l[tid]);
+	}
+}

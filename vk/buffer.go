@@ -1,0 +1,232 @@
+package vk
+
+import (
+	"fmt"
+	"unsafe"
+
+	vk "github.com/vulkan-go/vulkan"
+)
+
+// Memory says where a buffer lives.
+type Memory int
+
+const (
+	// DeviceLocal memory is fast for kernels; the host reaches it through staging copies.
+	DeviceLocal Memory = iota
+	// HostVisible memory is mapped and coherent: the host reads and writes it directly.
+	HostVisible
+)
+
+// Buffer is a storage buffer bound to its own memory allocation.
+type Buffer struct {
+	dev    *Device
+	buffer vk.Buffer
+	memory vk.DeviceMemory
+	size   uint64
+	kind   Memory
+	mapped unsafe.Pointer
+}
+
+// Range is a byte range of a buffer, as bound to a kernel.
+type Range struct {
+	Buffer *Buffer
+	Offset uint64
+	Size   uint64
+}
+
+// NewBuffer allocates size bytes of the given memory kind.
+func (d *Device) NewBuffer(size uint64, kind Memory) (*Buffer, error) {
+	if size == 0 {
+		return nil, fmt.Errorf("vk: NewBuffer: zero size")
+	}
+	if size > d.info.MaxAllocation {
+		return nil, fmt.Errorf("%w: buffer of %d bytes exceeds the device's largest allocation (%d bytes)", ErrUnsupported, size, d.info.MaxAllocation)
+	}
+	usage := vk.BufferUsageStorageBufferBit | vk.BufferUsageTransferSrcBit | vk.BufferUsageTransferDstBit | vk.BufferUsageIndirectBufferBit
+	var buf vk.Buffer
+	bci := vk.BufferCreateInfo{
+		SType:       vk.StructureTypeBufferCreateInfo,
+		Size:        vk.DeviceSize(size),
+		Usage:       vk.BufferUsageFlags(usage),
+		SharingMode: vk.SharingModeExclusive,
+	}
+	if err := check("vkCreateBuffer", vk.CreateBuffer(d.device, &bci, nil, &buf)); err != nil {
+		return nil, err
+	}
+	var req vk.MemoryRequirements
+	vk.GetBufferMemoryRequirements(d.device, buf, &req)
+	req.Deref()
+	want := vk.MemoryPropertyDeviceLocalBit
+	if kind == HostVisible {
+		want = vk.MemoryPropertyHostVisibleBit | vk.MemoryPropertyHostCoherentBit
+	}
+	typ, ok := d.memoryType(req.MemoryTypeBits, vk.MemoryPropertyFlags(want))
+	if !ok && kind == DeviceLocal {
+		typ, ok = d.memoryType(req.MemoryTypeBits, 0)
+	}
+	if !ok {
+		vk.DestroyBuffer(d.device, buf, nil)
+		return nil, fmt.Errorf("%w: no memory type for a buffer of kind %d", ErrUnsupported, kind)
+	}
+	var mem vk.DeviceMemory
+	mai := vk.MemoryAllocateInfo{SType: vk.StructureTypeMemoryAllocateInfo, AllocationSize: req.Size, MemoryTypeIndex: typ}
+	if err := check("vkAllocateMemory", vk.AllocateMemory(d.device, &mai, nil, &mem)); err != nil {
+		vk.DestroyBuffer(d.device, buf, nil)
+		return nil, err
+	}
+	if err := check("vkBindBufferMemory", vk.BindBufferMemory(d.device, buf, mem, 0)); err != nil {
+		vk.FreeMemory(d.device, mem, nil)
+		vk.DestroyBuffer(d.device, buf, nil)
+		return nil, err
+	}
+	b := &Buffer{dev: d, buffer: buf, memory: mem, size: size, kind: kind}
+	if kind == HostVisible {
+		var p unsafe.Pointer
+		if err := check("vkMapMemory", vk.MapMemory(d.device, mem, 0, vk.DeviceSize(size), 0, &p)); err != nil {
+			vk.FreeMemory(d.device, mem, nil)
+			vk.DestroyBuffer(d.device, buf, nil)
+			return nil, err
+		}
+		b.mapped = p
+	}
+	d.track(b, fmt.Sprintf("buffer(%d bytes)", size))
+	return b, nil
+}
+
+func (d *Device) memoryType(bits uint32, want vk.MemoryPropertyFlags) (uint32, bool) {
+	for i := uint32(0); i < d.memory.MemoryTypeCount; i++ {
+		if bits&(1<<i) != 0 && d.memory.MemoryTypes[i].PropertyFlags&want == want {
+			return i, true
+		}
+	}
+	return 0, false
+}
+
+// Size returns the buffer's size in bytes.
+func (b *Buffer) Size() uint64 { return b.size }
+
+// All returns the range covering the whole buffer.
+func (b *Buffer) All() Range { return Range{Buffer: b, Size: b.size} }
+
+// Slice returns the range [offset, offset+size) of the buffer.
+func (b *Buffer) Slice(offset, size uint64) Range {
+	return Range{Buffer: b, Offset: offset, Size: size}
+}
+
+// Release frees the buffer and its memory.
+func (b *Buffer) Release() error {
+	if b == nil || b.buffer == nil {
+		return ErrReleased
+	}
+	if b.mapped != nil {
+		vk.UnmapMemory(b.dev.device, b.memory)
+		b.mapped = nil
+	}
+	vk.DestroyBuffer(b.dev.device, b.buffer, nil)
+	vk.FreeMemory(b.dev.device, b.memory, nil)
+	b.buffer = nil
+	b.dev.untrack(b)
+	return nil
+}
+
+const stagingChunk = 64 << 20
+
+// Write copies data into the buffer at offset.
+func (b *Buffer) Write(offset uint64, data []byte) error {
+	if err := b.inRange("Write", offset, uint64(len(data))); err != nil || len(data) == 0 {
+		return err
+	}
+	if b.kind == HostVisible {
+		copy(unsafe.Slice((*byte)(b.mapped), b.size)[offset:], data)
+		return nil
+	}
+	return b.dev.staged(func(stage *Buffer, cmd *Commands) error {
+		for done := uint64(0); done < uint64(len(data)); done += stage.size {
+			n := min(stage.size, uint64(len(data))-done)
+			copy(unsafe.Slice((*byte)(stage.mapped), stage.size), data[done:done+n])
+			if err := cmd.once(func(c *Commands) { c.Copy(stage.Slice(0, n), b.Slice(offset+done, n)) }); err != nil {
+				return err
+			}
+		}
+		return nil
+	}, uint64(len(data)))
+}
+
+// Read copies len(out) bytes from the buffer at offset into out.
+func (b *Buffer) Read(offset uint64, out []byte) error {
+	if err := b.inRange("Read", offset, uint64(len(out))); err != nil || len(out) == 0 {
+		return err
+	}
+	if b.kind == HostVisible {
+		copy(out, unsafe.Slice((*byte)(b.mapped), b.size)[offset:])
+		return nil
+	}
+	return b.dev.staged(func(stage *Buffer, cmd *Commands) error {
+		for done := uint64(0); done < uint64(len(out)); done += stage.size {
+			n := min(stage.size, uint64(len(out))-done)
+			if err := cmd.once(func(c *Commands) { c.Copy(b.Slice(offset+done, n), stage.Slice(0, n)) }); err != nil {
+				return err
+			}
+			copy(out[done:done+n], unsafe.Slice((*byte)(stage.mapped), stage.size))
+		}
+		return nil
+	}, uint64(len(out)))
+}
+
+func (b *Buffer) inRange(op string, offset, n uint64) error {
+	if b.buffer == nil {
+		return ErrReleased
+	}
+	if offset+n > b.size || offset+n < offset {
+		return fmt.Errorf("vk: Buffer.%s: [%d, %d) outside a buffer of %d bytes", op, offset, offset+n, b.size)
+	}
+	return nil
+}
+
+// staged runs fn with a host-visible staging buffer of up to 64 MiB and a
+// command buffer, both released afterwards.
+func (d *Device) staged(fn func(stage *Buffer, cmd *Commands) error, n uint64) error {
+	stage, err := d.NewBuffer(min(n, stagingChunk), HostVisible)
+	if err != nil {
+		return err
+	}
+	defer stage.Release()
+	cmd, err := d.NewCommands()
+	if err != nil {
+		return err
+	}
+	defer cmd.Release()
+	return fn(stage, cmd)
+}
+
+// bytesOf views a slice of plain values as bytes.
+func bytesOf[T uint16 | uint32 | int32 | float32](s []T) []byte {
+	if len(s) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&s[0])), len(s)*int(unsafe.Sizeof(s[0])))
+}
+
+// WriteFloat32 copies values into the buffer at byte offset.
+func (b *Buffer) WriteFloat32(offset uint64, v []float32) error { return b.Write(offset, bytesOf(v)) }
+
+// ReadFloat32 fills out from the buffer at byte offset.
+func (b *Buffer) ReadFloat32(offset uint64, out []float32) error { return b.Read(offset, bytesOf(out)) }
+
+// WriteUint16 copies values (fp16 bit patterns, say) into the buffer at byte offset.
+func (b *Buffer) WriteUint16(offset uint64, v []uint16) error { return b.Write(offset, bytesOf(v)) }
+
+// ReadUint16 fills out from the buffer at byte offset.
+func (b *Buffer) ReadUint16(offset uint64, out []uint16) error { return b.Read(offset, bytesOf(out)) }
+
+// WriteUint32 copies values into the buffer at byte offset.
+func (b *Buffer) WriteUint32(offset uint64, v []uint32) error { return b.Write(offset, bytesOf(v)) }
+
+// ReadUint32 fills out from the buffer at byte offset.
+func (b *Buffer) ReadUint32(offset uint64, out []uint32) error { return b.Read(offset, bytesOf(out)) }
+
+// WriteInt32 copies values into the buffer at byte offset.
+func (b *Buffer) WriteInt32(offset uint64, v []int32) error { return b.Write(offset, bytesOf(v)) }
+
+// ReadInt32 fills out from the buffer at byte offset.
+func (b *Buffer) ReadInt32(offset uint64, out []int32) error { return b.Read(offset, bytesOf(out)) }

@@ -1,0 +1,245 @@
+package vk
+
+import (
+	"fmt"
+	"math"
+	"time"
+	"unsafe"
+
+	vk "github.com/vulkan-go/vulkan"
+)
+
+// Commands is a reusable command buffer with its fence. Recording methods
+// keep the first error, which End returns.
+type Commands struct {
+	dev   *Device
+	cb    vk.CommandBuffer
+	fence vk.Fence
+	err   error
+}
+
+// NewCommands allocates a command buffer.
+func (d *Device) NewCommands() (*Commands, error) {
+	cbs := make([]vk.CommandBuffer, 1)
+	cbai := vk.CommandBufferAllocateInfo{SType: vk.StructureTypeCommandBufferAllocateInfo, CommandPool: d.pool, Level: vk.CommandBufferLevelPrimary, CommandBufferCount: 1}
+	if err := check("vkAllocateCommandBuffers", vk.AllocateCommandBuffers(d.device, &cbai, cbs)); err != nil {
+		return nil, err
+	}
+	c := &Commands{dev: d, cb: cbs[0]}
+	fci := vk.FenceCreateInfo{SType: vk.StructureTypeFenceCreateInfo}
+	var fence vk.Fence
+	if err := check("vkCreateFence", vk.CreateFence(d.device, &fci, nil, &fence)); err != nil {
+		vk.FreeCommandBuffers(d.device, d.pool, 1, cbs)
+		return nil, err
+	}
+	c.fence = fence
+	d.track(c, "command buffer")
+	return c, nil
+}
+
+// Release frees the command buffer and its fence.
+func (c *Commands) Release() error {
+	if c == nil || c.cb == nil {
+		return ErrReleased
+	}
+	vk.DestroyFence(c.dev.device, c.fence, nil)
+	vk.FreeCommandBuffers(c.dev.device, c.dev.pool, 1, []vk.CommandBuffer{c.cb})
+	c.cb = nil
+	c.dev.untrack(c)
+	return nil
+}
+
+// Begin starts recording, discarding what was recorded before.
+func (c *Commands) Begin() error {
+	c.err = nil
+	if err := check("vkResetCommandBuffer", vk.ResetCommandBuffer(c.cb, 0)); err != nil {
+		return err
+	}
+	bi := vk.CommandBufferBeginInfo{SType: vk.StructureTypeCommandBufferBeginInfo}
+	return check("vkBeginCommandBuffer", vk.BeginCommandBuffer(c.cb, &bi))
+}
+
+// End finishes recording and returns the first recording error.
+func (c *Commands) End() error {
+	if err := check("vkEndCommandBuffer", vk.EndCommandBuffer(c.cb)); err != nil {
+		return err
+	}
+	return c.err
+}
+
+// Dispatch records a dispatch of groups (x, y, z) with the given push constants.
+func (c *Commands) Dispatch(p *Pipeline, b *Binding, push []uint32, x, y, z uint32) {
+	if !c.bindKernel(p, b, push) {
+		return
+	}
+	lim := c.dev.info.MaxWorkgroupCount
+	if x > lim[0] || y > lim[1] || z > lim[2] {
+		c.fail(fmt.Errorf("%w: kernel %s: %d×%d×%d workgroups exceed the device's %v", ErrUnsupported, p.name, x, y, z, lim))
+		return
+	}
+	if x == 0 || y == 0 || z == 0 {
+		return
+	}
+	vk.CmdDispatch(c.cb, x, y, z)
+}
+
+// DispatchIndirect records a dispatch whose group counts are three uint32
+// read from args at offset when the commands run.
+func (c *Commands) DispatchIndirect(p *Pipeline, b *Binding, push []uint32, args *Buffer, offset uint64) {
+	if c.bindKernel(p, b, push) {
+		vk.CmdDispatchIndirect(c.cb, args.buffer, vk.DeviceSize(offset))
+	}
+}
+
+func (c *Commands) bindKernel(p *Pipeline, b *Binding, push []uint32) bool {
+	if c.err != nil {
+		return false
+	}
+	if len(push) != p.pushWords {
+		c.fail(fmt.Errorf("vk: kernel %s takes %d push-constant words, got %d", p.name, p.pushWords, len(push)))
+		return false
+	}
+	if b == nil || b.pipe != p || b.pool == nil {
+		c.fail(fmt.Errorf("vk: kernel %s dispatched without its own live binding", p.name))
+		return false
+	}
+	vk.CmdBindPipeline(c.cb, vk.PipelineBindPointCompute, p.pipeline)
+	vk.CmdBindDescriptorSets(c.cb, vk.PipelineBindPointCompute, p.layout, 0, 1, []vk.DescriptorSet{b.set}, 0, nil)
+	if len(push) > 0 {
+		vk.CmdPushConstants(c.cb, p.layout, vk.ShaderStageFlags(vk.ShaderStageComputeBit), 0, uint32(4*len(push)), unsafe.Pointer(&push[0]))
+	}
+	return true
+}
+
+func (c *Commands) fail(err error) {
+	if c.err == nil {
+		c.err = err
+	}
+}
+
+// Barrier makes all earlier shader and transfer writes visible to later
+// shader, transfer and indirect-argument reads.
+func (c *Commands) Barrier() {
+	mb := []vk.MemoryBarrier{{
+		SType:         vk.StructureTypeMemoryBarrier,
+		SrcAccessMask: vk.AccessFlags(vk.AccessShaderWriteBit | vk.AccessTransferWriteBit),
+		DstAccessMask: vk.AccessFlags(vk.AccessShaderReadBit | vk.AccessShaderWriteBit | vk.AccessTransferReadBit | vk.AccessTransferWriteBit | vk.AccessIndirectCommandReadBit),
+	}}
+	src := vk.PipelineStageFlags(vk.PipelineStageComputeShaderBit | vk.PipelineStageTransferBit)
+	dst := vk.PipelineStageFlags(vk.PipelineStageComputeShaderBit | vk.PipelineStageTransferBit | vk.PipelineStageDrawIndirectBit)
+	vk.CmdPipelineBarrier(c.cb, src, dst, 0, 1, mb, 0, nil, 0, nil)
+}
+
+// Fill records writing the 32-bit word value over a range (size a multiple of 4).
+func (c *Commands) Fill(r Range, value uint32) {
+	if r.Size%4 != 0 || r.Offset%4 != 0 || r.Offset+r.Size > r.Buffer.size {
+		c.fail(fmt.Errorf("vk: Fill of [%d, +%d) on a buffer of %d bytes: not whole words or out of range", r.Offset, r.Size, r.Buffer.size))
+		return
+	}
+	vk.CmdFillBuffer(c.cb, r.Buffer.buffer, vk.DeviceSize(r.Offset), vk.DeviceSize(r.Size), value)
+}
+
+// Copy records a copy of src into dst (same sizes).
+func (c *Commands) Copy(src, dst Range) {
+	if src.Size != dst.Size || src.Offset+src.Size > src.Buffer.size || dst.Offset+dst.Size > dst.Buffer.size {
+		c.fail(fmt.Errorf("vk: Copy of %d bytes into %d bytes, or out of range", src.Size, dst.Size))
+		return
+	}
+	vk.CmdCopyBuffer(c.cb, src.Buffer.buffer, dst.Buffer.buffer, 1, []vk.BufferCopy{{SrcOffset: vk.DeviceSize(src.Offset), DstOffset: vk.DeviceSize(dst.Offset), Size: vk.DeviceSize(src.Size)}})
+}
+
+// Submit runs the recorded commands and waits for them to finish.
+func (c *Commands) Submit() error {
+	si := []vk.SubmitInfo{{SType: vk.StructureTypeSubmitInfo, CommandBufferCount: 1, PCommandBuffers: []vk.CommandBuffer{c.cb}}}
+	if err := check("vkQueueSubmit", vk.QueueSubmit(c.dev.queue, 1, si, c.fence)); err != nil {
+		return err
+	}
+	fences := []vk.Fence{c.fence}
+	if err := check("vkWaitForFences", vk.WaitForFences(c.dev.device, 1, fences, vk.True, math.MaxUint64)); err != nil {
+		return err
+	}
+	return check("vkResetFences", vk.ResetFences(c.dev.device, 1, fences))
+}
+
+// once records fn between Begin and End and submits it.
+func (c *Commands) once(fn func(*Commands)) error {
+	if err := c.Begin(); err != nil {
+		return err
+	}
+	fn(c)
+	if err := c.End(); err != nil {
+		return err
+	}
+	return c.Submit()
+}
+
+// Run records fn into a fresh command buffer, submits it and waits.
+func (d *Device) Run(fn func(*Commands)) error {
+	c, err := d.NewCommands()
+	if err != nil {
+		return err
+	}
+	defer c.Release()
+	return c.once(fn)
+}
+
+// Timestamps is a pool of timestamp queries.
+type Timestamps struct {
+	dev  *Device
+	pool vk.QueryPool
+	n    uint32
+}
+
+// NewTimestamps creates a pool of n timestamp queries.
+func (d *Device) NewTimestamps(n int) (*Timestamps, error) {
+	if d.info.TimestampValidBits == 0 {
+		return nil, fmt.Errorf("%w: the compute queue has no timestamps", ErrUnsupported)
+	}
+	t := &Timestamps{dev: d, n: uint32(n)}
+	var pool vk.QueryPool
+	qpci := vk.QueryPoolCreateInfo{SType: vk.StructureTypeQueryPoolCreateInfo, QueryType: vk.QueryTypeTimestamp, QueryCount: uint32(n)}
+	if err := check("vkCreateQueryPool", vk.CreateQueryPool(d.device, &qpci, nil, &pool)); err != nil {
+		return nil, err
+	}
+	t.pool = pool
+	d.track(t, "timestamp pool")
+	return t, nil
+}
+
+// Reset records resetting all queries; do it before writing them again.
+func (c *Commands) Reset(t *Timestamps) { vk.CmdResetQueryPool(c.cb, t.pool, 0, t.n) }
+
+// Timestamp records writing query i once all earlier commands are done.
+func (c *Commands) Timestamp(t *Timestamps, i int) {
+	if uint32(i) >= t.n {
+		c.fail(fmt.Errorf("vk: timestamp %d of a pool of %d", i, t.n))
+		return
+	}
+	vk.CmdWriteTimestamp(c.cb, vk.PipelineStageBottomOfPipeBit, t.pool, uint32(i))
+}
+
+// Elapsed returns the time between queries i and j of the last submission.
+func (t *Timestamps) Elapsed(i, j int) (time.Duration, error) {
+	ticks := make([]uint64, t.n)
+	if err := check("vkGetQueryPoolResults", vk.GetQueryPoolResults(t.dev.device, t.pool, 0, t.n, uint(8*t.n), unsafe.Pointer(&ticks[0]), 8, vk.QueryResultFlags(vk.QueryResult64Bit|vk.QueryResultWaitBit))); err != nil {
+		return 0, err
+	}
+	bits := t.dev.info.TimestampValidBits
+	mask := uint64(math.MaxUint64)
+	if bits < 64 {
+		mask = 1<<bits - 1
+	}
+	delta := (ticks[j] - ticks[i]) & mask
+	return time.Duration(float64(delta) * t.dev.info.TimestampPeriodNs), nil
+}
+
+// Release destroys the pool.
+func (t *Timestamps) Release() error {
+	if t == nil || t.pool == nil {
+		return ErrReleased
+	}
+	vk.DestroyQueryPool(t.dev.device, t.pool, nil)
+	t.pool = nil
+	t.dev.untrack(t)
+	return nil
+}

@@ -1,0 +1,479 @@
+// Package vk is a small Vulkan compute runtime: it loads the Vulkan loader,
+// chooses a device, and offers buffers, compute pipelines from SPIR-V with
+// specialization and push constants, command recording, fences and
+// timestamp queries. It knows nothing about what the kernels compute.
+//
+// Every object has one owner and one Release method; Device.Release reports
+// objects still alive. Environment: VKSPARSE_DEVICE picks a device by index
+// or name substring; VKSPARSE_VALIDATE=1 turns on the Khronos validation
+// layer, whose messages are kept and returned by ValidationMessages.
+package vk
+
+/*
+#cgo LDFLAGS: -ldl
+#include <stdlib.h>
+#include "native.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"unsafe"
+
+	vk "github.com/vulkan-go/vulkan"
+)
+
+// Info holds the facts about a device that kernels and reports need.
+type Info struct {
+	Index         int    // position in the loader's device list
+	Name          string // device name
+	Type          string // discrete, integrated, virtual, cpu or other
+	VendorID      uint32
+	DeviceID      uint32
+	Vendor        string // vendor name when known, else the hex ID
+	Driver        string // driver name and version information
+	DriverVersion uint32
+	APIVersion    string
+
+	SubgroupSize            uint32
+	SubgroupArithmetic      bool // subgroup add/min/max in compute shaders
+	MaxWorkgroupInvocations uint32
+	MaxWorkgroupSize        [3]uint32
+	MaxWorkgroupCount       [3]uint32
+	SharedMemoryBytes       uint32
+	MaxStorageBufferRange   uint64
+	MaxAllocation           uint64
+	StorageOffsetAlignment  uint64
+	MaxPushConstantBytes    uint32
+	Storage16Bit            bool // 16-bit storage buffer access
+	Float16                 bool // float16 arithmetic in shaders
+	Int64                   bool
+	DeviceLocalBytes        uint64
+	TimestampPeriodNs       float64 // nanoseconds per timestamp tick
+	TimestampValidBits      uint32  // 0: the compute queue has no timestamps
+	queueFamily             uint32
+}
+
+// Options chooses and configures the device that Open creates.
+type Options struct {
+	// Select picks a device by index or by case-insensitive name substring;
+	// empty picks the best: discrete > integrated > virtual > CPU.
+	Select string
+	// Validate enables VK_LAYER_KHRONOS_validation.
+	Validate bool
+}
+
+// OptionsFromEnv reads VKSPARSE_DEVICE and VKSPARSE_VALIDATE.
+func OptionsFromEnv() Options {
+	v := os.Getenv("VKSPARSE_VALIDATE")
+	return Options{Select: os.Getenv("VKSPARSE_DEVICE"), Validate: v != "" && v != "0" && v != "false"}
+}
+
+var (
+	loaderOnce sync.Once
+	loaderErr  error
+	loaderName string
+)
+
+// loadLoader opens the Vulkan loader once per process.
+func loadLoader() error {
+	loaderOnce.Do(func() {
+		var which *C.char
+		f := C.vks_load_loader(&which)
+		if f == nil {
+			loaderErr = ErrNoLoader
+			return
+		}
+		loaderName = C.GoString(which)
+		vk.SetGetInstanceProcAddr(f)
+		if err := vk.Init(); err != nil {
+			loaderErr = fmt.Errorf("vk: initialising %s: %v", loaderName, err)
+		}
+	})
+	return loaderErr
+}
+
+const validationLayer = "VK_LAYER_KHRONOS_validation"
+
+func newInstance(validate bool) (vk.Instance, error) {
+	if err := loadLoader(); err != nil {
+		return nil, err
+	}
+	info := vk.InstanceCreateInfo{
+		SType: vk.StructureTypeInstanceCreateInfo,
+		PApplicationInfo: &vk.ApplicationInfo{
+			SType:            vk.StructureTypeApplicationInfo,
+			PApplicationName: "vksparse\x00",
+			PEngineName:      "vksparse\x00",
+			ApiVersion:       vk.MakeVersion(1, 1, 0),
+		},
+	}
+	if validate {
+		if !haveLayer(validationLayer) {
+			return nil, fmt.Errorf("%w: %s requested but not installed (apt-get install vulkan-validationlayers)", ErrUnsupported, validationLayer)
+		}
+		info.EnabledLayerCount = 1
+		info.PpEnabledLayerNames = []string{validationLayer + "\x00"}
+		info.EnabledExtensionCount = 1
+		info.PpEnabledExtensionNames = []string{"VK_EXT_debug_utils\x00"}
+	}
+	var inst vk.Instance
+	if err := check("vkCreateInstance", vk.CreateInstance(&info, nil, &inst)); err != nil {
+		return nil, err
+	}
+	if err := vk.InitInstance(inst); err != nil {
+		vk.DestroyInstance(inst, nil)
+		return nil, fmt.Errorf("vk: loading instance functions: %v", err)
+	}
+	return inst, nil
+}
+
+func haveLayer(name string) bool {
+	var n uint32
+	if vk.EnumerateInstanceLayerProperties(&n, nil) != vk.Success || n == 0 {
+		return false
+	}
+	props := make([]vk.LayerProperties, n)
+	if vk.EnumerateInstanceLayerProperties(&n, props) != vk.Success {
+		return false
+	}
+	for _, p := range props[:n] {
+		p.Deref()
+		if vk.ToString(p.LayerName[:]) == name {
+			return true
+		}
+	}
+	return false
+}
+
+func physicalDevices(inst vk.Instance) ([]vk.PhysicalDevice, error) {
+	var n uint32
+	if err := check("vkEnumeratePhysicalDevices", vk.EnumeratePhysicalDevices(inst, &n, nil)); err != nil {
+		return nil, err
+	}
+	pds := make([]vk.PhysicalDevice, n)
+	if n > 0 {
+		if err := check("vkEnumeratePhysicalDevices", vk.EnumeratePhysicalDevices(inst, &n, pds)); err != nil {
+			return nil, err
+		}
+	}
+	return pds[:n], nil
+}
+
+var vendors = map[uint32]string{0x10DE: "NVIDIA", 0x1002: "AMD", 0x8086: "Intel", 0x13B5: "ARM", 0x5143: "Qualcomm", 0x1AE0: "Google", 0x10005: "Mesa"}
+
+func describe(inst vk.Instance, pd vk.PhysicalDevice, index int) Info {
+	var f C.vks_facts
+	C.vks_query(C.VkInstance(unsafe.Pointer(inst)), C.VkPhysicalDevice(unsafe.Pointer(pd)), &f)
+	types := map[uint32]string{1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
+	info := Info{
+		Index:                   index,
+		Name:                    C.GoString(&f.name[0]),
+		Type:                    "other",
+		VendorID:                uint32(f.vendor_id),
+		DeviceID:                uint32(f.device_id),
+		DriverVersion:           uint32(f.driver_version),
+		APIVersion:              fmt.Sprintf("%d.%d.%d", f.api_version>>22, (f.api_version>>12)&0x3ff, f.api_version&0xfff),
+		SubgroupSize:            uint32(f.subgroup_size),
+		SubgroupArithmetic:      f.subgroup_stages&C.VK_SHADER_STAGE_COMPUTE_BIT != 0 && f.subgroup_ops&C.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT != 0,
+		MaxWorkgroupInvocations: uint32(f.max_wg_invocations),
+		SharedMemoryBytes:       uint32(f.max_shared_memory),
+		MaxStorageBufferRange:   uint64(f.max_storage_range),
+		MaxAllocation:           uint64(f.max_allocation),
+		StorageOffsetAlignment:  uint64(f.min_storage_offset_align),
+		MaxPushConstantBytes:    uint32(f.max_push_constants),
+		Storage16Bit:            f.storage_16bit != 0,
+		Float16:                 f.float16 != 0,
+		Int64:                   f.int64 != 0,
+		DeviceLocalBytes:        uint64(f.device_local_bytes),
+		TimestampPeriodNs:       float64(f.timestamp_period),
+	}
+	for i := 0; i < 3; i++ {
+		info.MaxWorkgroupSize[i] = uint32(f.max_wg_size[i])
+		info.MaxWorkgroupCount[i] = uint32(f.max_wg_count[i])
+	}
+	if t, ok := types[uint32(f.device_type)]; ok {
+		info.Type = t
+	}
+	info.Vendor = vendors[info.VendorID]
+	if info.Vendor == "" {
+		info.Vendor = fmt.Sprintf("0x%04x", info.VendorID)
+	}
+	info.Driver = strings.TrimSpace(C.GoString(&f.driver_name[0]) + " " + C.GoString(&f.driver_info[0]))
+	if info.Driver == "" {
+		info.Driver = fmt.Sprintf("version 0x%x", info.DriverVersion)
+	}
+	if info.MaxAllocation == 0 {
+		info.MaxAllocation = 1 << 30
+	}
+	// The compute queue family: the first with compute, preferring timestamps.
+	var n uint32
+	vk.GetPhysicalDeviceQueueFamilyProperties(pd, &n, nil)
+	fams := make([]vk.QueueFamilyProperties, n)
+	vk.GetPhysicalDeviceQueueFamilyProperties(pd, &n, fams)
+	best := -1
+	for i := range fams {
+		fams[i].Deref()
+		if vk.QueueFlagBits(fams[i].QueueFlags)&vk.QueueComputeBit == 0 {
+			continue
+		}
+		if best < 0 || (fams[best].TimestampValidBits == 0 && fams[i].TimestampValidBits > 0) {
+			best = i
+		}
+	}
+	if best >= 0 {
+		info.queueFamily = uint32(best)
+		info.TimestampValidBits = fams[best].TimestampValidBits
+	} else {
+		info.queueFamily = ^uint32(0)
+	}
+	return info
+}
+
+// Devices lists every Vulkan device the loader sees.
+func Devices() ([]Info, error) {
+	inst, err := newInstance(false)
+	if err != nil {
+		return nil, err
+	}
+	defer vk.DestroyInstance(inst, nil)
+	pds, err := physicalDevices(inst)
+	if err != nil {
+		return nil, err
+	}
+	infos := make([]Info, len(pds))
+	for i, pd := range pds {
+		infos[i] = describe(inst, pd, i)
+	}
+	return infos, nil
+}
+
+// choose picks the device named by sel, or the best kind present.
+func choose(infos []Info, sel string) (int, error) {
+	usable := func(i Info) bool { return i.queueFamily != ^uint32(0) }
+	if sel != "" {
+		if idx, err := strconv.Atoi(sel); err == nil {
+			if idx < 0 || idx >= len(infos) || !usable(infos[idx]) {
+				return -1, fmt.Errorf("%w: device index %d not present or without compute (%d devices)", ErrNoDevice, idx, len(infos))
+			}
+			return idx, nil
+		}
+		for i, info := range infos {
+			if usable(info) && strings.Contains(strings.ToLower(info.Name), strings.ToLower(sel)) {
+				return i, nil
+			}
+		}
+		return -1, fmt.Errorf("%w: no device name contains %q", ErrNoDevice, sel)
+	}
+	rank := map[string]int{"discrete": 0, "integrated": 1, "virtual": 2, "cpu": 3, "other": 4}
+	order := make([]int, 0, len(infos))
+	for i, info := range infos {
+		if usable(info) {
+			order = append(order, i)
+		}
+	}
+	if len(order) == 0 {
+		return -1, ErrNoDevice
+	}
+	sort.SliceStable(order, func(a, b int) bool { return rank[infos[order[a]].Type] < rank[infos[order[b]].Type] })
+	return order[0], nil
+}
+
+// Device is an open logical device with one compute queue.
+type Device struct {
+	info      Info
+	instance  vk.Instance
+	physical  vk.PhysicalDevice
+	device    vk.Device
+	queue     vk.Queue
+	pool      vk.CommandPool
+	memory    vk.PhysicalDeviceMemoryProperties
+	messenger C.VkDebugUtilsMessengerEXT
+	validate  bool
+	firstMsg  uint64 // messages recorded before this device opened
+	firstErr  uint64 // errors recorded before this device opened
+
+	mu   sync.Mutex
+	live map[any]string // objects not yet released, with a description
+}
+
+// Open creates a device as opts say.
+func Open(opts Options) (*Device, error) {
+	inst, err := newInstance(opts.Validate)
+	if err != nil {
+		return nil, err
+	}
+	d := &Device{instance: inst, validate: opts.Validate, live: map[any]string{}}
+	if opts.Validate {
+		d.firstMsg = uint64(C.vks_messages_total())
+		d.firstErr = uint64(C.vks_messages_errors())
+		var m C.VkDebugUtilsMessengerEXT
+		err := check("vkCreateDebugUtilsMessengerEXT", vk.Result(C.vks_messenger_create(C.VkInstance(unsafe.Pointer(inst)), &m)))
+		d.messenger = m
+		if err != nil {
+			vk.DestroyInstance(inst, nil)
+			return nil, err
+		}
+	}
+	fail := func(err error) (*Device, error) {
+		d.destroyInstance()
+		return nil, err
+	}
+	pds, err := physicalDevices(inst)
+	if err != nil {
+		return fail(err)
+	}
+	infos := make([]Info, len(pds))
+	for i, pd := range pds {
+		infos[i] = describe(inst, pd, i)
+	}
+	idx, err := choose(infos, opts.Select)
+	if err != nil {
+		return fail(err)
+	}
+	d.info, d.physical = infos[idx], pds[idx]
+	vk.GetPhysicalDeviceMemoryProperties(d.physical, &d.memory)
+	d.memory.Deref()
+	for i := range d.memory.MemoryTypes {
+		d.memory.MemoryTypes[i].Deref()
+	}
+
+	features := C.vks_features(boolInt(d.info.Storage16Bit), boolInt(d.info.Float16), boolInt(d.info.Int64))
+	if features == nil {
+		return fail(ErrOutOfMemory)
+	}
+	defer C.free(features)
+	var dev vk.Device
+	ci := vk.DeviceCreateInfo{
+		SType:                vk.StructureTypeDeviceCreateInfo,
+		PNext:                features,
+		QueueCreateInfoCount: 1,
+		PQueueCreateInfos: []vk.DeviceQueueCreateInfo{{
+			SType:            vk.StructureTypeDeviceQueueCreateInfo,
+			QueueFamilyIndex: d.info.queueFamily,
+			QueueCount:       1,
+			PQueuePriorities: []float32{1},
+		}},
+	}
+	if err := check("vkCreateDevice", vk.CreateDevice(d.physical, &ci, nil, &dev)); err != nil {
+		return fail(err)
+	}
+	d.device = dev
+	var q vk.Queue
+	vk.GetDeviceQueue(dev, d.info.queueFamily, 0, &q)
+	d.queue = q
+	var pool vk.CommandPool
+	pci := vk.CommandPoolCreateInfo{
+		SType:            vk.StructureTypeCommandPoolCreateInfo,
+		Flags:            vk.CommandPoolCreateFlags(vk.CommandPoolCreateResetCommandBufferBit),
+		QueueFamilyIndex: d.info.queueFamily,
+	}
+	if err := check("vkCreateCommandPool", vk.CreateCommandPool(dev, &pci, nil, &pool)); err != nil {
+		vk.DestroyDevice(dev, nil)
+		return fail(err)
+	}
+	d.pool = pool
+	return d, nil
+}
+
+func boolInt(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// Info returns the device's facts.
+func (d *Device) Info() Info { return d.info }
+
+// Validating reports whether the validation layer is on.
+func (d *Device) Validating() bool { return d.validate }
+
+// ValidationMessages returns the validation layer's errors and warnings
+// since Open (at most the 64 most recent), and how many of all since Open
+// were errors.
+func (d *Device) ValidationMessages() (msgs []string, errorCount uint64) {
+	if !d.validate {
+		return nil, 0
+	}
+	total := uint64(C.vks_messages_total())
+	buf := (*C.char)(C.malloc(4096))
+	defer C.free(unsafe.Pointer(buf))
+	for i := d.firstMsg; i < total; i++ {
+		if C.vks_messages_copy(C.uint64_t(i), buf, 4096) == 1 {
+			msgs = append(msgs, C.GoString(buf))
+		}
+	}
+	return msgs, uint64(C.vks_messages_errors()) - d.firstErr
+}
+
+func (d *Device) track(obj any, what string) {
+	d.mu.Lock()
+	d.live[obj] = what
+	d.mu.Unlock()
+}
+
+func (d *Device) untrack(obj any) {
+	d.mu.Lock()
+	delete(d.live, obj)
+	d.mu.Unlock()
+}
+
+// WaitIdle waits until the device has finished all work.
+func (d *Device) WaitIdle() error {
+	return check("vkDeviceWaitIdle", vk.DeviceWaitIdle(d.device))
+}
+
+// Release destroys the device. It returns an error naming any object still
+// alive (which it does not destroy) and, under validation, any error the
+// layer reported while the device was torn down.
+func (d *Device) Release() error {
+	if d.device == nil {
+		return ErrReleased
+	}
+	var errs []string
+	if err := d.WaitIdle(); err != nil {
+		errs = append(errs, err.Error())
+	}
+	d.mu.Lock()
+	var leaked []string
+	for _, what := range d.live {
+		leaked = append(leaked, what)
+	}
+	d.mu.Unlock()
+	sort.Strings(leaked)
+	if len(leaked) > 0 {
+		errs = append(errs, fmt.Sprintf("%d objects not released: %s", len(leaked), strings.Join(leaked, ", ")))
+	}
+	before := uint64(C.vks_messages_errors())
+	vk.DestroyCommandPool(d.device, d.pool, nil)
+	vk.DestroyDevice(d.device, nil)
+	d.device = nil
+	after := d.destroyInstance()
+	if after > before {
+		msgs, _ := d.ValidationMessages()
+		errs = append(errs, fmt.Sprintf("validation reported %d errors while releasing the device: %s", after-before, strings.Join(msgs, "\n")))
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("vk: releasing device: %s", strings.Join(errs, "; "))
+	}
+	return nil
+}
+
+// destroyInstance removes the messenger and the instance and returns the
+// error count recorded before the messenger went away.
+func (d *Device) destroyInstance() uint64 {
+	errs := uint64(C.vks_messages_errors())
+	if d.validate && d.messenger != nil {
+		C.vks_messenger_destroy(C.VkInstance(unsafe.Pointer(d.instance)), d.messenger)
+		d.messenger = nil
+	}
+	vk.DestroyInstance(d.instance, nil)
+	d.instance = nil
+	return errs
+}

@@ -1,0 +1,184 @@
+#include "native.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static PFN_vkGetInstanceProcAddr gipa;
+
+void *vks_load_loader(const char **which) {
+	static const char *names[] = {"libvulkan.so.1", "libvulkan.so"};
+	for (int i = 0; i < 2; i++) {
+		void *lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+		if (!lib) continue;
+		void *f = dlsym(lib, "vkGetInstanceProcAddr");
+		if (f) {
+			*which = names[i];
+			gipa = (PFN_vkGetInstanceProcAddr)f;
+			return f;
+		}
+	}
+	return NULL;
+}
+
+void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
+	memset(f, 0, sizeof *f);
+	PFN_vkGetPhysicalDeviceProperties2 props2 =
+		(PFN_vkGetPhysicalDeviceProperties2)gipa(instance, "vkGetPhysicalDeviceProperties2");
+	PFN_vkGetPhysicalDeviceFeatures2 feats2 =
+		(PFN_vkGetPhysicalDeviceFeatures2)gipa(instance, "vkGetPhysicalDeviceFeatures2");
+	PFN_vkGetPhysicalDeviceMemoryProperties memprops =
+		(PFN_vkGetPhysicalDeviceMemoryProperties)gipa(instance, "vkGetPhysicalDeviceMemoryProperties");
+	PFN_vkEnumerateDeviceExtensionProperties exts =
+		(PFN_vkEnumerateDeviceExtensionProperties)gipa(instance, "vkEnumerateDeviceExtensionProperties");
+
+	int has_driver_props = 0;
+	uint32_t n = 0;
+	if (exts && exts(pd, NULL, &n, NULL) == VK_SUCCESS && n > 0) {
+		VkExtensionProperties *e = calloc(n, sizeof *e);
+		if (e && exts(pd, NULL, &n, e) == VK_SUCCESS) {
+			for (uint32_t i = 0; i < n; i++)
+				if (strcmp(e[i].extensionName, VK_KHR_DRIVER_PROPERTIES_EXTENSION_NAME) == 0)
+					has_driver_props = 1;
+		}
+		free(e);
+	}
+
+	VkPhysicalDeviceDriverProperties drv = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES};
+	VkPhysicalDeviceMaintenance3Properties m3 = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES};
+	VkPhysicalDeviceSubgroupProperties sg = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+	VkPhysicalDeviceProperties2 p2 = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+	p2.pNext = &sg;
+	sg.pNext = &m3;
+	if (has_driver_props) m3.pNext = &drv;
+	props2(pd, &p2);
+	VkPhysicalDeviceProperties *p = &p2.properties;
+	strncpy(f->name, p->deviceName, sizeof f->name - 1);
+	f->api_version = p->apiVersion;
+	f->driver_version = p->driverVersion;
+	f->vendor_id = p->vendorID;
+	f->device_id = p->deviceID;
+	f->device_type = p->deviceType;
+	if (has_driver_props) {
+		strncpy(f->driver_name, drv.driverName, sizeof f->driver_name - 1);
+		strncpy(f->driver_info, drv.driverInfo, sizeof f->driver_info - 1);
+	}
+	f->subgroup_size = sg.subgroupSize;
+	f->subgroup_stages = sg.supportedStages;
+	f->subgroup_ops = sg.supportedOperations;
+	f->max_wg_invocations = p->limits.maxComputeWorkGroupInvocations;
+	for (int i = 0; i < 3; i++) {
+		f->max_wg_size[i] = p->limits.maxComputeWorkGroupSize[i];
+		f->max_wg_count[i] = p->limits.maxComputeWorkGroupCount[i];
+	}
+	f->max_shared_memory = p->limits.maxComputeSharedMemorySize;
+	f->max_storage_range = p->limits.maxStorageBufferRange;
+	f->max_push_constants = p->limits.maxPushConstantsSize;
+	f->max_allocation = m3.maxMemoryAllocationSize;
+	f->min_storage_offset_align = p->limits.minStorageBufferOffsetAlignment;
+	f->timestamp_period = p->limits.timestampPeriod;
+
+	VkPhysicalDeviceShaderFloat16Int8Features f16 = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES};
+	VkPhysicalDevice16BitStorageFeatures s16 = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES};
+	VkPhysicalDeviceFeatures2 ft = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
+	ft.pNext = &s16;
+	s16.pNext = &f16;
+	feats2(pd, &ft);
+	f->storage_16bit = s16.storageBuffer16BitAccess;
+	f->float16 = f16.shaderFloat16;
+	f->int8 = f16.shaderInt8;
+	f->int64 = ft.features.shaderInt64;
+	f->storage_buffer_array_dynamic = ft.features.shaderStorageBufferArrayDynamicIndexing;
+
+	VkPhysicalDeviceMemoryProperties mp;
+	memprops(pd, &mp);
+	for (uint32_t i = 0; i < mp.memoryHeapCount; i++)
+		if (mp.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
+			f->device_local_bytes += mp.memoryHeaps[i].size;
+}
+
+typedef struct {
+	VkPhysicalDeviceFeatures2 base;
+	VkPhysicalDevice16BitStorageFeatures s16;
+	VkPhysicalDeviceShaderFloat16Int8Features f16;
+} feature_chain;
+
+void *vks_features(int storage_16bit, int float16, int int64) {
+	feature_chain *c = calloc(1, sizeof *c);
+	if (!c) return NULL;
+	c->base.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2;
+	c->s16.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES;
+	c->f16.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES;
+	c->base.pNext = &c->s16;
+	c->s16.pNext = &c->f16;
+	c->s16.storageBuffer16BitAccess = storage_16bit ? VK_TRUE : VK_FALSE;
+	c->f16.shaderFloat16 = float16 ? VK_TRUE : VK_FALSE;
+	c->base.features.shaderInt64 = int64 ? VK_TRUE : VK_FALSE;
+	return c;
+}
+
+// Recorded messages: a ring of the most recent ones.
+enum { RING = 64, MSG_LEN = 2048 };
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static char ring[RING][MSG_LEN];
+static uint64_t total, errors;
+
+static VKAPI_ATTR VkBool32 VKAPI_CALL on_message(
+	VkDebugUtilsMessageSeverityFlagBitsEXT severity,
+	VkDebugUtilsMessageTypeFlagsEXT types,
+	const VkDebugUtilsMessengerCallbackDataEXT *data, void *user) {
+	(void)types;
+	(void)user;
+	pthread_mutex_lock(&mu);
+	const char *level = (severity & VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT) ? "error" : "warning";
+	snprintf(ring[total % RING], MSG_LEN, "%s: %s", level, data && data->pMessage ? data->pMessage : "(no message)");
+	total++;
+	if (severity & VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT) errors++;
+	pthread_mutex_unlock(&mu);
+	return VK_FALSE;
+}
+
+VkResult vks_messenger_create(VkInstance instance, VkDebugUtilsMessengerEXT *out) {
+	PFN_vkCreateDebugUtilsMessengerEXT create =
+		(PFN_vkCreateDebugUtilsMessengerEXT)gipa(instance, "vkCreateDebugUtilsMessengerEXT");
+	if (!create) return VK_ERROR_EXTENSION_NOT_PRESENT;
+	VkDebugUtilsMessengerCreateInfoEXT ci = {VK_STRUCTURE_TYPE_DEBUG_UTILS_MESSENGER_CREATE_INFO_EXT};
+	ci.messageSeverity = VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT | VK_DEBUG_UTILS_MESSAGE_SEVERITY_WARNING_BIT_EXT;
+	ci.messageType = VK_DEBUG_UTILS_MESSAGE_TYPE_VALIDATION_BIT_EXT | VK_DEBUG_UTILS_MESSAGE_TYPE_GENERAL_BIT_EXT;
+	ci.pfnUserCallback = on_message;
+	return create(instance, &ci, NULL, out);
+}
+
+void vks_messenger_destroy(VkInstance instance, VkDebugUtilsMessengerEXT m) {
+	PFN_vkDestroyDebugUtilsMessengerEXT destroy =
+		(PFN_vkDestroyDebugUtilsMessengerEXT)gipa(instance, "vkDestroyDebugUtilsMessengerEXT");
+	if (destroy) destroy(instance, m, NULL);
+}
+
+uint64_t vks_messages_errors(void) {
+	pthread_mutex_lock(&mu);
+	uint64_t e = errors;
+	pthread_mutex_unlock(&mu);
+	return e;
+}
+
+uint64_t vks_messages_total(void) {
+	pthread_mutex_lock(&mu);
+	uint64_t t = total;
+	pthread_mutex_unlock(&mu);
+	return t;
+}
+
+int vks_messages_copy(uint64_t i, char *buf, int len) {
+	pthread_mutex_lock(&mu);
+	int ok = 0;
+	if (i < total && total - i <= RING) {
+		strncpy(buf, ring[i % RING], len - 1);
+		buf[len - 1] = 0;
+		ok = 1;
+	}
+	pthread_mutex_unlock(&mu);
+	return ok;
+}

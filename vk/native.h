@@ -1,0 +1,48 @@
+// Native helpers for package vk: loading the Vulkan loader, querying device
+// facts through pNext chains, building feature chains for device creation,
+// and a debug-utils messenger whose callback stays in C (a Go callback would
+// break cgo's pointer rules).
+#ifndef VKSPARSE_NATIVE_H
+#define VKSPARSE_NATIVE_H
+
+#include <stdint.h>
+#include <vulkan/vulkan.h>
+
+// vks_load_loader opens the Vulkan loader (libvulkan.so.1, then libvulkan.so)
+// and returns its vkGetInstanceProcAddr, or NULL; *which names the library.
+void *vks_load_loader(const char **which);
+
+typedef struct {
+	char name[256];
+	uint32_t api_version, driver_version, vendor_id, device_id, device_type;
+	char driver_name[256], driver_info[256];
+	uint32_t subgroup_size, subgroup_stages, subgroup_ops;
+	uint32_t max_wg_invocations, max_wg_size[3], max_wg_count[3];
+	uint32_t max_shared_memory, max_storage_range, max_push_constants;
+	uint64_t max_allocation, min_storage_offset_align;
+	float timestamp_period;
+	uint32_t storage_16bit, float16, int8, int64, storage_buffer_array_dynamic;
+	uint64_t device_local_bytes;
+} vks_facts;
+
+// vks_query fills facts for a physical device.
+void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *facts);
+
+// vks_features returns a malloc'd VkPhysicalDeviceFeatures2 chain enabling the
+// named optional features; free it with free() after vkCreateDevice.
+void *vks_features(int storage_16bit, int float16, int int64);
+
+// vks_messenger_create installs a debug-utils messenger that records
+// validation messages; vks_messenger_destroy removes it.
+VkResult vks_messenger_create(VkInstance instance, VkDebugUtilsMessengerEXT *out);
+void vks_messenger_destroy(VkInstance instance, VkDebugUtilsMessengerEXT m);
+
+// vks_messages_errors returns how many error messages were recorded so far.
+uint64_t vks_messages_errors(void);
+// vks_messages_copy copies recorded message i (0 = oldest kept) into buf and
+// returns 1, or returns 0 when i is past the kept messages.
+int vks_messages_copy(uint64_t i, char *buf, int len);
+// vks_messages_total returns how many messages were recorded in all.
+uint64_t vks_messages_total(void);
+
+#endif

@@ -1,0 +1,220 @@
+package vk
+
+/*
+#include <stdlib.h>
+*/
+import "C"
+
+import (
+	"fmt"
+	"unsafe"
+
+	vk "github.com/vulkan-go/vulkan"
+)
+
+// Kernel describes a compute pipeline: SPIR-V with entry point "main",
+// Bindings storage buffers at set 0, bindings 0..Bindings-1, PushWords
+// 32-bit push constants, and specialization constants: Specialization[i]
+// is the value of constant_id i (floats as their bits).
+type Kernel struct {
+	Name           string
+	SPIRV          []byte
+	Bindings       int
+	PushWords      int
+	Specialization []uint32
+}
+
+// Pipeline is a compiled compute kernel.
+type Pipeline struct {
+	dev       *Device
+	name      string
+	module    vk.ShaderModule
+	setLayout vk.DescriptorSetLayout
+	layout    vk.PipelineLayout
+	pipeline  vk.Pipeline
+	bindings  int
+	pushWords int
+}
+
+// NewPipeline compiles a kernel for the device.
+func (d *Device) NewPipeline(k Kernel) (*Pipeline, error) {
+	if len(k.SPIRV) == 0 || len(k.SPIRV)%4 != 0 {
+		return nil, fmt.Errorf("vk: kernel %s: SPIR-V of %d bytes is not a whole number of words", k.Name, len(k.SPIRV))
+	}
+	if uint32(4*k.PushWords) > d.info.MaxPushConstantBytes {
+		return nil, fmt.Errorf("%w: kernel %s needs %d push-constant bytes, device allows %d", ErrUnsupported, k.Name, 4*k.PushWords, d.info.MaxPushConstantBytes)
+	}
+	p := &Pipeline{dev: d, name: k.Name, bindings: k.Bindings, pushWords: k.PushWords}
+	fail := func(err error) (*Pipeline, error) {
+		p.destroy()
+		return nil, fmt.Errorf("kernel %s: %w", k.Name, err)
+	}
+	var (
+		module    vk.ShaderModule
+		setLayout vk.DescriptorSetLayout
+		layout    vk.PipelineLayout
+	)
+	code := make([]uint32, len(k.SPIRV)/4)
+	copy(bytesOf(code), k.SPIRV)
+	smci := vk.ShaderModuleCreateInfo{SType: vk.StructureTypeShaderModuleCreateInfo, CodeSize: uint(len(k.SPIRV)), PCode: code}
+	if err := check("vkCreateShaderModule", vk.CreateShaderModule(d.device, &smci, nil, &module)); err != nil {
+		return fail(err)
+	}
+	p.module = module
+	binds := make([]vk.DescriptorSetLayoutBinding, k.Bindings)
+	for i := range binds {
+		binds[i] = vk.DescriptorSetLayoutBinding{
+			Binding:         uint32(i),
+			DescriptorType:  vk.DescriptorTypeStorageBuffer,
+			DescriptorCount: 1,
+			StageFlags:      vk.ShaderStageFlags(vk.ShaderStageComputeBit),
+		}
+	}
+	dslci := vk.DescriptorSetLayoutCreateInfo{SType: vk.StructureTypeDescriptorSetLayoutCreateInfo, BindingCount: uint32(len(binds)), PBindings: binds}
+	if err := check("vkCreateDescriptorSetLayout", vk.CreateDescriptorSetLayout(d.device, &dslci, nil, &setLayout)); err != nil {
+		return fail(err)
+	}
+	p.setLayout = setLayout
+	plci := vk.PipelineLayoutCreateInfo{SType: vk.StructureTypePipelineLayoutCreateInfo, SetLayoutCount: 1, PSetLayouts: []vk.DescriptorSetLayout{p.setLayout}}
+	if k.PushWords > 0 {
+		plci.PushConstantRangeCount = 1
+		plci.PPushConstantRanges = []vk.PushConstantRange{{StageFlags: vk.ShaderStageFlags(vk.ShaderStageComputeBit), Size: uint32(4 * k.PushWords)}}
+	}
+	if err := check("vkCreatePipelineLayout", vk.CreatePipelineLayout(d.device, &plci, nil, &layout)); err != nil {
+		return fail(err)
+	}
+	p.layout = layout
+	stage := vk.PipelineShaderStageCreateInfo{
+		SType:  vk.StructureTypePipelineShaderStageCreateInfo,
+		Stage:  vk.ShaderStageComputeBit,
+		Module: p.module,
+		PName:  "main\x00",
+	}
+	if n := len(k.Specialization); n > 0 {
+		// The values live in C memory: the binding stores the pointer in a C struct.
+		data := C.malloc(C.size_t(4 * n))
+		defer C.free(data)
+		copy(unsafe.Slice((*uint32)(data), n), k.Specialization)
+		entries := make([]vk.SpecializationMapEntry, n)
+		for i := range entries {
+			entries[i] = vk.SpecializationMapEntry{ConstantID: uint32(i), Offset: uint32(4 * i), Size: 4}
+		}
+		stage.PSpecializationInfo = []vk.SpecializationInfo{{MapEntryCount: uint32(n), PMapEntries: entries, DataSize: uint(4 * n), PData: data}}
+	}
+	pipes := make([]vk.Pipeline, 1)
+	cpci := []vk.ComputePipelineCreateInfo{{SType: vk.StructureTypeComputePipelineCreateInfo, Stage: stage, Layout: p.layout}}
+	if err := check("vkCreateComputePipelines", vk.CreateComputePipelines(d.device, nil, 1, cpci, nil, pipes)); err != nil {
+		return fail(err)
+	}
+	p.pipeline = pipes[0]
+	d.track(p, "pipeline "+k.Name)
+	return p, nil
+}
+
+func (p *Pipeline) destroy() {
+	dev := p.dev.device
+	if p.pipeline != nil {
+		vk.DestroyPipeline(dev, p.pipeline, nil)
+	}
+	if p.layout != nil {
+		vk.DestroyPipelineLayout(dev, p.layout, nil)
+	}
+	if p.setLayout != nil {
+		vk.DestroyDescriptorSetLayout(dev, p.setLayout, nil)
+	}
+	if p.module != nil {
+		vk.DestroyShaderModule(dev, p.module, nil)
+	}
+	p.pipeline, p.layout, p.setLayout, p.module = nil, nil, nil, nil
+}
+
+// Release destroys the pipeline.
+func (p *Pipeline) Release() error {
+	if p == nil || p.pipeline == nil {
+		return ErrReleased
+	}
+	p.destroy()
+	p.dev.untrack(p)
+	return nil
+}
+
+// Binding is a descriptor set: the buffer ranges a pipeline's bindings see.
+type Binding struct {
+	pipe *Pipeline
+	pool vk.DescriptorPool
+	set  vk.DescriptorSet
+}
+
+// Bind makes a descriptor set for the pipeline with ranges[i] at binding i.
+// A range of size 0 means the rest of its buffer from its offset.
+func (p *Pipeline) Bind(ranges ...Range) (*Binding, error) {
+	d := p.dev
+	if len(ranges) != p.bindings {
+		return nil, fmt.Errorf("vk: kernel %s has %d bindings, got %d ranges", p.name, p.bindings, len(ranges))
+	}
+	infos := make([]vk.DescriptorBufferInfo, len(ranges))
+	for i, r := range ranges {
+		if r.Buffer == nil || r.Buffer.buffer == nil {
+			return nil, fmt.Errorf("vk: kernel %s binding %d: no buffer", p.name, i)
+		}
+		size := r.Size
+		if size == 0 {
+			size = r.Buffer.size - r.Offset
+		}
+		switch {
+		case r.Offset+size > r.Buffer.size:
+			return nil, fmt.Errorf("vk: kernel %s binding %d: range [%d, %d) outside a buffer of %d bytes", p.name, i, r.Offset, r.Offset+size, r.Buffer.size)
+		case size > d.info.MaxStorageBufferRange:
+			return nil, fmt.Errorf("%w: kernel %s binding %d: range of %d bytes exceeds maxStorageBufferRange %d", ErrUnsupported, p.name, i, size, d.info.MaxStorageBufferRange)
+		case r.Offset%d.info.StorageOffsetAlignment != 0:
+			return nil, fmt.Errorf("vk: kernel %s binding %d: offset %d not a multiple of %d", p.name, i, r.Offset, d.info.StorageOffsetAlignment)
+		}
+		infos[i] = vk.DescriptorBufferInfo{Buffer: r.Buffer.buffer, Offset: vk.DeviceSize(r.Offset), Range: vk.DeviceSize(size)}
+	}
+	b := &Binding{pipe: p}
+	var pool vk.DescriptorPool
+	dpci := vk.DescriptorPoolCreateInfo{
+		SType:         vk.StructureTypeDescriptorPoolCreateInfo,
+		MaxSets:       1,
+		PoolSizeCount: 1,
+		PPoolSizes:    []vk.DescriptorPoolSize{{Type: vk.DescriptorTypeStorageBuffer, DescriptorCount: uint32(max(1, len(ranges)))}},
+	}
+	if err := check("vkCreateDescriptorPool", vk.CreateDescriptorPool(d.device, &dpci, nil, &pool)); err != nil {
+		return nil, err
+	}
+	b.pool = pool
+	sets := make([]vk.DescriptorSet, 1)
+	dsai := vk.DescriptorSetAllocateInfo{SType: vk.StructureTypeDescriptorSetAllocateInfo, DescriptorPool: b.pool, DescriptorSetCount: 1, PSetLayouts: []vk.DescriptorSetLayout{p.setLayout}}
+	if err := check("vkAllocateDescriptorSets", vk.AllocateDescriptorSets(d.device, &dsai, &sets[0])); err != nil {
+		vk.DestroyDescriptorPool(d.device, b.pool, nil)
+		return nil, err
+	}
+	b.set = sets[0]
+	writes := make([]vk.WriteDescriptorSet, len(ranges))
+	for i := range writes {
+		writes[i] = vk.WriteDescriptorSet{
+			SType:           vk.StructureTypeWriteDescriptorSet,
+			DstSet:          b.set,
+			DstBinding:      uint32(i),
+			DescriptorCount: 1,
+			DescriptorType:  vk.DescriptorTypeStorageBuffer,
+			PBufferInfo:     infos[i : i+1],
+		}
+	}
+	if len(writes) > 0 {
+		vk.UpdateDescriptorSets(d.device, uint32(len(writes)), writes, 0, nil)
+	}
+	d.track(b, "binding of "+p.name)
+	return b, nil
+}
+
+// Release destroys the descriptor set.
+func (b *Binding) Release() error {
+	if b == nil || b.pool == nil {
+		return ErrReleased
+	}
+	vk.DestroyDescriptorPool(b.pipe.dev.device, b.pool, nil)
+	b.pool = nil
+	b.pipe.dev.untrack(b)
+	return nil
+}

@@ -1,0 +1,131 @@
+package vk_test
+
+import (
+	"errors"
+	"math"
+	"math/rand"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/vksparse/vksparse/shaders"
+	"github.com/vksparse/vksparse/vk"
+	"github.com/vksparse/vksparse/vk/vktest"
+)
+
+func TestDeviceFacts(t *testing.T) {
+	dev := vktest.Open(t)
+	info := dev.Info()
+	t.Logf("%s (%s, %s), driver %s, subgroup %d, shared %d B, max range %d B", info.Name, info.Type, info.Vendor, info.Driver, info.SubgroupSize, info.SharedMemoryBytes, info.MaxStorageBufferRange)
+	require.NotEmpty(t, info.Name)
+	require.GreaterOrEqual(t, info.MaxWorkgroupInvocations, uint32(128))
+	require.GreaterOrEqual(t, info.SharedMemoryBytes, uint32(16384))
+	require.Greater(t, info.SubgroupSize, uint32(0))
+	require.GreaterOrEqual(t, info.MaxStorageBufferRange, uint64(1<<27))
+	require.Greater(t, info.TimestampPeriodNs, 0.0)
+
+	all, err := vk.Devices()
+	require.NoError(t, err)
+	require.Greater(t, len(all), info.Index)
+	require.Equal(t, info.Name, all[info.Index].Name)
+}
+
+func TestBufferRoundTrip(t *testing.T) {
+	dev := vktest.Open(t)
+	for _, kind := range []vk.Memory{vk.DeviceLocal, vk.HostVisible} {
+		buf, err := dev.NewBuffer(4*1001, kind)
+		require.NoError(t, err)
+		in := make([]float32, 1001)
+		for i := range in {
+			in[i] = rand.Float32()*2 - 1
+		}
+		require.NoError(t, buf.WriteFloat32(0, in))
+		out := make([]float32, 1001)
+		require.NoError(t, buf.ReadFloat32(0, out))
+		require.Equal(t, in, out)
+		// A partial write at an offset leaves the rest alone.
+		require.NoError(t, buf.WriteFloat32(8, []float32{7, 8}))
+		require.NoError(t, buf.ReadFloat32(0, out[:4]))
+		require.Equal(t, []float32{in[0], in[1], 7, 8}, out[:4])
+		require.Error(t, buf.WriteFloat32(4*1000, []float32{1, 2}), "write past the end")
+		require.NoError(t, buf.Release())
+		require.ErrorIs(t, buf.Release(), vk.ErrReleased)
+	}
+}
+
+func TestOversizedBufferIsUnsupported(t *testing.T) {
+	dev := vktest.Open(t)
+	_, err := dev.NewBuffer(dev.Info().MaxAllocation+1, vk.DeviceLocal)
+	require.ErrorIs(t, err, vk.ErrUnsupported)
+}
+
+// TestDispatchAndTimestamps runs the merge kernel on a single chunk, which
+// must return o/l, and checks that timestamps tick forward.
+func TestDispatchAndTimestamps(t *testing.T) {
+	dev := vktest.Open(t)
+	code, err := shaders.SPIRV("attend_merge")
+	require.NoError(t, err)
+	const d = 8
+	pipe, err := dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 2, Specialization: []uint32{32, d}})
+	require.NoError(t, err)
+	defer pipe.Release()
+	po, _ := dev.NewBuffer(4*d, vk.DeviceLocal)
+	pml, _ := dev.NewBuffer(8, vk.DeviceLocal)
+	chunks, _ := dev.NewBuffer(4, vk.DeviceLocal)
+	out, _ := dev.NewBuffer(4*d, vk.DeviceLocal)
+	for _, b := range []*vk.Buffer{po, pml, chunks, out} {
+		defer b.Release()
+	}
+	o := []float32{1, 2, 3, 4, 5, 6, 7, 8}
+	require.NoError(t, po.WriteFloat32(0, o))
+	require.NoError(t, pml.WriteFloat32(0, []float32{3.5, 2}))
+	require.NoError(t, chunks.WriteUint32(0, []uint32{1}))
+	bind, err := pipe.Bind(po.All(), pml.All(), chunks.All(), out.All())
+	require.NoError(t, err)
+	defer bind.Release()
+	ts, err := dev.NewTimestamps(2)
+	require.NoError(t, err)
+	defer ts.Release()
+	require.NoError(t, dev.Run(func(c *vk.Commands) {
+		c.Reset(ts)
+		c.Fill(out.All(), math.Float32bits(float32(math.NaN())))
+		c.Barrier()
+		c.Timestamp(ts, 0)
+		c.Dispatch(pipe, bind, []uint32{1, 1}, 1, 1, 1)
+		c.Timestamp(ts, 1)
+	}))
+	got := make([]float32, d)
+	require.NoError(t, out.ReadFloat32(0, got))
+	for i := range got {
+		require.InDelta(t, o[i]/2, got[i], 1e-6, "element %d", i)
+	}
+	el, err := ts.Elapsed(0, 1)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, el.Nanoseconds(), int64(0))
+
+	// Recording errors surface at End, before anything runs.
+	err = dev.Run(func(c *vk.Commands) { c.Dispatch(pipe, bind, []uint32{1}, 1, 1, 1) })
+	require.ErrorContains(t, err, "push-constant")
+	_, err = pipe.Bind(po.All())
+	require.Error(t, err)
+}
+
+func TestReleaseReportsLeaks(t *testing.T) {
+	dev, err := vk.Open(vk.OptionsFromEnv())
+	if errors.Is(err, vk.ErrNoDevice) || errors.Is(err, vk.ErrNoLoader) {
+		vktest.Open(t) // skips or fails as the environment says
+	}
+	require.NoError(t, err)
+	_, err = dev.NewBuffer(64, vk.DeviceLocal)
+	require.NoError(t, err)
+	err = dev.Release()
+	require.ErrorContains(t, err, "1 objects not released")
+}
+
+func TestBadSelection(t *testing.T) {
+	_, err := vk.Open(vk.Options{Select: "no device has this name"})
+	if errors.Is(err, vk.ErrNoLoader) {
+		t.Skip("no Vulkan loader")
+	}
+	require.ErrorIs(t, err, vk.ErrNoDevice)
+}
