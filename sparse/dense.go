@@ -1,0 +1,326 @@
+package sparse
+
+import (
+	"fmt"
+	"math"
+	"sort"
+	"time"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/shaders"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// Dense is dense split-K decode attention: every chunk of tokens of every
+// KV head is one workgroup that reads each K/V row once for all query heads
+// of its group (up to 8 per workgroup); a merge pass combines the chunks.
+type Dense struct {
+	dev       *vk.Device
+	heads     Heads
+	group     int // query heads per workgroup
+	chunkMax  int
+	partial   *vk.Pipeline
+	merge     *vk.Pipeline
+	workgroup int
+	// ChunkTokens fixes the tokens per chunk; 0 picks it from the sizes.
+	ChunkTokens int
+}
+
+// Limits of the dense kernels.
+const (
+	denseWorkgroup   = 256
+	scoreSlots       = 4096 // shared floats for scores: group × chunk
+	defaultMaxChunk  = 512  // chunk slots per (sequence, head)
+	targetWorkgroups = 2048
+)
+
+// NewDense compiles the dense attention kernels for heads.
+func NewDense(dev *vk.Device, heads Heads) (*Dense, error) {
+	if err := heads.Validate(); err != nil {
+		return nil, err
+	}
+	group := 1
+	for g := 8; g >= 1; g-- {
+		if heads.Group()%g == 0 {
+			group = g
+			break
+		}
+	}
+	wg := denseWorkgroup
+	if m := int(dev.Info().MaxWorkgroupInvocations); m < wg {
+		wg = 128
+	}
+	d := &Dense{dev: dev, heads: heads, group: group, chunkMax: scoreSlots / group, workgroup: wg}
+	code, err := shaders.SPIRV("attend_partial")
+	if err != nil {
+		return nil, err
+	}
+	d.partial, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial", SPIRV: code, Bindings: 5, PushWords: 9,
+		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.chunkMax)}})
+	if err != nil {
+		return nil, err
+	}
+	code, err = shaders.SPIRV("attend_merge")
+	if err != nil {
+		d.partial.Release()
+		return nil, err
+	}
+	mwg := min(128, wg)
+	d.merge, err = dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 2,
+		Specialization: []uint32{uint32(mwg), uint32(heads.Dim)}})
+	if err != nil {
+		d.partial.Release()
+		return nil, err
+	}
+	return d, nil
+}
+
+// Heads returns the geometry the kernels were built for.
+func (d *Dense) Heads() Heads { return d.heads }
+
+// Release destroys the kernels.
+func (d *Dense) Release() error {
+	err1 := d.partial.Release()
+	err2 := d.merge.Release()
+	if err1 != nil {
+		return err1
+	}
+	return err2
+}
+
+// DensePlan holds the buffers and bindings that attend one batch of
+// sequences; record it again after the sequences grow.
+type DensePlan struct {
+	d         *Dense
+	seqs      []*kvcache.Layer
+	maxChunks int
+	query     *vk.Buffer
+	partO     *vk.Buffer
+	partML    *vk.Buffer
+	chunks    *vk.Buffer
+	out       *vk.Buffer
+	segments  [][]segment // per sequence: KV head ranges bound together
+	mergeBind *vk.Binding
+	cmd       *vk.Commands
+	stamps    *vk.Timestamps
+	// lastChunks is what the chunks buffer holds.
+	lastChunks []uint32
+}
+
+type segment struct {
+	kvBase, kvCount int
+	bind            *vk.Binding
+}
+
+// Plan prepares attention over the sequences (one query per sequence).
+func (d *Dense) Plan(seqs []*kvcache.Layer) (*DensePlan, error) {
+	if len(seqs) == 0 {
+		return nil, fmt.Errorf("sparse: Plan of an empty batch")
+	}
+	h := d.heads
+	maxCap := 0
+	for i, s := range seqs {
+		if s.KVHeads() != h.KV || s.HeadDim() != h.Dim {
+			return nil, fmt.Errorf("sparse: sequence %d has %d KV heads of %d, kernels want %d of %d", i, s.KVHeads(), s.HeadDim(), h.KV, h.Dim)
+		}
+		maxCap = max(maxCap, s.Capacity())
+	}
+	p := &DensePlan{d: d, seqs: seqs, maxChunks: max(defaultMaxChunk, ceilDiv(maxCap, d.chunkMax))}
+	if err := p.allocate(); err != nil {
+		p.Release()
+		return nil, err
+	}
+	return p, nil
+}
+
+func (p *DensePlan) allocate() error {
+	d, h, dev := p.d, p.d.heads, p.d.dev
+	b := uint64(len(p.seqs))
+	var err error
+	alloc := func(bytes uint64) *vk.Buffer {
+		if err != nil {
+			return nil
+		}
+		var buf *vk.Buffer
+		buf, err = dev.NewBuffer(bytes, vk.DeviceLocal)
+		return buf
+	}
+	slots := b * uint64(h.Query) * uint64(p.maxChunks)
+	p.query = alloc(b * uint64(h.Query*h.Dim) * 4)
+	p.partO = alloc(slots * uint64(h.Dim) * 4)
+	p.partML = alloc(slots * 8)
+	p.chunks = alloc(b * 4)
+	p.out = alloc(b * uint64(h.Query*h.Dim) * 4)
+	if err != nil {
+		return err
+	}
+	maxRange := dev.Info().MaxStorageBufferRange
+	for _, s := range p.seqs {
+		headBytes := s.HeadBytes()
+		perBinding := int(maxRange / headBytes)
+		if perBinding == 0 {
+			return fmt.Errorf("%w: one KV head of capacity %d (%d bytes) exceeds the device's storage-buffer range %d", vk.ErrUnsupported, s.Capacity(), headBytes, maxRange)
+		}
+		var segs []segment
+		for base := 0; base < h.KV; base += perBinding {
+			count := min(perBinding, h.KV-base)
+			off, size := uint64(base)*headBytes, uint64(count)*headBytes
+			bind, err := d.partial.Bind(p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All())
+			if err != nil {
+				return err
+			}
+			segs = append(segs, segment{kvBase: base, kvCount: count, bind: bind})
+		}
+		p.segments = append(p.segments, segs)
+	}
+	p.mergeBind, err = d.merge.Bind(p.partO.All(), p.partML.All(), p.chunks.All(), p.out.All())
+	if err != nil {
+		return err
+	}
+	p.cmd, err = dev.NewCommands()
+	return err
+}
+
+// Release frees the plan's buffers and bindings.
+func (p *DensePlan) Release() error {
+	for _, segs := range p.segments {
+		for _, s := range segs {
+			s.bind.Release()
+		}
+	}
+	p.segments = nil
+	for _, r := range []interface{ Release() error }{p.mergeBind, p.cmd, p.stamps, p.query, p.partO, p.partML, p.chunks, p.out} {
+		r.Release() // each tolerates a nil receiver
+	}
+	return nil
+}
+
+// chunkFor picks tokens per chunk for a sequence of n tokens: enough
+// workgroups to fill the device, within the chunk slots and shared memory.
+func (p *DensePlan) chunkFor(n int) int {
+	d := p.d
+	c := d.ChunkTokens
+	if c <= 0 {
+		total := 0
+		for _, s := range p.seqs {
+			total += s.Len()
+		}
+		blocks := d.heads.KV * (d.heads.Group() / d.group)
+		c = ceilDiv(total*blocks, targetWorkgroups)
+		c = ceilDiv(c, 32) * 32
+	}
+	c = max(c, ceilDiv(n, p.maxChunks))
+	return max(1, min(c, d.chunkMax))
+}
+
+// SetQuery uploads the queries, [batch][Hq][D] float32, after checking them.
+func (p *DensePlan) SetQuery(q []float32) error {
+	h := p.d.heads
+	if want := len(p.seqs) * h.Query * h.Dim; len(q) != want {
+		return fmt.Errorf("sparse: query has %d values, want %d (batch %d × %d heads × %d)", len(q), want, len(p.seqs), h.Query, h.Dim)
+	}
+	for i, x := range q {
+		if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
+			return fmt.Errorf("sparse: query value %d is %v", i, x)
+		}
+	}
+	return p.query.WriteFloat32(0, q)
+}
+
+// Record appends the attention kernels to c, for the sequences' current lengths.
+func (p *DensePlan) Record(c *vk.Commands) error {
+	h, d := p.d.heads, p.d
+	chunks := make([]uint32, len(p.seqs))
+	for b, s := range p.seqs {
+		n := s.Len()
+		if n == 0 {
+			return fmt.Errorf("sparse: sequence %d is empty", b)
+		}
+		chunk := p.chunkFor(n)
+		nc := ceilDiv(n, chunk)
+		if nc > p.maxChunks {
+			return fmt.Errorf("sparse: sequence %d of %d tokens needs %d chunks, plan has %d", b, n, nc, p.maxChunks)
+		}
+		chunks[b] = uint32(nc)
+		blocks := h.Group() / d.group
+		for _, seg := range p.segments[b] {
+			push := []uint32{uint32(n), uint32(s.HeadBytes() / 16), uint32(seg.kvBase), uint32(b), uint32(chunk), uint32(p.maxChunks),
+				math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group())}
+			c.Dispatch(d.partial, seg.bind, push, uint32(nc), uint32(seg.kvCount*blocks), 1)
+		}
+	}
+	c.Barrier()
+	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query)}, uint32(h.Query), uint32(len(p.seqs)), 1)
+	if fmt.Sprint(chunks) == fmt.Sprint(p.lastChunks) {
+		return nil
+	}
+	p.lastChunks = chunks
+	return p.chunks.WriteUint32(0, chunks) // completes before c is submitted
+}
+
+// Attend computes attention for the queries q ([batch][Hq][D]) and returns
+// the output, [batch][Hq][D].
+func (p *DensePlan) Attend(q []float32) ([]float32, error) {
+	if err := p.SetQuery(q); err != nil {
+		return nil, err
+	}
+	if err := p.run(nil); err != nil {
+		return nil, err
+	}
+	out := make([]float32, len(q))
+	return out, p.out.ReadFloat32(0, out)
+}
+
+// Output returns the buffer the attention output lands in.
+func (p *DensePlan) Output() *vk.Buffer { return p.out }
+
+func (p *DensePlan) run(stamps *vk.Timestamps) error {
+	c := p.cmd
+	if err := c.Begin(); err != nil {
+		return err
+	}
+	if stamps != nil {
+		c.Reset(stamps)
+		c.Timestamp(stamps, 0)
+	}
+	if err := p.Record(c); err != nil {
+		c.End()
+		return err
+	}
+	if stamps != nil {
+		c.Timestamp(stamps, 1)
+	}
+	if err := c.End(); err != nil {
+		return err
+	}
+	return c.Submit()
+}
+
+// Time runs the attention warmup+reps times and returns the GPU times of
+// the timed runs (timestamp queries), sorted.
+func (p *DensePlan) Time(warmup, reps int) ([]time.Duration, error) {
+	if p.stamps == nil {
+		s, err := p.d.dev.NewTimestamps(2)
+		if err != nil {
+			return nil, err
+		}
+		p.stamps = s
+	}
+	var times []time.Duration
+	for i := 0; i < warmup+reps; i++ {
+		if err := p.run(p.stamps); err != nil {
+			return nil, err
+		}
+		if i >= warmup {
+			el, err := p.stamps.Elapsed(0, 1)
+			if err != nil {
+				return nil, err
+			}
+			times = append(times, el)
+		}
+	}
+	sort.Slice(times, func(i, j int) bool { return times[i] < times[j] })
+	return times, nil
+}
+
+func ceilDiv(a, b int) int { return (a + b - 1) / b }

@@ -1,0 +1,201 @@
+package sparse
+
+import (
+	"fmt"
+	"math"
+	"math/rand"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/vk"
+	"github.com/vksparse/vksparse/vk/vktest"
+)
+
+// randomLayer fills a cache with n tokens: keys ~ N(0, kScale²), values ~ N(0, 1),
+// rounded to fp16; it returns the decoded values the GPU sees.
+func randomLayer(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, n, capacity int, kScale float64) (*kvcache.Layer, []float64, []float64) {
+	t.Helper()
+	kf := make([]float32, h.KV*n*h.Dim)
+	vf := make([]float32, len(kf))
+	for i := range kf {
+		kf[i] = float32(rng.NormFloat64() * kScale)
+		vf[i] = float32(rng.NormFloat64())
+	}
+	kh, err := kvcache.ToHalves(kf)
+	require.NoError(t, err)
+	vh, err := kvcache.ToHalves(vf)
+	require.NoError(t, err)
+	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, capacity)
+	require.NoError(t, err)
+	t.Cleanup(func() { layer.Release() })
+	require.NoError(t, layer.Prefill(kh, vh, n))
+	return layer, HalvesToFloat64(kh), HalvesToFloat64(vh)
+}
+
+func randomQueries(rng *rand.Rand, n int, scale float64) []float32 {
+	q := make([]float32, n)
+	for i := range q {
+		q[i] = float32(rng.NormFloat64() * scale)
+	}
+	return q
+}
+
+// requireClose compares per query head: ‖got − want‖ / ‖want‖ < tol, and
+// reports the first mismatching elements.
+func requireClose(t *testing.T, want []float64, got []float32, dim int, tol float64, what string) {
+	t.Helper()
+	for h := 0; h*dim < len(want); h++ {
+		var num, den float64
+		for i := h * dim; i < (h+1)*dim; i++ {
+			diff := float64(got[i]) - want[i]
+			if math.IsNaN(float64(got[i])) {
+				diff = math.Inf(1)
+			}
+			num += diff * diff
+			den += want[i] * want[i]
+		}
+		rel := math.Sqrt(num / math.Max(den, 1e-300))
+		if !(rel < tol) {
+			var first []string
+			for i := h * dim; i < (h+1)*dim && len(first) < 5; i++ {
+				if math.Abs(float64(got[i])-want[i]) > tol*math.Sqrt(den/float64(dim)) || math.IsNaN(float64(got[i])) {
+					first = append(first, fmt.Sprintf("[%d] got %g want %g", i-h*dim, got[i], want[i]))
+				}
+			}
+			t.Fatalf("%s: head %d relative error %.3g ≥ %.g; first mismatches: %v", what, h, rel, tol, first)
+		}
+	}
+}
+
+func TestDenseMatchesReference(t *testing.T) {
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(rand.Int63()))
+	cases := []struct {
+		heads Heads
+		n     int
+		qStd  float64 // query scale: large values give logits far beyond exp's float32 range
+		chunk int
+	}{
+		{Heads{4, 4, 64}, 1, 1, 0},
+		{Heads{8, 2, 64}, 1000, 1, 0},
+		{Heads{8, 1, 128}, 777, 3, 64},
+		{Heads{16, 2, 128}, 4099, 1, 0},
+		{Heads{4, 1, 128}, 3001, 40, 0}, // logits in the hundreds
+		{Heads{3, 3, 72}, 513, 1, 100},
+		{Heads{2, 1, 256}, 300, 1, 0},
+		{Heads{12, 1, 8}, 257, 2, 0},
+		{Heads{32, 2, 16}, 90, 1, 0}, // 16 query heads per KV head: two blocks of 8
+	}
+	for _, c := range cases {
+		t.Run(fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n), func(t *testing.T) {
+			dense, err := NewDense(dev, c.heads)
+			require.NoError(t, err)
+			defer dense.Release()
+			dense.ChunkTokens = c.chunk
+			layer, k, v := randomLayer(t, dev, rng, c.heads, c.n, c.n+rng.Intn(50), 1)
+			plan, err := dense.Plan([]*kvcache.Layer{layer})
+			require.NoError(t, err)
+			defer plan.Release()
+			q := randomQueries(rng, c.heads.Query*c.heads.Dim, c.qStd)
+			require.NoError(t, dev.Run(func(cmd *vk.Commands) { cmd.Fill(plan.Output().All(), math.Float32bits(float32(math.NaN()))) }))
+			got, err := plan.Attend(q)
+			require.NoError(t, err)
+			want := AttendRef(c.heads, q, k, v, c.n, 1/math.Sqrt(float64(c.heads.Dim)))
+			requireClose(t, want, got, c.heads.Dim, 1e-3, "dense")
+		})
+	}
+}
+
+func TestDenseBatchOfDifferentLengths(t *testing.T) {
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(rand.Int63()))
+	h := Heads{8, 2, 64}
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer dense.Release()
+	lengths := []int{1, 2000, 333, 64}
+	var layers []*kvcache.Layer
+	var ks, vs [][]float64
+	for _, n := range lengths {
+		l, k, v := randomLayer(t, dev, rng, h, n, 2048, 1)
+		layers, ks, vs = append(layers, l), append(ks, k), append(vs, v)
+	}
+	plan, err := dense.Plan(layers)
+	require.NoError(t, err)
+	defer plan.Release()
+	q := randomQueries(rng, len(lengths)*h.Query*h.Dim, 1.5)
+	got, err := plan.Attend(q)
+	require.NoError(t, err)
+	per := h.Query * h.Dim
+	for b, n := range lengths {
+		want := AttendRef(h, q[b*per:(b+1)*per], ks[b], vs[b], n, 1/math.Sqrt(float64(h.Dim)))
+		requireClose(t, want, got[b*per:(b+1)*per], h.Dim, 1e-3, fmt.Sprintf("sequence %d", b))
+	}
+}
+
+// TestDenseLongSequence covers N ≥ 131072 on one KV head.
+func TestDenseLongSequence(t *testing.T) {
+	if testing.Short() {
+		t.Skip("long sequence skipped in -short mode")
+	}
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(rand.Int63()))
+	h := Heads{4, 1, 64}
+	const n = 131072 + 17
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer dense.Release()
+	layer, k, v := randomLayer(t, dev, rng, h, n, n, 1)
+	plan, err := dense.Plan([]*kvcache.Layer{layer})
+	require.NoError(t, err)
+	defer plan.Release()
+	q := randomQueries(rng, h.Query*h.Dim, 2)
+	got, err := plan.Attend(q)
+	require.NoError(t, err)
+	requireClose(t, AttendRef(h, q, k, v, n, 1/math.Sqrt(float64(h.Dim))), got, h.Dim, 1e-3, "long")
+}
+
+func TestDenseRejectsBadInput(t *testing.T) {
+	dev := vktest.Open(t)
+	_, err := NewDense(dev, Heads{8, 3, 64})
+	require.ErrorContains(t, err, "multiple")
+	_, err = NewDense(dev, Heads{8, 2, 60})
+	require.ErrorContains(t, err, "dimension")
+	_, err = NewDense(dev, Heads{8, 2, 264})
+	require.ErrorContains(t, err, "dimension")
+
+	h := Heads{4, 2, 64}
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer dense.Release()
+	_, err = dense.Plan(nil)
+	require.Error(t, err)
+	other, err := kvcache.NewLayer(dev, 1, 64, 16)
+	require.NoError(t, err)
+	defer other.Release()
+	_, err = dense.Plan([]*kvcache.Layer{other})
+	require.ErrorContains(t, err, "KV heads")
+
+	empty, err := kvcache.NewLayer(dev, 2, 64, 16)
+	require.NoError(t, err)
+	defer empty.Release()
+	plan, err := dense.Plan([]*kvcache.Layer{empty})
+	require.NoError(t, err)
+	defer plan.Release()
+	q := make([]float32, h.Query*h.Dim)
+	for i := range q {
+		q[i] = 0.5
+	}
+	_, err = plan.Attend(q)
+	require.ErrorContains(t, err, "empty", "N = 0 must be refused")
+	_, err = plan.Attend(q[:10])
+	require.ErrorContains(t, err, "query has")
+	q[7] = float32(math.NaN())
+	_, err = plan.Attend(q)
+	require.ErrorContains(t, err, "NaN")
+	q[7] = float32(math.Inf(1))
+	_, err = plan.Attend(q)
+	require.ErrorContains(t, err, "Inf")
+}

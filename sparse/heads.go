@@ -1,0 +1,29 @@
+// Package sparse computes decode attention on the GPU: dense attention and
+// the sparse selection policies, over KV caches from package kvcache. Every
+// kernel has a float64 reference here that states its exact computation.
+package sparse
+
+import "fmt"
+
+// Heads is the attention geometry of a layer.
+type Heads struct {
+	Query int // query heads
+	KV    int // key/value heads; Query is a multiple of KV (GQA)
+	Dim   int // head dimension, a multiple of 8, at most 256
+}
+
+// Group returns the number of query heads per KV head.
+func (h Heads) Group() int { return h.Query / h.KV }
+
+// Validate reports a geometry the kernels cannot run.
+func (h Heads) Validate() error {
+	switch {
+	case h.Query <= 0 || h.KV <= 0:
+		return fmt.Errorf("sparse: heads %d query / %d kv must be positive", h.Query, h.KV)
+	case h.Query%h.KV != 0:
+		return fmt.Errorf("sparse: %d query heads is not a multiple of %d KV heads", h.Query, h.KV)
+	case h.Dim <= 0 || h.Dim%8 != 0 || h.Dim > 256:
+		return fmt.Errorf("sparse: head dimension %d unsupported (a multiple of 8 up to 256)", h.Dim)
+	}
+	return nil
+}
