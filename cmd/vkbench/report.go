@@ -1,0 +1,79 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/vksparse/vksparse/vk"
+)
+
+// table prints rows aligned under a header.
+func table(w io.Writer, header []string, rows [][]string) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, strings.Join(header, "\t")+"\t")
+	for _, r := range rows {
+		fmt.Fprintln(tw, strings.Join(r, "\t")+"\t")
+	}
+	tw.Flush()
+}
+
+// report is what --json writes: the device, the date and the rows.
+type report struct {
+	Tool    string  `json:"tool"`
+	Command string  `json:"command"`
+	Date    string  `json:"date"`
+	Device  vk.Info `json:"device"`
+	Results any     `json:"results"`
+}
+
+func writeJSON(path, command string, info vk.Info, results any) error {
+	b, err := json.MarshalIndent(report{Tool: "vkbench", Command: command, Date: time.Now().UTC().Format(time.RFC3339), Device: info, Results: results}, "", "  ")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, append(b, '\n'), 0o644)
+}
+
+// ints parses a comma-separated list of positive integers.
+func ints(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		v, err := strconv.Atoi(f)
+		if err != nil || v <= 0 {
+			return nil, fmt.Errorf("%q is not a positive integer", f)
+		}
+		out = append(out, v)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("empty list")
+	}
+	return out, nil
+}
+
+// progress writes a one-line status to stderr, overwritten by the next.
+type progress struct {
+	total, done int
+	start       time.Time
+}
+
+func (p *progress) step(what string) {
+	p.done++
+	if p.start.IsZero() {
+		p.start = time.Now()
+	}
+	fmt.Fprintf(os.Stderr, "\r\033[K[%d/%d %s] %s", p.done, p.total, time.Since(p.start).Round(time.Second), what)
+}
+
+func (p *progress) finish() { fmt.Fprint(os.Stderr, "\r\033[K") }
+
+func mib(b uint64) string { return fmt.Sprintf("%d MiB", b>>20) }
