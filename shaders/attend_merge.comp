@@ -2,36 +2,70 @@
 // Split-K decode attention, merge pass. One workgroup per (query head,
 // sequence) combines the chunks' (m, l, o) into
 // out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M = max_c m_c.
+// Threads are (chunk lane, vec4 of the output): CL = WG / (D/4) chunk lanes
+// each sum every CL-th chunk, then the lanes are added.
 
 layout(local_size_x_id = 0) in;
-layout(constant_id = 0) const uint WG = 128;
+layout(constant_id = 0) const uint WG = 256;  // a power of two, at least D/4
 layout(constant_id = 1) const uint D = 128;
 
-layout(std430, binding = 0) readonly buffer PartialO { float po[]; };  // [B][Hq][maxChunks][D]
+const uint D4 = D / 4;
+const uint CL = WG / D4;
+
+layout(std430, binding = 0) readonly buffer PartialO { vec4 po[]; };   // [B][Hq][maxChunks][D/4]
 layout(std430, binding = 1) readonly buffer PartialML { vec2 pml[]; }; // [B][Hq][maxChunks]
 layout(std430, binding = 2) readonly buffer Chunks { uint chunks[]; };  // [B] chunks used
-layout(std430, binding = 3) writeonly buffer Out { float o[]; };       // [B][Hq][D]
+layout(std430, binding = 3) writeonly buffer Out { vec4 o[]; };        // [B][Hq][D/4]
 
 layout(push_constant) uniform Push {
 	uint maxChunks;
 	uint qHeads;
 } pc;
 
+shared float red[WG];
+shared vec4 part[WG];
+
 void main() {
+	uint tid = gl_LocalInvocationID.x;
 	uint h = gl_WorkGroupID.x;
 	uint b = gl_WorkGroupID.y;
 	uint n = chunks[b];
 	uint base = (b * pc.qHeads + h) * pc.maxChunks;
-	float M = -1.0 / 0.0;
-	for (uint c = 0; c < n; c++) M = max(M, pml[base + c].x);
-	float L = 0.0;
-	for (uint c = 0; c < n; c++) {
-		vec2 ml = pml[base + c];
-		L += exp(ml.x - M) * ml.y;
+
+	float m = -1.0 / 0.0;
+	for (uint c = tid; c < n; c += WG) m = max(m, pml[base + c].x);
+	red[tid] = m;
+	barrier();
+	for (uint s = WG / 2; s > 0; s >>= 1) {
+		if (tid < s) red[tid] = max(red[tid], red[tid + s]);
+		barrier();
 	}
-	for (uint d = gl_LocalInvocationID.x; d < D; d += WG) {
-		float acc = 0.0;
-		for (uint c = 0; c < n; c++) acc += exp(pml[base + c].x - M) * po[(base + c) * D + d];
-		o[(b * pc.qHeads + h) * D + d] = acc / L;
+	float M = red[0];
+	barrier();
+	float l = 0.0;
+	for (uint c = tid; c < n; c += WG) {
+		vec2 ml = pml[base + c];
+		l += exp(ml.x - M) * ml.y;
+	}
+	red[tid] = l;
+	barrier();
+	for (uint s = WG / 2; s > 0; s >>= 1) {
+		if (tid < s) red[tid] += red[tid + s];
+		barrier();
+	}
+	float L = red[0];
+
+	uint lane = tid / D4;
+	uint j = tid % D4;
+	vec4 acc = vec4(0.0);
+	if (lane < CL) {
+		for (uint c = lane; c < n; c += CL) acc += exp(pml[base + c].x - M) * po[(base + c) * D4 + j];
+	}
+	part[tid] = acc;
+	barrier();
+	if (tid < D4) {
+		vec4 sum = vec4(0.0);
+		for (uint ln = 0; ln < CL; ln++) sum += part[ln * D4 + tid];
+		o[(b * pc.qHeads + h) * D4 + tid] = sum / L;
 	}
 }

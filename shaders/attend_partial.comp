@@ -5,12 +5,17 @@
 // unnormalised output o = sum_t exp(s_t - m) v_t, where s_t = scale q·k_t.
 // K and V rows are fp16, packed two per 32-bit word, D/8 uvec4 per row.
 #extension GL_EXT_control_flow_attributes : enable
+#extension GL_KHR_shader_subgroup_shuffle : enable
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 256;      // threads, a power of two
 layout(constant_id = 1) const uint D = 128;       // head dimension, multiple of 8
 layout(constant_id = 2) const uint GROUP = 4;     // query heads per workgroup, <= 8
 layout(constant_id = 3) const uint CHUNK_MAX = 1024;
+// TPR threads share a K row in the score pass and sum their partial dot
+// products with subgroup shuffles; the host sets TPR = 1 (no shuffles)
+// unless the subgroup size is a multiple of TPR and shuffles are supported.
+layout(constant_id = 4) const uint TPR = 1;
 
 const uint DV = D / 8;  // uvec4 words per K/V row
 const uint D4 = D / 4;  // vec4 per query row
@@ -77,23 +82,38 @@ void main() {
 	}
 	barrier();
 
-	// Scores, one token per thread, and each thread's running max.
+	// Scores: TPR adjacent threads read one row, uvec4 j*TPR + sub each, so a
+	// load instruction of a subgroup covers whole 16-byte runs of rows.
+	const uint ROWS = WG / TPR;
+	const uint VPT = DV / TPR;
+	uint sub = tid % TPR;
 	float mloc[GROUP];
 	[[unroll]] for (uint g = 0; g < GROUP; g++) mloc[g] = -1.0 / 0.0;
-	for (uint t = tid; t < len; t += WG) {
+	for (uint pass = 0; pass < len; pass += ROWS) {
+		uint t = pass + tid / TPR;
 		float s[GROUP];
 		[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] = 0.0;
-		uint row = rowBase + t * DV;
-		[[unroll]] for (uint j = 0; j < DV; j++) {
-			uvec4 w = k[row + j];
-			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
-			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
-			[[unroll]] for (uint g = 0; g < GROUP; g++)
-				s[g] += dot(a, qs[g * D4 + 2 * j]) + dot(b, qs[g * D4 + 2 * j + 1]);
+		if (t < len) {
+			uint row = rowBase + t * DV;
+			[[unroll]] for (uint j = 0; j < VPT; j++) {
+				uint u = j * TPR + sub;
+				uvec4 w = k[row + u];
+				vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+				vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+				[[unroll]] for (uint g = 0; g < GROUP; g++)
+					s[g] += dot(a, qs[g * D4 + 2 * u]) + dot(b, qs[g * D4 + 2 * u + 1]);
+			}
 		}
-		[[unroll]] for (uint g = 0; g < GROUP; g++) {
-			sc[g * CHUNK_MAX + t] = s[g];
-			mloc[g] = max(mloc[g], s[g]);
+		if (TPR > 1) {
+			[[unroll]] for (uint o = TPR / 2; o > 0; o >>= 1) {
+				[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] += subgroupShuffleXor(s[g], o);
+			}
+		}
+		if (t < len && sub == 0) {
+			[[unroll]] for (uint g = 0; g < GROUP; g++) {
+				sc[g * CHUNK_MAX + t] = s[g];
+				mloc[g] = max(mloc[g], s[g]);
+			}
 		}
 	}
 	[[unroll]] for (uint g = 0; g < GROUP; g++) red[g * WG + tid] = mloc[g];
@@ -126,7 +146,22 @@ void main() {
 	vec4 acc[GROUP * 2];
 	[[unroll]] for (uint i = 0; i < GROUP * 2; i++) acc[i] = vec4(0.0);
 	if (lane < LANES) {
-		for (uint t = lane; t < len; t += LANES) {
+		// Four rows in flight per thread, then the remainder.
+		uint t = lane;
+		for (; t + 3 * LANES < len; t += 4 * LANES) {
+			uvec4 w[4];
+			[[unroll]] for (uint r = 0; r < 4; r++) w[r] = v[rowBase + (t + r * LANES) * DV + dg];
+			[[unroll]] for (uint r = 0; r < 4; r++) {
+				vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
+				vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
+				[[unroll]] for (uint g = 0; g < GROUP; g++) {
+					float p = sc[g * CHUNK_MAX + t + r * LANES];
+					acc[2 * g] += p * a;
+					acc[2 * g + 1] += p * b;
+				}
+			}
+		}
+		for (; t < len; t += LANES) {
 			uvec4 w = v[rowBase + t * DV + dg];
 			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
 			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));

@@ -22,8 +22,16 @@ type Dense struct {
 	partial   *vk.Pipeline
 	merge     *vk.Pipeline
 	workgroup int
+	tpr       int // threads sharing a K row in the score pass
 	// ChunkTokens fixes the tokens per chunk; 0 picks it from the sizes.
 	ChunkTokens int
+}
+
+// DenseOptions tune the dense kernels; zero values pick for the device.
+type DenseOptions struct {
+	// ThreadsPerRow is how many threads share one K row in the score pass
+	// (a power of two dividing Dim/8; above 1 it needs subgroup shuffles).
+	ThreadsPerRow int
 }
 
 // Limits of the dense kernels.
@@ -36,8 +44,31 @@ const (
 
 // NewDense compiles the dense attention kernels for heads.
 func NewDense(dev *vk.Device, heads Heads) (*Dense, error) {
+	return NewDenseWith(dev, heads, DenseOptions{})
+}
+
+// threadsPerRow picks how many threads share a K row: up to 4 where the
+// subgroup can sum their partial products with shuffles.
+func threadsPerRow(info vk.Info, dim int) int {
+	tpr := 4
+	for tpr > 1 && ((dim/8)%tpr != 0 || !info.SubgroupShuffle || info.SubgroupSize%uint32(tpr) != 0) {
+		tpr /= 2
+	}
+	return tpr
+}
+
+// NewDenseWith compiles the dense attention kernels with explicit options.
+func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error) {
 	if err := heads.Validate(); err != nil {
 		return nil, err
+	}
+	info := dev.Info()
+	tpr := opts.ThreadsPerRow
+	if tpr == 0 {
+		tpr = threadsPerRow(info, heads.Dim)
+	}
+	if tpr&(tpr-1) != 0 || (heads.Dim/8)%tpr != 0 || (tpr > 1 && (!info.SubgroupShuffle || info.SubgroupSize%uint32(tpr) != 0)) {
+		return nil, fmt.Errorf("%w: %d threads per row with head dimension %d on a device with subgroups of %d (shuffle %v)", vk.ErrUnsupported, tpr, heads.Dim, info.SubgroupSize, info.SubgroupShuffle)
 	}
 	group := 1
 	for g := 8; g >= 1; g-- {
@@ -50,13 +81,13 @@ func NewDense(dev *vk.Device, heads Heads) (*Dense, error) {
 	if m := int(dev.Info().MaxWorkgroupInvocations); m < wg {
 		wg = 128
 	}
-	d := &Dense{dev: dev, heads: heads, group: group, chunkMax: scoreSlots / group, workgroup: wg}
+	d := &Dense{dev: dev, heads: heads, group: group, chunkMax: scoreSlots / group, workgroup: wg, tpr: tpr}
 	code, err := shaders.SPIRV("attend_partial")
 	if err != nil {
 		return nil, err
 	}
 	d.partial, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial", SPIRV: code, Bindings: 5, PushWords: 9,
-		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.chunkMax)}})
+		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.chunkMax), uint32(tpr)}})
 	if err != nil {
 		return nil, err
 	}
@@ -65,7 +96,7 @@ func NewDense(dev *vk.Device, heads Heads) (*Dense, error) {
 		d.partial.Release()
 		return nil, err
 	}
-	mwg := min(128, wg)
+	mwg := wg
 	d.merge, err = dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 2,
 		Specialization: []uint32{uint32(mwg), uint32(heads.Dim)}})
 	if err != nil {
@@ -74,6 +105,9 @@ func NewDense(dev *vk.Device, heads Heads) (*Dense, error) {
 	}
 	return d, nil
 }
+
+// ThreadsPerRow returns how many threads share a K row in the score pass.
+func (d *Dense) ThreadsPerRow() int { return d.tpr }
 
 // Heads returns the geometry the kernels were built for.
 func (d *Dense) Heads() Heads { return d.heads }

@@ -89,22 +89,30 @@ func TestDenseMatchesReference(t *testing.T) {
 		{Heads{32, 2, 16}, 90, 1, 0}, // 16 query heads per KV head: two blocks of 8
 	}
 	for _, c := range cases {
-		t.Run(fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n), func(t *testing.T) {
-			dense, err := NewDense(dev, c.heads)
-			require.NoError(t, err)
-			defer dense.Release()
-			dense.ChunkTokens = c.chunk
-			layer, k, v := randomLayer(t, dev, rng, c.heads, c.n, c.n+rng.Intn(50), 1)
-			plan, err := dense.Plan([]*kvcache.Layer{layer})
-			require.NoError(t, err)
-			defer plan.Release()
-			q := randomQueries(rng, c.heads.Query*c.heads.Dim, c.qStd)
-			require.NoError(t, dev.Run(func(cmd *vk.Commands) { cmd.Fill(plan.Output().All(), math.Float32bits(float32(math.NaN()))) }))
-			got, err := plan.Attend(q)
-			require.NoError(t, err)
-			want := AttendRef(c.heads, q, k, v, c.n, 1/math.Sqrt(float64(c.heads.Dim)))
-			requireClose(t, want, got, c.heads.Dim, 1e-3, "dense")
-		})
+		// Both score-pass variants: one thread per row, and rows shared by
+		// threads that sum with subgroup shuffles (where the device has them).
+		tprs := []int{1}
+		if tpr := threadsPerRow(dev.Info(), c.heads.Dim); tpr > 1 {
+			tprs = append(tprs, tpr)
+		}
+		for _, tpr := range tprs {
+			t.Run(fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_tpr%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, tpr), func(t *testing.T) {
+				dense, err := NewDenseWith(dev, c.heads, DenseOptions{ThreadsPerRow: tpr})
+				require.NoError(t, err)
+				defer dense.Release()
+				dense.ChunkTokens = c.chunk
+				layer, k, v := randomLayer(t, dev, rng, c.heads, c.n, c.n+rng.Intn(50), 1)
+				plan, err := dense.Plan([]*kvcache.Layer{layer})
+				require.NoError(t, err)
+				defer plan.Release()
+				q := randomQueries(rng, c.heads.Query*c.heads.Dim, c.qStd)
+				require.NoError(t, dev.Run(func(cmd *vk.Commands) { cmd.Fill(plan.Output().All(), math.Float32bits(float32(math.NaN()))) }))
+				got, err := plan.Attend(q)
+				require.NoError(t, err)
+				want := AttendRef(c.heads, q, k, v, c.n, 1/math.Sqrt(float64(c.heads.Dim)))
+				requireClose(t, want, got, c.heads.Dim, 1e-3, "dense")
+			})
+		}
 	}
 }
 

@@ -42,6 +42,7 @@ type Info struct {
 
 	SubgroupSize            uint32
 	SubgroupArithmetic      bool // subgroup add/min/max in compute shaders
+	SubgroupShuffle         bool // subgroup shuffles in compute shaders
 	MaxWorkgroupInvocations uint32
 	MaxWorkgroupSize        [3]uint32
 	MaxWorkgroupCount       [3]uint32
@@ -181,6 +182,7 @@ func describe(inst vk.Instance, pd vk.PhysicalDevice, index int) Info {
 		APIVersion:              fmt.Sprintf("%d.%d.%d", f.api_version>>22, (f.api_version>>12)&0x3ff, f.api_version&0xfff),
 		SubgroupSize:            uint32(f.subgroup_size),
 		SubgroupArithmetic:      f.subgroup_stages&C.VK_SHADER_STAGE_COMPUTE_BIT != 0 && f.subgroup_ops&C.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT != 0,
+		SubgroupShuffle:         f.subgroup_stages&C.VK_SHADER_STAGE_COMPUTE_BIT != 0 && f.subgroup_ops&C.VK_SUBGROUP_FEATURE_SHUFFLE_BIT != 0,
 		MaxWorkgroupInvocations: uint32(f.max_wg_invocations),
 		SharedMemoryBytes:       uint32(f.max_shared_memory),
 		MaxStorageBufferRange:   uint64(f.max_storage_range),

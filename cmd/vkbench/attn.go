@@ -20,6 +20,7 @@ type attnResult struct {
 	KVHeads   int     `json:"kv_heads"`
 	HeadDim   int     `json:"head_dim"`
 	Chunk     int     `json:"chunk_tokens"` // 0: chosen by the kernel
+	TPR       int     `json:"threads_per_row"`
 	Reps      int     `json:"reps"`
 	MedianUs  float64 `json:"median_us"`
 	P10Us     float64 `json:"p10_us"`
@@ -38,6 +39,7 @@ func attn(args []string) error {
 	dim := fs.Int("dim", 128, "head dimension")
 	batches := fs.String("batch", "1", "batch sizes (comma-separated)")
 	chunks := fs.String("chunk", "0", "tokens per chunk to try (comma-separated; 0 = automatic)")
+	tprs := fs.String("tpr", "0", "threads per K row to try (comma-separated; 0 = automatic)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	warmup := fs.Int("warmup", 10, "untimed runs before timing")
 	check := fs.Bool("check", true, "compare the first sequence with the float64 reference")
@@ -51,11 +53,13 @@ func attn(args []string) error {
 	if err != nil {
 		return fmt.Errorf("-batch: %v", err)
 	}
-	var cList []int
-	if *chunks == "0" {
-		cList = []int{0}
-	} else if cList, err = ints(*chunks); err != nil {
+	cList, err := intsFrom(*chunks, 0)
+	if err != nil {
 		return fmt.Errorf("-chunk: %v", err)
+	}
+	tList, err := intsFrom(*tprs, 0)
+	if err != nil {
+		return fmt.Errorf("-tpr: %v", err)
 	}
 	heads := sparse.Heads{Query: *qHeads, KV: *kvHeads, Dim: *dim}
 	dev, err := vk.Open(vk.OptionsFromEnv())
@@ -65,17 +69,21 @@ func attn(args []string) error {
 	defer dev.Release()
 	info := dev.Info()
 	fmt.Printf("device: %s (%s), driver %s\n", info.Name, info.Type, info.Driver)
-	dense, err := sparse.NewDense(dev, heads)
-	if err != nil {
-		return err
+	var kernels []*sparse.Dense
+	for _, tpr := range tList {
+		dense, err := sparse.NewDenseWith(dev, heads, sparse.DenseOptions{ThreadsPerRow: tpr})
+		if err != nil {
+			return err
+		}
+		defer dense.Release()
+		kernels = append(kernels, dense)
 	}
-	defer dense.Release()
 
-	prog := &progress{total: len(nList) * len(bList) * len(cList)}
+	prog := &progress{total: len(nList) * len(bList) * len(cList) * len(kernels)}
 	var results []attnResult
 	for _, b := range bList {
 		for _, n := range nList {
-			res, err := attnRows(dev, dense, heads, n, b, cList, *warmup, *reps, *check, prog)
+			res, err := attnRows(dev, kernels, heads, n, b, cList, *warmup, *reps, *check, prog)
 			if err != nil {
 				prog.finish()
 				return err
@@ -94,10 +102,10 @@ func attn(args []string) error {
 		if r.Checked {
 			errCol = fmt.Sprintf("%.1e", r.MaxRelErr)
 		}
-		rows = append(rows, []string{fmt.Sprint(r.Tokens), fmt.Sprint(r.Batch), fmt.Sprintf("%d/%d", r.QHeads, r.KVHeads), fmt.Sprint(r.HeadDim), chunk,
+		rows = append(rows, []string{fmt.Sprint(r.Tokens), fmt.Sprint(r.Batch), fmt.Sprintf("%d/%d", r.QHeads, r.KVHeads), fmt.Sprint(r.HeadDim), chunk, fmt.Sprint(r.TPR),
 			fmt.Sprintf("%.1f", r.MedianUs), fmt.Sprintf("%.1f", r.P10Us), fmt.Sprintf("%.1f", r.P90Us), fmt.Sprintf("%.1f", float64(r.KVBytes)/1e6), fmt.Sprintf("%.0f", r.GBps), errCol})
 	}
-	table(os.Stdout, []string{"tokens", "batch", "heads q/kv", "dim", "chunk", "median µs", "p10 µs", "p90 µs", "K+V MB", "GB/s", "rel err"}, rows)
+	table(os.Stdout, []string{"tokens", "batch", "heads q/kv", "dim", "chunk", "tpr", "median µs", "p10 µs", "p90 µs", "K+V MB", "GB/s", "rel err"}, rows)
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "attn "+fmt.Sprint(args), info, results)
 	}
@@ -105,7 +113,7 @@ func attn(args []string) error {
 }
 
 // attnRows builds batch caches of n random tokens and times every chunk size.
-func attnRows(dev *vk.Device, dense *sparse.Dense, heads sparse.Heads, n, batch int, chunks []int, warmup, reps int, check bool, prog *progress) ([]attnResult, error) {
+func attnRows(dev *vk.Device, kernels []*sparse.Dense, heads sparse.Heads, n, batch int, chunks []int, warmup, reps int, check bool, prog *progress) ([]attnResult, error) {
 	rng := newHalfSource(uint64(n*31 + batch))
 	layers := make([]*kvcache.Layer, batch)
 	defer func() {
@@ -134,16 +142,31 @@ func attnRows(dev *vk.Device, dense *sparse.Dense, heads sparse.Heads, n, batch 
 	for i := range q {
 		q[i] = float32(rng.normal() * 2)
 	}
+	var out []attnResult
+	for _, dense := range kernels {
+		rows, err := attnTime(dense, layers, q, k0, v0, chunks, warmup, reps, check, prog)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, rows...)
+	}
+	return out, nil
+}
+
+// attnTime times one kernel variant over the caches for every chunk size.
+func attnTime(dense *sparse.Dense, layers []*kvcache.Layer, q []float32, k0, v0 []uint16, chunks []int, warmup, reps int, check bool, prog *progress) ([]attnResult, error) {
+	heads, n, batch := dense.Heads(), layers[0].Len(), len(layers)
 	plan, err := dense.Plan(layers)
 	if err != nil {
 		return nil, err
 	}
 	defer plan.Release()
+	defer func() { dense.ChunkTokens = 0 }()
 	var out []attnResult
 	for _, chunk := range chunks {
-		prog.step(fmt.Sprintf("attn n=%d batch=%d chunk=%d", n, batch, chunk))
+		prog.step(fmt.Sprintf("attn n=%d batch=%d chunk=%d tpr=%d", n, batch, chunk, dense.ThreadsPerRow()))
 		dense.ChunkTokens = chunk
-		r := attnResult{Tokens: n, Batch: batch, QHeads: heads.Query, KVHeads: heads.KV, HeadDim: heads.Dim, Chunk: chunk, Reps: reps,
+		r := attnResult{Tokens: n, Batch: batch, QHeads: heads.Query, KVHeads: heads.KV, HeadDim: heads.Dim, Chunk: chunk, TPR: dense.ThreadsPerRow(), Reps: reps,
 			KVBytes: uint64(batch) * uint64(n) * uint64(heads.KV*heads.Dim) * 4}
 		if check {
 			got, err := plan.Attend(q)
@@ -167,7 +190,6 @@ func attnRows(dev *vk.Device, dense *sparse.Dense, heads sparse.Heads, n, batch 
 		r.GBps = float64(r.KVBytes) / (r.MedianUs * 1e3)
 		out = append(out, r)
 	}
-	dense.ChunkTokens = 0
 	return out, nil
 }
 

@@ -2,6 +2,7 @@
 //
 //	vkbench devices                 list every Vulkan device and its facts
 //	vkbench attn [flags]            time dense decode attention
+//	vkbench probe [flags]           measure read bandwidth
 //
 // VKSPARSE_DEVICE picks the device (index or name substring) and
 // VKSPARSE_VALIDATE=1 turns on the validation layer.
@@ -17,6 +18,7 @@ const usage = `usage: vkbench <command> [flags]
 commands:
   devices   list every Vulkan device with the facts kernels need
   attn      time dense decode attention (run "vkbench attn -h" for flags)
+  probe     measure the device's read bandwidth, the ceiling for attention
 `
 
 func main() {
@@ -30,6 +32,8 @@ func main() {
 		err = devices(os.Args[2:])
 	case "attn":
 		err = attn(os.Args[2:])
+	case "probe":
+		err = probe(os.Args[2:])
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return

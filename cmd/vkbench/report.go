@@ -41,7 +41,10 @@ func writeJSON(path, command string, info vk.Info, results any) error {
 }
 
 // ints parses a comma-separated list of positive integers.
-func ints(s string) ([]int, error) {
+func ints(s string) ([]int, error) { return intsFrom(s, 1) }
+
+// intsFrom parses a comma-separated list of integers of at least least.
+func intsFrom(s string, least int) ([]int, error) {
 	var out []int
 	for _, f := range strings.Split(s, ",") {
 		f = strings.TrimSpace(f)
@@ -49,8 +52,8 @@ func ints(s string) ([]int, error) {
 			continue
 		}
 		v, err := strconv.Atoi(f)
-		if err != nil || v <= 0 {
-			return nil, fmt.Errorf("%q is not a positive integer", f)
+		if err != nil || v < least {
+			return nil, fmt.Errorf("%q is not an integer of at least %d", f, least)
 		}
 		out = append(out, v)
 	}
