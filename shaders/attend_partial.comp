@@ -1,11 +1,13 @@
 #version 450
 // Split-K decode attention, partial pass. One workgroup takes one chunk of
 // tokens of one KV head for GROUP of its query heads and writes, per query
-// head, the chunk's running max m, sum l = sum_t exp(s_t - m) and
-// unnormalised output o = sum_t exp(s_t - m) v_t, where s_t = scale q·k_t.
-// K and V rows are fp16, packed two per 32-bit word, D/8 uvec4 per row.
+// head, the chunk's max m, sum l = sum_t exp(s_t - m) and unnormalised
+// output o = sum_t exp(s_t - m) v_t, where s_t = scale q·k_t.
+// K and V rows are fp16, packed two per 32-bit word.
 #extension GL_EXT_control_flow_attributes : enable
+#extension GL_KHR_shader_subgroup_basic : enable
 #extension GL_KHR_shader_subgroup_shuffle : enable
+#extension GL_KHR_shader_subgroup_arithmetic : enable
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 256;      // threads, a power of two
@@ -16,13 +18,16 @@ layout(constant_id = 3) const uint CHUNK_MAX = 1024;
 // products with subgroup shuffles; the host sets TPR = 1 (no shuffles)
 // unless the subgroup size is a multiple of TPR and shuffles are supported.
 layout(constant_id = 4) const uint TPR = 1;
+// SUBGROUP_REDUCE = 1 reduces max and sum with subgroup arithmetic (the
+// host sets it only where supported); 0 uses a shared-memory tree.
+layout(constant_id = 5) const uint SUBGROUP_REDUCE = 0;
 
-const uint DV = D / 8;  // uvec4 words per K/V row
-const uint D4 = D / 4;  // vec4 per query row
+const uint DV = D / 8;  // uvec4 words per row
+const uint D4 = D / 4;  // vec4 per query row; also uvec2 words per row
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };      // [B][Hq][D/4]
 layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };        // [heads][headStride]
-layout(std430, binding = 2) readonly buffer Values { uvec4 v[]; };      // [heads][headStride]
+layout(std430, binding = 2) readonly buffer Values { uvec2 v[]; };      // [heads][2 headStride]
 layout(std430, binding = 3) writeonly buffer PartialO { float po[]; };  // [B][Hq][maxChunks][D]
 layout(std430, binding = 4) writeonly buffer PartialML { vec2 pml[]; }; // [B][Hq][maxChunks]
 
@@ -42,29 +47,33 @@ shared vec4 qs[GROUP * D4];
 shared float sc[GROUP * CHUNK_MAX];
 shared float red[8 * WG];
 
-// reduce combines red[g*WG + i] over i for every g < GROUP into red[g*WG].
-void reduceMax() {
+// combine returns op over the workgroup of x[g] for each g (op: 0 max, 1 sum).
+void combine(inout float x[GROUP], uint op) {
 	uint tid = gl_LocalInvocationID.x;
-	barrier();
-	for (uint s = WG / 2; s > 0; s >>= 1) {
-		if (tid < s) {
-			[[unroll]] for (uint g = 0; g < GROUP; g++)
-				red[g * WG + tid] = max(red[g * WG + tid], red[g * WG + tid + s]);
+	if (SUBGROUP_REDUCE != 0) {
+		[[unroll]] for (uint g = 0; g < GROUP; g++) x[g] = op == 0 ? subgroupMax(x[g]) : subgroupAdd(x[g]);
+		if (subgroupElect()) {
+			[[unroll]] for (uint g = 0; g < GROUP; g++) red[g * WG + gl_SubgroupID] = x[g];
 		}
 		barrier();
-	}
-}
-
-void reduceSum() {
-	uint tid = gl_LocalInvocationID.x;
-	barrier();
-	for (uint s = WG / 2; s > 0; s >>= 1) {
-		if (tid < s) {
-			[[unroll]] for (uint g = 0; g < GROUP; g++)
-				red[g * WG + tid] += red[g * WG + tid + s];
+		[[unroll]] for (uint g = 0; g < GROUP; g++) {
+			float r = red[g * WG];
+			for (uint i = 1; i < gl_NumSubgroups; i++) r = op == 0 ? max(r, red[g * WG + i]) : r + red[g * WG + i];
+			x[g] = r;
 		}
+	} else {
+		[[unroll]] for (uint g = 0; g < GROUP; g++) red[g * WG + tid] = x[g];
 		barrier();
+		for (uint s = WG / 2; s > 0; s >>= 1) {
+			if (tid < s) {
+				[[unroll]] for (uint g = 0; g < GROUP; g++)
+					red[g * WG + tid] = op == 0 ? max(red[g * WG + tid], red[g * WG + tid + s]) : red[g * WG + tid] + red[g * WG + tid + s];
+			}
+			barrier();
+		}
+		[[unroll]] for (uint g = 0; g < GROUP; g++) x[g] = red[g * WG];
 	}
+	barrier();
 }
 
 void main() {
@@ -75,7 +84,7 @@ void main() {
 	uint h0 = (pc.kvBase + kvLocal) * pc.groupSize + (gl_WorkGroupID.y % headBlocks) * GROUP;
 	uint t0 = c * pc.chunk;
 	uint len = min(pc.chunk, pc.n - t0);
-	uint rowBase = kvLocal * pc.headStride + t0 * DV;
+	uint rowBase = kvLocal * pc.headStride + t0 * DV;  // in uvec4 words
 
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
@@ -87,19 +96,20 @@ void main() {
 	const uint ROWS = WG / TPR;
 	const uint VPT = DV / TPR;
 	uint sub = tid % TPR;
-	float mloc[GROUP];
-	[[unroll]] for (uint g = 0; g < GROUP; g++) mloc[g] = -1.0 / 0.0;
+	float m[GROUP];
+	[[unroll]] for (uint g = 0; g < GROUP; g++) m[g] = -1.0 / 0.0;
 	for (uint pass = 0; pass < len; pass += ROWS) {
 		uint t = pass + tid / TPR;
 		float s[GROUP];
 		[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] = 0.0;
 		if (t < len) {
 			uint row = rowBase + t * DV;
+			uvec4 w[VPT];
+			[[unroll]] for (uint j = 0; j < VPT; j++) w[j] = k[row + j * TPR + sub];
 			[[unroll]] for (uint j = 0; j < VPT; j++) {
 				uint u = j * TPR + sub;
-				uvec4 w = k[row + u];
-				vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
-				vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+				vec4 a = vec4(unpackHalf2x16(w[j].x), unpackHalf2x16(w[j].y));
+				vec4 b = vec4(unpackHalf2x16(w[j].z), unpackHalf2x16(w[j].w));
 				[[unroll]] for (uint g = 0; g < GROUP; g++)
 					s[g] += dot(a, qs[g * D4 + 2 * u]) + dot(b, qs[g * D4 + 2 * u + 1]);
 			}
@@ -112,79 +122,69 @@ void main() {
 		if (t < len && sub == 0) {
 			[[unroll]] for (uint g = 0; g < GROUP; g++) {
 				sc[g * CHUNK_MAX + t] = s[g];
-				mloc[g] = max(mloc[g], s[g]);
+				m[g] = max(m[g], s[g]);
 			}
 		}
 	}
-	[[unroll]] for (uint g = 0; g < GROUP; g++) red[g * WG + tid] = mloc[g];
-	reduceMax();
-	float m[GROUP];
-	[[unroll]] for (uint g = 0; g < GROUP; g++) m[g] = red[g * WG];
-	barrier();
+	combine(m, 0);
 
 	// Weights p = exp(s - m) in place, and their sums.
-	float lsum[GROUP];
-	[[unroll]] for (uint g = 0; g < GROUP; g++) lsum[g] = 0.0;
+	float l[GROUP];
+	[[unroll]] for (uint g = 0; g < GROUP; g++) l[g] = 0.0;
 	for (uint t = tid; t < len; t += WG) {
 		[[unroll]] for (uint g = 0; g < GROUP; g++) {
 			float p = exp(sc[g * CHUNK_MAX + t] - m[g]);
 			sc[g * CHUNK_MAX + t] = p;
-			lsum[g] += p;
+			l[g] += p;
 		}
 	}
-	[[unroll]] for (uint g = 0; g < GROUP; g++) red[g * WG + tid] = lsum[g];
-	reduceSum();
-	float l[GROUP];
-	[[unroll]] for (uint g = 0; g < GROUP; g++) l[g] = red[g * WG];
-	barrier();
+	combine(l, 1);
 
 	// Weighted values: lane takes tokens lane, lane+LANES, ...; dg is its
-	// eight dimensions of the row, so a row is read by DV adjacent threads.
-	const uint LANES = WG / DV;
-	uint lane = tid / DV;
-	uint dg = tid % DV;
-	vec4 acc[GROUP * 2];
-	[[unroll]] for (uint i = 0; i < GROUP * 2; i++) acc[i] = vec4(0.0);
+	// four dimensions, so D/4 adjacent threads read a whole row.
+	const uint LANES = WG / D4;
+	const uint UNROLL = 8;
+	uint lane = tid / D4;
+	uint dg = tid % D4;
+	uint vBase = 2 * rowBase + dg;  // in uvec2 words
+	vec4 acc[GROUP];
+	[[unroll]] for (uint g = 0; g < GROUP; g++) acc[g] = vec4(0.0);
 	if (lane < LANES) {
-		// Four rows in flight per thread, then the remainder.
 		uint t = lane;
-		for (; t + 3 * LANES < len; t += 4 * LANES) {
-			uvec4 w[4];
-			[[unroll]] for (uint r = 0; r < 4; r++) w[r] = v[rowBase + (t + r * LANES) * DV + dg];
-			[[unroll]] for (uint r = 0; r < 4; r++) {
+		for (; t + (UNROLL - 1) * LANES < len; t += UNROLL * LANES) {
+			uvec2 w[UNROLL];
+			[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[vBase + (t + r * LANES) * D4];
+			[[unroll]] for (uint r = 0; r < UNROLL; r++) {
 				vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
-				vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
-				[[unroll]] for (uint g = 0; g < GROUP; g++) {
-					float p = sc[g * CHUNK_MAX + t + r * LANES];
-					acc[2 * g] += p * a;
-					acc[2 * g + 1] += p * b;
-				}
+				[[unroll]] for (uint g = 0; g < GROUP; g++) acc[g] += sc[g * CHUNK_MAX + t + r * LANES] * a;
 			}
 		}
 		for (; t < len; t += LANES) {
-			uvec4 w = v[rowBase + t * DV + dg];
+			uvec2 w = v[vBase + t * D4];
 			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
-			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
-			[[unroll]] for (uint g = 0; g < GROUP; g++) {
-				float p = sc[g * CHUNK_MAX + t];
-				acc[2 * g] += p * a;
-				acc[2 * g + 1] += p * b;
-			}
+			[[unroll]] for (uint g = 0; g < GROUP; g++) acc[g] += sc[g * CHUNK_MAX + t] * a;
 		}
 	}
 
-	// Sum the lanes, one query head at a time.
+	// Sum the lanes, two heads at a time: red holds the four dimensions of
+	// every thread for each of the two.
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
-	[[unroll]] for (uint g = 0; g < GROUP; g++) {
-		[[unroll]] for (uint j = 0; j < 8; j++)
-			red[j * WG + tid] = lane < LANES ? acc[2 * g + j / 4][j % 4] : 0.0;
+	[[unroll]] for (uint g0 = 0; g0 < GROUP; g0 += 2) {
+		[[unroll]] for (uint gg = 0; gg < 2; gg++) {
+			if (g0 + gg < GROUP) {
+				[[unroll]] for (uint j = 0; j < 4; j++) red[(gg * 4 + j) * WG + tid] = lane < LANES ? acc[g0 + gg][j] : 0.0;
+			}
+		}
 		barrier();
-		for (uint i = tid; i < D; i += WG) {
-			uint j = i / DV;
-			uint d = i % DV;
-			float sum = 0.0;
-			for (uint ln = 0; ln < LANES; ln++) sum += red[j * WG + ln * DV + d];
-			po[(base + g * pc.maxChunks) * D + d * 8 + j] = sum;
+		for (uint i = tid; i < 2 * D; i += WG) {
+			uint gg = i / D;
+			uint j = (i % D) / D4;
+			uint d = (i % D) % D4;
+			if (g0 + gg < GROUP) {
+				float sum = 0.0;
+				for (uint ln = 0; ln < LANES; ln++) sum += red[(gg * 4 + j) * WG + ln * D4 + d];
+				po[(base + (g0 + gg) * pc.maxChunks) * D + d * 4 + j] = sum;
+			}
 		}
 		barrier();
 	}

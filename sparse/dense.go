@@ -22,7 +22,8 @@ type Dense struct {
 	partial   *vk.Pipeline
 	merge     *vk.Pipeline
 	workgroup int
-	tpr       int // threads sharing a K row in the score pass
+	tpr       int  // threads sharing a K row in the score pass
+	tree      bool // reductions through shared memory only
 	// ChunkTokens fixes the tokens per chunk; 0 picks it from the sizes.
 	ChunkTokens int
 }
@@ -32,6 +33,16 @@ type DenseOptions struct {
 	// ThreadsPerRow is how many threads share one K row in the score pass
 	// (a power of two dividing Dim/8; above 1 it needs subgroup shuffles).
 	ThreadsPerRow int
+	// TreeReduce reduces through shared memory even where subgroup
+	// arithmetic is available.
+	TreeReduce bool
+}
+
+func boolWord(b bool) uint32 {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // Limits of the dense kernels.
@@ -81,13 +92,13 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	if m := int(dev.Info().MaxWorkgroupInvocations); m < wg {
 		wg = 128
 	}
-	d := &Dense{dev: dev, heads: heads, group: group, chunkMax: scoreSlots / group, workgroup: wg, tpr: tpr}
+	d := &Dense{dev: dev, heads: heads, group: group, chunkMax: scoreSlots / group, workgroup: wg, tpr: tpr, tree: !info.SubgroupArithmetic || opts.TreeReduce}
 	code, err := shaders.SPIRV("attend_partial")
 	if err != nil {
 		return nil, err
 	}
 	d.partial, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial", SPIRV: code, Bindings: 5, PushWords: 9,
-		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.chunkMax), uint32(tpr)}})
+		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.chunkMax), uint32(tpr), boolWord(!d.tree)}})
 	if err != nil {
 		return nil, err
 	}
@@ -108,6 +119,9 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 
 // ThreadsPerRow returns how many threads share a K row in the score pass.
 func (d *Dense) ThreadsPerRow() int { return d.tpr }
+
+// TreeReduce reports whether reductions go through shared memory only.
+func (d *Dense) TreeReduce() bool { return d.tree }
 
 // Heads returns the geometry the kernels were built for.
 func (d *Dense) Heads() Heads { return d.heads }

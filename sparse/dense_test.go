@@ -89,15 +89,17 @@ func TestDenseMatchesReference(t *testing.T) {
 		{Heads{32, 2, 16}, 90, 1, 0}, // 16 query heads per KV head: two blocks of 8
 	}
 	for _, c := range cases {
-		// Both score-pass variants: one thread per row, and rows shared by
-		// threads that sum with subgroup shuffles (where the device has them).
-		tprs := []int{1}
-		if tpr := threadsPerRow(dev.Info(), c.heads.Dim); tpr > 1 {
-			tprs = append(tprs, tpr)
+		// Both variants: one thread per row with tree reductions, and rows
+		// shared by threads that sum with subgroup operations (where the
+		// device has them).
+		variants := []DenseOptions{{ThreadsPerRow: 1, TreeReduce: true}}
+		info := dev.Info()
+		if tpr := threadsPerRow(info, c.heads.Dim); tpr > 1 || info.SubgroupArithmetic {
+			variants = append(variants, DenseOptions{ThreadsPerRow: tpr})
 		}
-		for _, tpr := range tprs {
-			t.Run(fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_tpr%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, tpr), func(t *testing.T) {
-				dense, err := NewDenseWith(dev, c.heads, DenseOptions{ThreadsPerRow: tpr})
+		for _, opts := range variants {
+			t.Run(fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_%+v", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, opts), func(t *testing.T) {
+				dense, err := NewDenseWith(dev, c.heads, opts)
 				require.NoError(t, err)
 				defer dense.Release()
 				dense.ChunkTokens = c.chunk

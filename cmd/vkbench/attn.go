@@ -21,6 +21,7 @@ type attnResult struct {
 	HeadDim   int     `json:"head_dim"`
 	Chunk     int     `json:"chunk_tokens"` // 0: chosen by the kernel
 	TPR       int     `json:"threads_per_row"`
+	Tree      bool    `json:"tree_reduce"`
 	Reps      int     `json:"reps"`
 	MedianUs  float64 `json:"median_us"`
 	P10Us     float64 `json:"p10_us"`
@@ -40,6 +41,7 @@ func attn(args []string) error {
 	batches := fs.String("batch", "1", "batch sizes (comma-separated)")
 	chunks := fs.String("chunk", "0", "tokens per chunk to try (comma-separated; 0 = automatic)")
 	tprs := fs.String("tpr", "0", "threads per K row to try (comma-separated; 0 = automatic)")
+	trees := fs.String("tree", "0", "reductions to try: 0 subgroup where supported, 1 shared-memory tree (comma-separated)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	warmup := fs.Int("warmup", 10, "untimed runs before timing")
 	check := fs.Bool("check", true, "compare the first sequence with the float64 reference")
@@ -69,14 +71,20 @@ func attn(args []string) error {
 	defer dev.Release()
 	info := dev.Info()
 	fmt.Printf("device: %s (%s), driver %s\n", info.Name, info.Type, info.Driver)
+	treeList, err := intsFrom(*trees, 0)
+	if err != nil {
+		return fmt.Errorf("-tree: %v", err)
+	}
 	var kernels []*sparse.Dense
-	for _, tpr := range tList {
-		dense, err := sparse.NewDenseWith(dev, heads, sparse.DenseOptions{ThreadsPerRow: tpr})
-		if err != nil {
-			return err
+	for _, tree := range treeList {
+		for _, tpr := range tList {
+			dense, err := sparse.NewDenseWith(dev, heads, sparse.DenseOptions{ThreadsPerRow: tpr, TreeReduce: tree != 0})
+			if err != nil {
+				return err
+			}
+			defer dense.Release()
+			kernels = append(kernels, dense)
 		}
-		defer dense.Release()
-		kernels = append(kernels, dense)
 	}
 
 	prog := &progress{total: len(nList) * len(bList) * len(cList) * len(kernels)}
@@ -102,10 +110,10 @@ func attn(args []string) error {
 		if r.Checked {
 			errCol = fmt.Sprintf("%.1e", r.MaxRelErr)
 		}
-		rows = append(rows, []string{fmt.Sprint(r.Tokens), fmt.Sprint(r.Batch), fmt.Sprintf("%d/%d", r.QHeads, r.KVHeads), fmt.Sprint(r.HeadDim), chunk, fmt.Sprint(r.TPR),
+		rows = append(rows, []string{fmt.Sprint(r.Tokens), fmt.Sprint(r.Batch), fmt.Sprintf("%d/%d", r.QHeads, r.KVHeads), fmt.Sprint(r.HeadDim), chunk, fmt.Sprint(r.TPR), map[bool]string{true: "tree", false: "subgroup"}[r.Tree],
 			fmt.Sprintf("%.1f", r.MedianUs), fmt.Sprintf("%.1f", r.P10Us), fmt.Sprintf("%.1f", r.P90Us), fmt.Sprintf("%.1f", float64(r.KVBytes)/1e6), fmt.Sprintf("%.0f", r.GBps), errCol})
 	}
-	table(os.Stdout, []string{"tokens", "batch", "heads q/kv", "dim", "chunk", "tpr", "median µs", "p10 µs", "p90 µs", "K+V MB", "GB/s", "rel err"}, rows)
+	table(os.Stdout, []string{"tokens", "batch", "heads q/kv", "dim", "chunk", "tpr", "reduce", "median µs", "p10 µs", "p90 µs", "K+V MB", "GB/s", "rel err"}, rows)
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "attn "+fmt.Sprint(args), info, results)
 	}
@@ -166,7 +174,7 @@ func attnTime(dense *sparse.Dense, layers []*kvcache.Layer, q []float32, k0, v0 
 	for _, chunk := range chunks {
 		prog.step(fmt.Sprintf("attn n=%d batch=%d chunk=%d tpr=%d", n, batch, chunk, dense.ThreadsPerRow()))
 		dense.ChunkTokens = chunk
-		r := attnResult{Tokens: n, Batch: batch, QHeads: heads.Query, KVHeads: heads.KV, HeadDim: heads.Dim, Chunk: chunk, TPR: dense.ThreadsPerRow(), Reps: reps,
+		r := attnResult{Tokens: n, Batch: batch, QHeads: heads.Query, KVHeads: heads.KV, HeadDim: heads.Dim, Chunk: chunk, TPR: dense.ThreadsPerRow(), Tree: dense.TreeReduce(), Reps: reps,
 			KVBytes: uint64(batch) * uint64(n) * uint64(heads.KV*heads.Dim) * 4}
 		if check {
 			got, err := plan.Attend(q)
