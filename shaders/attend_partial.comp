@@ -21,13 +21,15 @@ layout(constant_id = 4) const uint TPR = 1;
 // SUBGROUP_REDUCE = 1 reduces max and sum with subgroup arithmetic (the
 // host sets it only where supported); 0 uses a shared-memory tree.
 layout(constant_id = 5) const uint SUBGROUP_REDUCE = 0;
+// UNROLL value rows are loaded together by each thread before use.
+layout(constant_id = 6) const uint UNROLL = 4;
 
 const uint DV = D / 8;  // uvec4 words per row
-const uint D4 = D / 4;  // vec4 per query row; also uvec2 words per row
+const uint D4 = D / 4;  // vec4 per query row
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };      // [B][Hq][D/4]
 layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };        // [heads][headStride]
-layout(std430, binding = 2) readonly buffer Values { uvec2 v[]; };      // [heads][2 headStride]
+layout(std430, binding = 2) readonly buffer Values { uvec4 v[]; };      // [heads][headStride]
 layout(std430, binding = 3) writeonly buffer PartialO { float po[]; };  // [B][Hq][maxChunks][D]
 layout(std430, binding = 4) writeonly buffer PartialML { vec2 pml[]; }; // [B][Hq][maxChunks]
 
@@ -141,50 +143,51 @@ void main() {
 	combine(l, 1);
 
 	// Weighted values: lane takes tokens lane, lane+LANES, ...; dg is its
-	// four dimensions, so D/4 adjacent threads read a whole row.
-	const uint LANES = WG / D4;
-	const uint UNROLL = 8;
-	uint lane = tid / D4;
-	uint dg = tid % D4;
-	uint vBase = 2 * rowBase + dg;  // in uvec2 words
-	vec4 acc[GROUP];
-	[[unroll]] for (uint g = 0; g < GROUP; g++) acc[g] = vec4(0.0);
+	// eight dimensions, so DV adjacent threads read a whole row.
+	const uint LANES = WG / DV;
+	uint lane = tid / DV;
+	uint dg = tid % DV;
+	vec4 acc[GROUP * 2];
+	[[unroll]] for (uint i = 0; i < GROUP * 2; i++) acc[i] = vec4(0.0);
 	if (lane < LANES) {
 		uint t = lane;
 		for (; t + (UNROLL - 1) * LANES < len; t += UNROLL * LANES) {
-			uvec2 w[UNROLL];
-			[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[vBase + (t + r * LANES) * D4];
+			uvec4 w[UNROLL];
+			[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowBase + (t + r * LANES) * DV + dg];
 			[[unroll]] for (uint r = 0; r < UNROLL; r++) {
 				vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
-				[[unroll]] for (uint g = 0; g < GROUP; g++) acc[g] += sc[g * CHUNK_MAX + t + r * LANES] * a;
+				vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
+				[[unroll]] for (uint g = 0; g < GROUP; g++) {
+					float p = sc[g * CHUNK_MAX + t + r * LANES];
+					acc[2 * g] += p * a;
+					acc[2 * g + 1] += p * b;
+				}
 			}
 		}
 		for (; t < len; t += LANES) {
-			uvec2 w = v[vBase + t * D4];
+			uvec4 w = v[rowBase + t * DV + dg];
 			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
-			[[unroll]] for (uint g = 0; g < GROUP; g++) acc[g] += sc[g * CHUNK_MAX + t] * a;
+			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+			[[unroll]] for (uint g = 0; g < GROUP; g++) {
+				float p = sc[g * CHUNK_MAX + t];
+				acc[2 * g] += p * a;
+				acc[2 * g + 1] += p * b;
+			}
 		}
 	}
 
-	// Sum the lanes, two heads at a time: red holds the four dimensions of
-	// every thread for each of the two.
+	// Sum the lanes, one head at a time: red holds the eight dimensions of
+	// every thread.
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
-	[[unroll]] for (uint g0 = 0; g0 < GROUP; g0 += 2) {
-		[[unroll]] for (uint gg = 0; gg < 2; gg++) {
-			if (g0 + gg < GROUP) {
-				[[unroll]] for (uint j = 0; j < 4; j++) red[(gg * 4 + j) * WG + tid] = lane < LANES ? acc[g0 + gg][j] : 0.0;
-			}
-		}
+	[[unroll]] for (uint g = 0; g < GROUP; g++) {
+		[[unroll]] for (uint j = 0; j < 8; j++) red[j * WG + tid] = lane < LANES ? acc[2 * g + j / 4][j % 4] : 0.0;
 		barrier();
-		for (uint i = tid; i < 2 * D; i += WG) {
-			uint gg = i / D;
-			uint j = (i % D) / D4;
-			uint d = (i % D) % D4;
-			if (g0 + gg < GROUP) {
-				float sum = 0.0;
-				for (uint ln = 0; ln < LANES; ln++) sum += red[(gg * 4 + j) * WG + ln * D4 + d];
-				po[(base + (g0 + gg) * pc.maxChunks) * D + d * 4 + j] = sum;
-			}
+		for (uint i = tid; i < D; i += WG) {
+			uint j = i / DV;
+			uint d = i % DV;
+			float sum = 0.0;
+			for (uint ln = 0; ln < LANES; ln++) sum += red[j * WG + ln * DV + d];
+			po[(base + g * pc.maxChunks) * D + d * 8 + j] = sum;
 		}
 		barrier();
 	}

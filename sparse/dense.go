@@ -26,6 +26,7 @@ type Dense struct {
 	tree      bool // reductions through shared memory only
 	// ChunkTokens fixes the tokens per chunk; 0 picks it from the sizes.
 	ChunkTokens int
+	opts        DenseOptions
 }
 
 // DenseOptions tune the dense kernels; zero values pick for the device.
@@ -36,6 +37,13 @@ type DenseOptions struct {
 	// TreeReduce reduces through shared memory even where subgroup
 	// arithmetic is available.
 	TreeReduce bool
+	// Workgroup is the threads per workgroup (a power of two); 0 = 256.
+	Workgroup int
+	// ChunkMax bounds the tokens per chunk (the shared score buffer holds
+	// group × ChunkMax floats); 0 = 4096 / group.
+	ChunkMax int
+	// Unroll is how many value rows a thread loads at once; 0 = 4.
+	Unroll int
 }
 
 func boolWord(b bool) uint32 {
@@ -88,17 +96,32 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 			break
 		}
 	}
-	wg := denseWorkgroup
-	if m := int(dev.Info().MaxWorkgroupInvocations); m < wg {
-		wg = 128
+	wg := opts.Workgroup
+	if wg == 0 {
+		wg = min(denseWorkgroup, int(info.MaxWorkgroupInvocations))
 	}
-	d := &Dense{dev: dev, heads: heads, group: group, chunkMax: scoreSlots / group, workgroup: wg, tpr: tpr, tree: !info.SubgroupArithmetic || opts.TreeReduce}
+	chunkMax := opts.ChunkMax
+	if chunkMax == 0 {
+		chunkMax = scoreSlots / group
+	}
+	unroll := max(opts.Unroll, 0)
+	if unroll == 0 {
+		unroll = 4
+	}
+	shared := 4 * (group*heads.Dim + group*chunkMax + 8*wg)
+	switch {
+	case wg&(wg-1) != 0 || wg > int(info.MaxWorkgroupInvocations) || wg < heads.Dim/8 || wg < 32:
+		return nil, fmt.Errorf("%w: workgroup of %d threads (a power of two from %d to %d)", vk.ErrUnsupported, wg, max(32, heads.Dim/8), info.MaxWorkgroupInvocations)
+	case chunkMax <= 0 || shared > int(info.SharedMemoryBytes):
+		return nil, fmt.Errorf("%w: chunks of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, chunkMax, shared, info.SharedMemoryBytes)
+	}
+	d := &Dense{dev: dev, heads: heads, group: group, chunkMax: chunkMax, workgroup: wg, tpr: tpr, tree: !info.SubgroupArithmetic || opts.TreeReduce, opts: opts}
 	code, err := shaders.SPIRV("attend_partial")
 	if err != nil {
 		return nil, err
 	}
 	d.partial, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial", SPIRV: code, Bindings: 5, PushWords: 9,
-		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.chunkMax), uint32(tpr), boolWord(!d.tree)}})
+		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.chunkMax), uint32(tpr), boolWord(!d.tree), uint32(unroll)}})
 	if err != nil {
 		return nil, err
 	}
@@ -119,6 +142,14 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 
 // ThreadsPerRow returns how many threads share a K row in the score pass.
 func (d *Dense) ThreadsPerRow() int { return d.tpr }
+
+// Options returns the options the kernels were built with (zero: chosen).
+func (d *Dense) Options() DenseOptions {
+	o := d.opts
+	o.ThreadsPerRow, o.TreeReduce, o.Workgroup, o.ChunkMax = d.tpr, d.tree, d.workgroup, d.chunkMax
+	o.Unroll = max(o.Unroll, 4)
+	return o
+}
 
 // TreeReduce reports whether reductions go through shared memory only.
 func (d *Dense) TreeReduce() bool { return d.tree }

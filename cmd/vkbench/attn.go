@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
@@ -14,22 +16,21 @@ import (
 
 // attnResult is one row of `vkbench attn`.
 type attnResult struct {
-	Tokens    int     `json:"tokens"`
-	Batch     int     `json:"batch"`
-	QHeads    int     `json:"q_heads"`
-	KVHeads   int     `json:"kv_heads"`
-	HeadDim   int     `json:"head_dim"`
-	Chunk     int     `json:"chunk_tokens"` // 0: chosen by the kernel
-	TPR       int     `json:"threads_per_row"`
-	Tree      bool    `json:"tree_reduce"`
-	Reps      int     `json:"reps"`
-	MedianUs  float64 `json:"median_us"`
-	P10Us     float64 `json:"p10_us"`
-	P90Us     float64 `json:"p90_us"`
-	KVBytes   uint64  `json:"kv_bytes"`
-	GBps      float64 `json:"kv_gb_per_s"` // K+V bytes / median time
-	MaxRelErr float64 `json:"max_rel_err,omitempty"`
-	Checked   bool    `json:"checked"`
+	Tokens    int                 `json:"tokens"`
+	Batch     int                 `json:"batch"`
+	QHeads    int                 `json:"q_heads"`
+	KVHeads   int                 `json:"kv_heads"`
+	HeadDim   int                 `json:"head_dim"`
+	Chunk     int                 `json:"chunk_tokens"` // 0: chosen by the kernel
+	Kernel    sparse.DenseOptions `json:"kernel"`
+	Reps      int                 `json:"reps"`
+	MedianUs  float64             `json:"median_us"`
+	P10Us     float64             `json:"p10_us"`
+	P90Us     float64             `json:"p90_us"`
+	KVBytes   uint64              `json:"kv_bytes"`
+	GBps      float64             `json:"kv_gb_per_s"` // K+V bytes / median time
+	MaxRelErr float64             `json:"max_rel_err,omitempty"`
+	Checked   bool                `json:"checked"`
 }
 
 func attn(args []string) error {
@@ -40,8 +41,7 @@ func attn(args []string) error {
 	dim := fs.Int("dim", 128, "head dimension")
 	batches := fs.String("batch", "1", "batch sizes (comma-separated)")
 	chunks := fs.String("chunk", "0", "tokens per chunk to try (comma-separated; 0 = automatic)")
-	tprs := fs.String("tpr", "0", "threads per K row to try (comma-separated; 0 = automatic)")
-	trees := fs.String("tree", "0", "reductions to try: 0 subgroup where supported, 1 shared-memory tree (comma-separated)")
+	variants := fs.String("variants", "", "kernel variants to compare, ';'-separated, each a ','-separated list of tpr=N, tree=0|1, wg=N, chunkmax=N, unroll=N (empty: chosen for the device)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	warmup := fs.Int("warmup", 10, "untimed runs before timing")
 	check := fs.Bool("check", true, "compare the first sequence with the float64 reference")
@@ -59,9 +59,9 @@ func attn(args []string) error {
 	if err != nil {
 		return fmt.Errorf("-chunk: %v", err)
 	}
-	tList, err := intsFrom(*tprs, 0)
+	optList, err := parseVariants(*variants)
 	if err != nil {
-		return fmt.Errorf("-tpr: %v", err)
+		return fmt.Errorf("-variants: %v", err)
 	}
 	heads := sparse.Heads{Query: *qHeads, KV: *kvHeads, Dim: *dim}
 	dev, err := vk.Open(vk.OptionsFromEnv())
@@ -71,20 +71,14 @@ func attn(args []string) error {
 	defer dev.Release()
 	info := dev.Info()
 	fmt.Printf("device: %s (%s), driver %s\n", info.Name, info.Type, info.Driver)
-	treeList, err := intsFrom(*trees, 0)
-	if err != nil {
-		return fmt.Errorf("-tree: %v", err)
-	}
 	var kernels []*sparse.Dense
-	for _, tree := range treeList {
-		for _, tpr := range tList {
-			dense, err := sparse.NewDenseWith(dev, heads, sparse.DenseOptions{ThreadsPerRow: tpr, TreeReduce: tree != 0})
-			if err != nil {
-				return err
-			}
-			defer dense.Release()
-			kernels = append(kernels, dense)
+	for _, opts := range optList {
+		dense, err := sparse.NewDenseWith(dev, heads, opts)
+		if err != nil {
+			return err
 		}
+		defer dense.Release()
+		kernels = append(kernels, dense)
 	}
 
 	prog := &progress{total: len(nList) * len(bList) * len(cList) * len(kernels)}
@@ -110,10 +104,10 @@ func attn(args []string) error {
 		if r.Checked {
 			errCol = fmt.Sprintf("%.1e", r.MaxRelErr)
 		}
-		rows = append(rows, []string{fmt.Sprint(r.Tokens), fmt.Sprint(r.Batch), fmt.Sprintf("%d/%d", r.QHeads, r.KVHeads), fmt.Sprint(r.HeadDim), chunk, fmt.Sprint(r.TPR), map[bool]string{true: "tree", false: "subgroup"}[r.Tree],
+		rows = append(rows, []string{fmt.Sprint(r.Tokens), fmt.Sprint(r.Batch), fmt.Sprintf("%d/%d", r.QHeads, r.KVHeads), fmt.Sprint(r.HeadDim), chunk, variantName(r.Kernel),
 			fmt.Sprintf("%.1f", r.MedianUs), fmt.Sprintf("%.1f", r.P10Us), fmt.Sprintf("%.1f", r.P90Us), fmt.Sprintf("%.1f", float64(r.KVBytes)/1e6), fmt.Sprintf("%.0f", r.GBps), errCol})
 	}
-	table(os.Stdout, []string{"tokens", "batch", "heads q/kv", "dim", "chunk", "tpr", "reduce", "median µs", "p10 µs", "p90 µs", "K+V MB", "GB/s", "rel err"}, rows)
+	table(os.Stdout, []string{"tokens", "batch", "heads q/kv", "dim", "chunk", "kernel", "median µs", "p10 µs", "p90 µs", "K+V MB", "GB/s", "rel err"}, rows)
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "attn "+fmt.Sprint(args), info, results)
 	}
@@ -172,9 +166,9 @@ func attnTime(dense *sparse.Dense, layers []*kvcache.Layer, q []float32, k0, v0 
 	defer func() { dense.ChunkTokens = 0 }()
 	var out []attnResult
 	for _, chunk := range chunks {
-		prog.step(fmt.Sprintf("attn n=%d batch=%d chunk=%d tpr=%d", n, batch, chunk, dense.ThreadsPerRow()))
+		prog.step(fmt.Sprintf("attn n=%d batch=%d chunk=%d %s", n, batch, chunk, variantName(dense.Options())))
 		dense.ChunkTokens = chunk
-		r := attnResult{Tokens: n, Batch: batch, QHeads: heads.Query, KVHeads: heads.KV, HeadDim: heads.Dim, Chunk: chunk, TPR: dense.ThreadsPerRow(), Tree: dense.TreeReduce(), Reps: reps,
+		r := attnResult{Tokens: n, Batch: batch, QHeads: heads.Query, KVHeads: heads.KV, HeadDim: heads.Dim, Chunk: chunk, Kernel: dense.Options(), Reps: reps,
 			KVBytes: uint64(batch) * uint64(n) * uint64(heads.KV*heads.Dim) * 4}
 		if check {
 			got, err := plan.Attend(q)
@@ -218,4 +212,47 @@ func maxRelErr(want []float64, got []float32, dim int) float64 {
 		worst = math.Max(worst, e)
 	}
 	return worst
+}
+
+// parseVariants reads the -variants flag.
+func parseVariants(s string) ([]sparse.DenseOptions, error) {
+	if strings.TrimSpace(s) == "" {
+		return []sparse.DenseOptions{{}}, nil
+	}
+	var out []sparse.DenseOptions
+	for _, v := range strings.Split(s, ";") {
+		var o sparse.DenseOptions
+		for _, kv := range strings.Split(v, ",") {
+			key, val, ok := strings.Cut(strings.TrimSpace(kv), "=")
+			n, err := strconv.Atoi(val)
+			if !ok || err != nil || n < 0 {
+				return nil, fmt.Errorf("%q is not key=N", kv)
+			}
+			switch key {
+			case "tpr":
+				o.ThreadsPerRow = n
+			case "tree":
+				o.TreeReduce = n != 0
+			case "wg":
+				o.Workgroup = n
+			case "chunkmax":
+				o.ChunkMax = n
+			case "unroll":
+				o.Unroll = n
+			default:
+				return nil, fmt.Errorf("unknown key %q", key)
+			}
+		}
+		out = append(out, o)
+	}
+	return out, nil
+}
+
+// variantName is a short label of a kernel's options.
+func variantName(o sparse.DenseOptions) string {
+	r := "sg"
+	if o.TreeReduce {
+		r = "tree"
+	}
+	return fmt.Sprintf("tpr%d/wg%d/cm%d/u%d/%s", o.ThreadsPerRow, o.Workgroup, o.ChunkMax, o.Unroll, r)
 }
