@@ -23,6 +23,11 @@ layout(constant_id = 4) const uint TPR = 1;
 layout(constant_id = 5) const uint SUBGROUP_REDUCE = 0;
 // UNROLL value rows are loaded together by each thread before use.
 layout(constant_id = 6) const uint UNROLL = 4;
+// Shared floats for scores (at least GROUP * CHUNK_MAX, and at least 8 * WG
+// since the final lane sums reuse them) and for reductions (at least
+// GROUP * WG with the tree, GROUP * number of subgroups with subgroups).
+layout(constant_id = 7) const uint SCORE_SLOTS = 4096;
+layout(constant_id = 8) const uint REDUCE_SLOTS = 1024;
 
 const uint DV = D / 8;  // uvec4 words per row
 const uint D4 = D / 4;  // vec4 per query row
@@ -46,8 +51,8 @@ layout(push_constant) uniform Push {
 } pc;
 
 shared vec4 qs[GROUP * D4];
-shared float sc[GROUP * CHUNK_MAX];
-shared float red[8 * WG];
+shared float sc[SCORE_SLOTS];
+shared float red[REDUCE_SLOTS];
 
 // combine returns op over the workgroup of x[g] for each g (op: 0 max, 1 sum).
 void combine(inout float x[GROUP], uint op) {
@@ -55,12 +60,12 @@ void combine(inout float x[GROUP], uint op) {
 	if (SUBGROUP_REDUCE != 0) {
 		[[unroll]] for (uint g = 0; g < GROUP; g++) x[g] = op == 0 ? subgroupMax(x[g]) : subgroupAdd(x[g]);
 		if (subgroupElect()) {
-			[[unroll]] for (uint g = 0; g < GROUP; g++) red[g * WG + gl_SubgroupID] = x[g];
+			[[unroll]] for (uint g = 0; g < GROUP; g++) red[g * gl_NumSubgroups + gl_SubgroupID] = x[g];
 		}
 		barrier();
 		[[unroll]] for (uint g = 0; g < GROUP; g++) {
-			float r = red[g * WG];
-			for (uint i = 1; i < gl_NumSubgroups; i++) r = op == 0 ? max(r, red[g * WG + i]) : r + red[g * WG + i];
+			float r = red[g * gl_NumSubgroups];
+			for (uint i = 1; i < gl_NumSubgroups; i++) r = op == 0 ? max(r, red[g * gl_NumSubgroups + i]) : r + red[g * gl_NumSubgroups + i];
 			x[g] = r;
 		}
 	} else {
@@ -176,17 +181,18 @@ void main() {
 		}
 	}
 
-	// Sum the lanes, one head at a time: red holds the eight dimensions of
-	// every thread.
+	// Sum the lanes, one head at a time: the score slots, no longer needed,
+	// hold the eight dimensions of every thread.
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
+	barrier();
 	[[unroll]] for (uint g = 0; g < GROUP; g++) {
-		[[unroll]] for (uint j = 0; j < 8; j++) red[j * WG + tid] = lane < LANES ? acc[2 * g + j / 4][j % 4] : 0.0;
+		[[unroll]] for (uint j = 0; j < 8; j++) sc[j * WG + tid] = lane < LANES ? acc[2 * g + j / 4][j % 4] : 0.0;
 		barrier();
 		for (uint i = tid; i < D; i += WG) {
 			uint j = i / DV;
 			uint d = i % DV;
 			float sum = 0.0;
-			for (uint ln = 0; ln < LANES; ln++) sum += red[j * WG + ln * DV + d];
+			for (uint ln = 0; ln < LANES; ln++) sum += sc[j * WG + ln * DV + d];
 			po[(base + g * pc.maxChunks) * D + d * 8 + j] = sum;
 		}
 		barrier();

@@ -40,9 +40,9 @@ type DenseOptions struct {
 	// Workgroup is the threads per workgroup (a power of two); 0 = 256.
 	Workgroup int
 	// ChunkMax bounds the tokens per chunk (the shared score buffer holds
-	// group × ChunkMax floats); 0 = 4096 / group.
+	// group × ChunkMax floats); 0 = 2048 / group.
 	ChunkMax int
-	// Unroll is how many value rows a thread loads at once; 0 = 4.
+	// Unroll is how many value rows a thread loads at once; 0 = 8.
 	Unroll int
 }
 
@@ -56,7 +56,7 @@ func boolWord(b bool) uint32 {
 // Limits of the dense kernels.
 const (
 	denseWorkgroup   = 256
-	scoreSlots       = 4096 // shared floats for scores: group × chunk
+	scoreBudget      = 2048 // default shared floats for scores: group × chunk
 	defaultMaxChunk  = 512  // chunk slots per (sequence, head)
 	targetWorkgroups = 2048
 )
@@ -102,26 +102,32 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	}
 	chunkMax := opts.ChunkMax
 	if chunkMax == 0 {
-		chunkMax = scoreSlots / group
+		chunkMax = scoreBudget / group
 	}
 	unroll := max(opts.Unroll, 0)
 	if unroll == 0 {
-		unroll = 4
+		unroll = 8
 	}
-	shared := 4 * (group*heads.Dim + group*chunkMax + 8*wg)
+	tree := !info.SubgroupArithmetic || info.SubgroupSize < 4 || opts.TreeReduce
+	scoreSlots := max(group*chunkMax, 8*wg)
+	reduceSlots := group * wg
+	if !tree {
+		reduceSlots = group * wg / 4 // one slot per subgroup of at least 4
+	}
+	shared := 4 * (group*heads.Dim + scoreSlots + reduceSlots)
 	switch {
 	case wg&(wg-1) != 0 || wg > int(info.MaxWorkgroupInvocations) || wg < heads.Dim/8 || wg < 32:
 		return nil, fmt.Errorf("%w: workgroup of %d threads (a power of two from %d to %d)", vk.ErrUnsupported, wg, max(32, heads.Dim/8), info.MaxWorkgroupInvocations)
 	case chunkMax <= 0 || shared > int(info.SharedMemoryBytes):
 		return nil, fmt.Errorf("%w: chunks of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, chunkMax, shared, info.SharedMemoryBytes)
 	}
-	d := &Dense{dev: dev, heads: heads, group: group, chunkMax: chunkMax, workgroup: wg, tpr: tpr, tree: !info.SubgroupArithmetic || opts.TreeReduce, opts: opts}
+	d := &Dense{dev: dev, heads: heads, group: group, chunkMax: chunkMax, workgroup: wg, tpr: tpr, tree: tree, opts: opts}
 	code, err := shaders.SPIRV("attend_partial")
 	if err != nil {
 		return nil, err
 	}
 	d.partial, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial", SPIRV: code, Bindings: 5, PushWords: 9,
-		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.chunkMax), uint32(tpr), boolWord(!d.tree), uint32(unroll)}})
+		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.chunkMax), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots)}})
 	if err != nil {
 		return nil, err
 	}
@@ -147,7 +153,9 @@ func (d *Dense) ThreadsPerRow() int { return d.tpr }
 func (d *Dense) Options() DenseOptions {
 	o := d.opts
 	o.ThreadsPerRow, o.TreeReduce, o.Workgroup, o.ChunkMax = d.tpr, d.tree, d.workgroup, d.chunkMax
-	o.Unroll = max(o.Unroll, 4)
+	if o.Unroll == 0 {
+		o.Unroll = 8
+	}
 	return o
 }
 
