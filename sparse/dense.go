@@ -58,7 +58,7 @@ const (
 	denseWorkgroup   = 256
 	scoreBudget      = 2048 // default shared floats for scores: group × chunk
 	defaultMaxChunk  = 512  // chunk slots per (sequence, head)
-	targetWorkgroups = 2048
+	targetWorkgroups = 512
 )
 
 // NewDense compiles the dense attention kernels for heads.
@@ -178,18 +178,19 @@ func (d *Dense) Release() error {
 // DensePlan holds the buffers and bindings that attend one batch of
 // sequences; record it again after the sequences grow.
 type DensePlan struct {
-	d         *Dense
-	seqs      []*kvcache.Layer
-	maxChunks int
-	query     *vk.Buffer
-	partO     *vk.Buffer
-	partML    *vk.Buffer
-	chunks    *vk.Buffer
-	out       *vk.Buffer
-	segments  [][]segment // per sequence: KV head ranges bound together
-	mergeBind *vk.Binding
-	cmd       *vk.Commands
-	stamps    *vk.Timestamps
+	d          *Dense
+	seqs       []*kvcache.Layer
+	maxChunks  int
+	query      *vk.Buffer
+	partO      *vk.Buffer
+	partML     *vk.Buffer
+	chunks     *vk.Buffer
+	out        *vk.Buffer
+	segments   [][]segment // per sequence: KV head ranges bound together
+	mergeBind  *vk.Binding
+	cmd        *vk.Commands
+	stamps     *vk.Timestamps
+	stampCount int
 	// lastChunks is what the chunks buffer holds.
 	lastChunks []uint32
 }
@@ -294,7 +295,7 @@ func (p *DensePlan) chunkFor(n int) int {
 		}
 		blocks := d.heads.KV * (d.heads.Group() / d.group)
 		c = ceilDiv(total*blocks, targetWorkgroups)
-		c = ceilDiv(c, 32) * 32
+		c = ceilDiv(c, 64) * 64
 	}
 	c = max(c, ceilDiv(n, p.maxChunks))
 	return max(1, min(c, d.chunkMax))
@@ -351,7 +352,7 @@ func (p *DensePlan) Attend(q []float32) ([]float32, error) {
 	if err := p.SetQuery(q); err != nil {
 		return nil, err
 	}
-	if err := p.run(nil); err != nil {
+	if err := p.run(); err != nil {
 		return nil, err
 	}
 	out := make([]float32, len(q))
@@ -361,21 +362,14 @@ func (p *DensePlan) Attend(q []float32) ([]float32, error) {
 // Output returns the buffer the attention output lands in.
 func (p *DensePlan) Output() *vk.Buffer { return p.out }
 
-func (p *DensePlan) run(stamps *vk.Timestamps) error {
+func (p *DensePlan) run() error {
 	c := p.cmd
 	if err := c.Begin(); err != nil {
 		return err
 	}
-	if stamps != nil {
-		c.Reset(stamps)
-		c.Timestamp(stamps, 0)
-	}
 	if err := p.Record(c); err != nil {
 		c.End()
 		return err
-	}
-	if stamps != nil {
-		c.Timestamp(stamps, 1)
 	}
 	if err := c.End(); err != nil {
 		return err
@@ -383,29 +377,49 @@ func (p *DensePlan) run(stamps *vk.Timestamps) error {
 	return c.Submit()
 }
 
-// Time runs the attention warmup+reps times and returns the GPU times of
-// the timed runs (timestamp queries), sorted.
+// Time records warmup+reps back-to-back runs of the attention in one
+// submission, with a timestamp after each, so the GPU stays busy as in a
+// decode loop; it returns the GPU times of the timed runs, sorted.
 func (p *DensePlan) Time(warmup, reps int) ([]time.Duration, error) {
-	if p.stamps == nil {
-		s, err := p.d.dev.NewTimestamps(2)
+	if reps <= 0 {
+		return nil, fmt.Errorf("sparse: Time needs at least one timed run")
+	}
+	total := warmup + reps
+	if p.stamps == nil || p.stampCount < total+1 {
+		if p.stamps != nil {
+			p.stamps.Release()
+		}
+		s, err := p.d.dev.NewTimestamps(total + 1)
 		if err != nil {
 			return nil, err
 		}
-		p.stamps = s
+		p.stamps, p.stampCount = s, total+1
 	}
-	var times []time.Duration
-	for i := 0; i < warmup+reps; i++ {
-		if err := p.run(p.stamps); err != nil {
+	c := p.cmd
+	if err := c.Begin(); err != nil {
+		return nil, err
+	}
+	c.Reset(p.stamps)
+	c.Timestamp(p.stamps, 0)
+	for i := 0; i < total; i++ {
+		c.Barrier() // the previous run's partial results are rewritten
+		if err := p.Record(c); err != nil {
+			c.End()
 			return nil, err
 		}
-		if i >= warmup {
-			el, err := p.stamps.Elapsed(0, 1)
-			if err != nil {
-				return nil, err
-			}
-			times = append(times, el)
-		}
+		c.Timestamp(p.stamps, i+1)
 	}
+	if err := c.End(); err != nil {
+		return nil, err
+	}
+	if err := c.Submit(); err != nil {
+		return nil, err
+	}
+	ticks, err := p.stamps.Durations()
+	if err != nil {
+		return nil, err
+	}
+	times := ticks[1+warmup:]
 	sort.Slice(times, func(i, j int) bool { return times[i] < times[j] })
 	return times, nil
 }

@@ -218,19 +218,46 @@ func (c *Commands) Timestamp(t *Timestamps, i int) {
 	vk.CmdWriteTimestamp(c.cb, vk.PipelineStageBottomOfPipeBit, t.pool, uint32(i))
 }
 
-// Elapsed returns the time between queries i and j of the last submission.
-func (t *Timestamps) Elapsed(i, j int) (time.Duration, error) {
+// read returns the raw ticks of the last submission.
+func (t *Timestamps) read() ([]uint64, error) {
 	ticks := make([]uint64, t.n)
-	if err := check("vkGetQueryPoolResults", vk.GetQueryPoolResults(t.dev.device, t.pool, 0, t.n, uint(8*t.n), unsafe.Pointer(&ticks[0]), 8, vk.QueryResultFlags(vk.QueryResult64Bit|vk.QueryResultWaitBit))); err != nil {
-		return 0, err
+	flags := vk.QueryResultFlags(vk.QueryResult64Bit | vk.QueryResultWaitBit)
+	if err := check("vkGetQueryPoolResults", vk.GetQueryPoolResults(t.dev.device, t.pool, 0, t.n, uint(8*t.n), unsafe.Pointer(&ticks[0]), 8, flags)); err != nil {
+		return nil, err
 	}
+	return ticks, nil
+}
+
+func (t *Timestamps) between(ticks []uint64, i, j int) time.Duration {
 	bits := t.dev.info.TimestampValidBits
 	mask := uint64(math.MaxUint64)
 	if bits < 64 {
 		mask = 1<<bits - 1
 	}
-	delta := (ticks[j] - ticks[i]) & mask
-	return time.Duration(float64(delta) * t.dev.info.TimestampPeriodNs), nil
+	return time.Duration(float64((ticks[j]-ticks[i])&mask) * t.dev.info.TimestampPeriodNs)
+}
+
+// Elapsed returns the time between queries i and j of the last submission.
+func (t *Timestamps) Elapsed(i, j int) (time.Duration, error) {
+	ticks, err := t.read()
+	if err != nil {
+		return 0, err
+	}
+	return t.between(ticks, i, j), nil
+}
+
+// Durations returns, for every query i > 0 of the last submission, the
+// time since query i-1 (element 0 is zero).
+func (t *Timestamps) Durations() ([]time.Duration, error) {
+	ticks, err := t.read()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]time.Duration, t.n)
+	for i := 1; i < int(t.n); i++ {
+		out[i] = t.between(ticks, i-1, i)
+	}
+	return out, nil
 }
 
 // Release destroys the pool.
