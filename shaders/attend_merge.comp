@@ -1,4 +1,5 @@
 #version 450
+#extension GL_EXT_control_flow_attributes : enable
 // Split-K decode attention, merge pass. One workgroup per (query head,
 // sequence) combines the chunks' (m, l, o) into
 // out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M = max_c m_c.
@@ -59,7 +60,18 @@ void main() {
 	uint j = tid % D4;
 	vec4 acc = vec4(0.0);
 	if (lane < CL) {
-		for (uint c = lane; c < n; c += CL) acc += exp(pml[base + c].x - M) * po[(base + c) * D4 + j];
+		// Eight chunks' loads in flight at a time.
+		uint c = lane;
+		for (; c + 7 * CL < n; c += 8 * CL) {
+			vec4 o8[8];
+			float m8[8];
+			[[unroll]] for (uint r = 0; r < 8; r++) {
+				o8[r] = po[(base + c + r * CL) * D4 + j];
+				m8[r] = pml[base + c + r * CL].x;
+			}
+			[[unroll]] for (uint r = 0; r < 8; r++) acc += exp(m8[r] - M) * o8[r];
+		}
+		for (; c < n; c += CL) acc += exp(pml[base + c].x - M) * po[(base + c) * D4 + j];
 	}
 	part[tid] = acc;
 	barrier();

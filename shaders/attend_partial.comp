@@ -2,7 +2,8 @@
 // Split-K decode attention, partial pass. One workgroup takes one chunk of
 // tokens of one KV head for GROUP of its query heads and writes, per query
 // head, the chunk's max m, sum l = sum_t exp(s_t - m) and unnormalised
-// output o = sum_t exp(s_t - m) v_t, where s_t = scale q·k_t.
+// output o = sum_t exp(s_t - m) v_t, where s_t = scale q·k_t. It walks the
+// chunk in tiles of up to TILE tokens with an online softmax.
 // K and V rows are fp16, packed two per 32-bit word.
 #extension GL_EXT_control_flow_attributes : enable
 #extension GL_KHR_shader_subgroup_basic : enable
@@ -13,7 +14,7 @@ layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 256;      // threads, a power of two
 layout(constant_id = 1) const uint D = 128;       // head dimension, multiple of 8
 layout(constant_id = 2) const uint GROUP = 4;     // query heads per workgroup, <= 8
-layout(constant_id = 3) const uint CHUNK_MAX = 1024;
+layout(constant_id = 3) const uint TILE = 512;     // tokens per tile
 // TPR threads share a K row in the score pass and sum their partial dot
 // products with subgroup shuffles; the host sets TPR = 1 (no shuffles)
 // unless the subgroup size is a multiple of TPR and shuffles are supported.
@@ -23,7 +24,7 @@ layout(constant_id = 4) const uint TPR = 1;
 layout(constant_id = 5) const uint SUBGROUP_REDUCE = 0;
 // UNROLL value rows are loaded together by each thread before use.
 layout(constant_id = 6) const uint UNROLL = 4;
-// Shared floats for scores (at least GROUP * CHUNK_MAX, and at least 8 * WG
+// Shared floats for scores (at least GROUP * TILE, and at least 8 * WG
 // since the final lane sums reuse them) and for reductions (at least
 // GROUP * WG with the tree, GROUP * number of subgroups with subgroups).
 layout(constant_id = 7) const uint SCORE_SLOTS = 4096;
@@ -43,7 +44,7 @@ layout(push_constant) uniform Push {
 	uint headStride;  // uvec4 words between consecutive KV heads in Keys/Values
 	uint kvBase;      // index of the bound range's first KV head
 	uint seq;         // sequence index in the batch
-	uint chunk;       // tokens per chunk, <= CHUNK_MAX
+	uint chunk;       // tokens per chunk
 	uint maxChunks;   // chunk slots per (sequence, head) in the partial buffers
 	float scale;      // multiplies q·k
 	uint qHeads;      // query heads per sequence
@@ -89,102 +90,122 @@ void main() {
 	uint headBlocks = pc.groupSize / GROUP;
 	uint kvLocal = gl_WorkGroupID.y / headBlocks;
 	uint h0 = (pc.kvBase + kvLocal) * pc.groupSize + (gl_WorkGroupID.y % headBlocks) * GROUP;
-	uint t0 = c * pc.chunk;
-	uint len = min(pc.chunk, pc.n - t0);
-	uint rowBase = kvLocal * pc.headStride + t0 * DV;  // in uvec4 words
+	uint chunkStart = c * pc.chunk;
+	uint chunkEnd = min(chunkStart + pc.chunk, pc.n);
 
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
 	}
 	barrier();
 
-	// Scores: TPR adjacent threads read one row, uvec4 j*TPR + sub each, so a
-	// load instruction of a subgroup covers whole 16-byte runs of rows.
-	const uint ROWS = WG / TPR;
-	const uint VPT = DV / TPR;
+	const uint ROWS = WG / TPR;  // rows scored at once
+	const uint VPT = DV / TPR;   // uvec4 per thread per row
+	const uint LANES = WG / DV;  // rows weighted at once
 	uint sub = tid % TPR;
-	float m[GROUP];
-	[[unroll]] for (uint g = 0; g < GROUP; g++) m[g] = -1.0 / 0.0;
-	for (uint pass = 0; pass < len; pass += ROWS) {
-		uint t = pass + tid / TPR;
-		float s[GROUP];
-		[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] = 0.0;
-		if (t < len) {
-			uint row = rowBase + t * DV;
-			uvec4 w[VPT];
-			[[unroll]] for (uint j = 0; j < VPT; j++) w[j] = k[row + j * TPR + sub];
-			[[unroll]] for (uint j = 0; j < VPT; j++) {
-				uint u = j * TPR + sub;
-				vec4 a = vec4(unpackHalf2x16(w[j].x), unpackHalf2x16(w[j].y));
-				vec4 b = vec4(unpackHalf2x16(w[j].z), unpackHalf2x16(w[j].w));
-				[[unroll]] for (uint g = 0; g < GROUP; g++)
-					s[g] += dot(a, qs[g * D4 + 2 * u]) + dot(b, qs[g * D4 + 2 * u + 1]);
-			}
-		}
-		if (TPR > 1) {
-			[[unroll]] for (uint o = TPR / 2; o > 0; o >>= 1) {
-				[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] += subgroupShuffleXor(s[g], o);
-			}
-		}
-		if (t < len && sub == 0) {
-			[[unroll]] for (uint g = 0; g < GROUP; g++) {
-				sc[g * CHUNK_MAX + t] = s[g];
-				m[g] = max(m[g], s[g]);
-			}
-		}
-	}
-	combine(m, 0);
-
-	// Weights p = exp(s - m) in place, and their sums.
-	float l[GROUP];
-	[[unroll]] for (uint g = 0; g < GROUP; g++) l[g] = 0.0;
-	for (uint t = tid; t < len; t += WG) {
-		[[unroll]] for (uint g = 0; g < GROUP; g++) {
-			float p = exp(sc[g * CHUNK_MAX + t] - m[g]);
-			sc[g * CHUNK_MAX + t] = p;
-			l[g] += p;
-		}
-	}
-	combine(l, 1);
-
-	// Weighted values: lane takes tokens lane, lane+LANES, ...; dg is its
-	// eight dimensions, so DV adjacent threads read a whole row.
-	const uint LANES = WG / DV;
 	uint lane = tid / DV;
 	uint dg = tid % DV;
-	vec4 acc[GROUP * 2];
-	[[unroll]] for (uint i = 0; i < GROUP * 2; i++) acc[i] = vec4(0.0);
-	if (lane < LANES) {
-		uint t = lane;
-		for (; t + (UNROLL - 1) * LANES < len; t += UNROLL * LANES) {
-			uvec4 w[UNROLL];
-			[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowBase + (t + r * LANES) * DV + dg];
-			[[unroll]] for (uint r = 0; r < UNROLL; r++) {
-				vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
-				vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
+	float m[GROUP];  // running max
+	float l[GROUP];  // running sum of exp(s - m)
+	vec4 acc[GROUP * 2];  // running output of this thread's eight dimensions
+	[[unroll]] for (uint g = 0; g < GROUP; g++) {
+		m[g] = -1.0 / 0.0;
+		l[g] = 0.0;
+		acc[2 * g] = vec4(0.0);
+		acc[2 * g + 1] = vec4(0.0);
+	}
+
+	for (uint t0 = chunkStart; t0 < chunkEnd; t0 += TILE) {
+		uint len = min(TILE, chunkEnd - t0);
+		uint rowBase = kvLocal * pc.headStride + t0 * DV;  // in uvec4 words
+
+		// Scores: TPR adjacent threads read one row, uvec4 j*TPR + sub each,
+		// so a load instruction covers whole 16-byte runs of rows.
+		float mt[GROUP];
+		[[unroll]] for (uint g = 0; g < GROUP; g++) mt[g] = m[g];
+		for (uint pass = 0; pass < len; pass += ROWS) {
+			uint t = pass + tid / TPR;
+			float s[GROUP];
+			[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] = 0.0;
+			if (t < len) {
+				uint row = rowBase + t * DV;
+				uvec4 w[VPT];
+				[[unroll]] for (uint j = 0; j < VPT; j++) w[j] = k[row + j * TPR + sub];
+				[[unroll]] for (uint j = 0; j < VPT; j++) {
+					uint u = j * TPR + sub;
+					vec4 a = vec4(unpackHalf2x16(w[j].x), unpackHalf2x16(w[j].y));
+					vec4 b = vec4(unpackHalf2x16(w[j].z), unpackHalf2x16(w[j].w));
+					[[unroll]] for (uint g = 0; g < GROUP; g++)
+						s[g] += dot(a, qs[g * D4 + 2 * u]) + dot(b, qs[g * D4 + 2 * u + 1]);
+				}
+			}
+			if (TPR > 1) {
+				[[unroll]] for (uint o = TPR / 2; o > 0; o >>= 1) {
+					[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] += subgroupShuffleXor(s[g], o);
+				}
+			}
+			if (t < len && sub == 0) {
 				[[unroll]] for (uint g = 0; g < GROUP; g++) {
-					float p = sc[g * CHUNK_MAX + t + r * LANES];
+					sc[g * TILE + t] = s[g];
+					mt[g] = max(mt[g], s[g]);
+				}
+			}
+		}
+		combine(mt, 0);  // the new running max
+
+		// Rescale what came before to the new max; weights p = exp(s - m).
+		float lt[GROUP];
+		[[unroll]] for (uint g = 0; g < GROUP; g++) {
+			float r = exp(m[g] - mt[g]);  // 0 on the first tile
+			l[g] *= r;
+			acc[2 * g] *= r;
+			acc[2 * g + 1] *= r;
+			m[g] = mt[g];
+			lt[g] = 0.0;
+		}
+		for (uint t = tid; t < len; t += WG) {
+			[[unroll]] for (uint g = 0; g < GROUP; g++) {
+				float p = exp(sc[g * TILE + t] - m[g]);
+				sc[g * TILE + t] = p;
+				lt[g] += p;
+			}
+		}
+		combine(lt, 1);
+		[[unroll]] for (uint g = 0; g < GROUP; g++) l[g] += lt[g];
+
+		// Weighted values: lane takes rows lane, lane+LANES, ...; dg is its
+		// eight dimensions, so DV adjacent threads read a whole row.
+		if (lane < LANES) {
+			uint t = lane;
+			for (; t + (UNROLL - 1) * LANES < len; t += UNROLL * LANES) {
+				uvec4 w[UNROLL];
+				[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowBase + (t + r * LANES) * DV + dg];
+				[[unroll]] for (uint r = 0; r < UNROLL; r++) {
+					vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
+					vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
+					[[unroll]] for (uint g = 0; g < GROUP; g++) {
+						float p = sc[g * TILE + t + r * LANES];
+						acc[2 * g] += p * a;
+						acc[2 * g + 1] += p * b;
+					}
+				}
+			}
+			for (; t < len; t += LANES) {
+				uvec4 w = v[rowBase + t * DV + dg];
+				vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+				vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+				[[unroll]] for (uint g = 0; g < GROUP; g++) {
+					float p = sc[g * TILE + t];
 					acc[2 * g] += p * a;
 					acc[2 * g + 1] += p * b;
 				}
 			}
 		}
-		for (; t < len; t += LANES) {
-			uvec4 w = v[rowBase + t * DV + dg];
-			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
-			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
-			[[unroll]] for (uint g = 0; g < GROUP; g++) {
-				float p = sc[g * CHUNK_MAX + t];
-				acc[2 * g] += p * a;
-				acc[2 * g + 1] += p * b;
-			}
-		}
+		barrier();  // the next tile overwrites the scores
 	}
 
 	// Sum the lanes, one head at a time: the score slots, no longer needed,
 	// hold the eight dimensions of every thread.
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
-	barrier();
 	[[unroll]] for (uint g = 0; g < GROUP; g++) {
 		[[unroll]] for (uint j = 0; j < 8; j++) sc[j * WG + tid] = lane < LANES ? acc[2 * g + j / 4][j % 4] : 0.0;
 		barrier();

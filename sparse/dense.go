@@ -18,7 +18,7 @@ type Dense struct {
 	dev       *vk.Device
 	heads     Heads
 	group     int // query heads per workgroup
-	chunkMax  int
+	tile      int
 	partial   *vk.Pipeline
 	merge     *vk.Pipeline
 	workgroup int
@@ -39,9 +39,9 @@ type DenseOptions struct {
 	TreeReduce bool
 	// Workgroup is the threads per workgroup (a power of two); 0 = 256.
 	Workgroup int
-	// ChunkMax bounds the tokens per chunk (the shared score buffer holds
-	// group × ChunkMax floats); 0 = 2048 / group.
-	ChunkMax int
+	// Tile is how many tokens a workgroup scores at once (the shared score
+	// buffer holds group × Tile floats); 0 = 2048 / group.
+	Tile int
 	// Unroll is how many value rows a thread loads at once; 0 = 8.
 	Unroll int
 }
@@ -100,16 +100,16 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	if wg == 0 {
 		wg = min(denseWorkgroup, int(info.MaxWorkgroupInvocations))
 	}
-	chunkMax := opts.ChunkMax
-	if chunkMax == 0 {
-		chunkMax = scoreBudget / group
+	tile := opts.Tile
+	if tile == 0 {
+		tile = scoreBudget / group
 	}
 	unroll := max(opts.Unroll, 0)
 	if unroll == 0 {
 		unroll = 8
 	}
 	tree := !info.SubgroupArithmetic || info.SubgroupSize < 4 || opts.TreeReduce
-	scoreSlots := max(group*chunkMax, 8*wg)
+	scoreSlots := max(group*tile, 8*wg)
 	reduceSlots := group * wg
 	if !tree {
 		reduceSlots = group * wg / 4 // one slot per subgroup of at least 4
@@ -118,16 +118,16 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	switch {
 	case wg&(wg-1) != 0 || wg > int(info.MaxWorkgroupInvocations) || wg < heads.Dim/8 || wg < 32:
 		return nil, fmt.Errorf("%w: workgroup of %d threads (a power of two from %d to %d)", vk.ErrUnsupported, wg, max(32, heads.Dim/8), info.MaxWorkgroupInvocations)
-	case chunkMax <= 0 || shared > int(info.SharedMemoryBytes):
-		return nil, fmt.Errorf("%w: chunks of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, chunkMax, shared, info.SharedMemoryBytes)
+	case tile <= 0 || shared > int(info.SharedMemoryBytes):
+		return nil, fmt.Errorf("%w: tiles of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, tile, shared, info.SharedMemoryBytes)
 	}
-	d := &Dense{dev: dev, heads: heads, group: group, chunkMax: chunkMax, workgroup: wg, tpr: tpr, tree: tree, opts: opts}
+	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, tree: tree, opts: opts}
 	code, err := shaders.SPIRV("attend_partial")
 	if err != nil {
 		return nil, err
 	}
 	d.partial, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial", SPIRV: code, Bindings: 5, PushWords: 9,
-		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.chunkMax), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots)}})
+		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots)}})
 	if err != nil {
 		return nil, err
 	}
@@ -152,7 +152,7 @@ func (d *Dense) ThreadsPerRow() int { return d.tpr }
 // Options returns the options the kernels were built with (zero: chosen).
 func (d *Dense) Options() DenseOptions {
 	o := d.opts
-	o.ThreadsPerRow, o.TreeReduce, o.Workgroup, o.ChunkMax = d.tpr, d.tree, d.workgroup, d.chunkMax
+	o.ThreadsPerRow, o.TreeReduce, o.Workgroup, o.Tile = d.tpr, d.tree, d.workgroup, d.tile
 	if o.Unroll == 0 {
 		o.Unroll = 8
 	}
@@ -213,7 +213,7 @@ func (d *Dense) Plan(seqs []*kvcache.Layer) (*DensePlan, error) {
 		}
 		maxCap = max(maxCap, s.Capacity())
 	}
-	p := &DensePlan{d: d, seqs: seqs, maxChunks: max(defaultMaxChunk, ceilDiv(maxCap, d.chunkMax))}
+	p := &DensePlan{d: d, seqs: seqs, maxChunks: defaultMaxChunk}
 	if err := p.allocate(); err != nil {
 		p.Release()
 		return nil, err
@@ -297,8 +297,7 @@ func (p *DensePlan) chunkFor(n int) int {
 		c = ceilDiv(total*blocks, targetWorkgroups)
 		c = ceilDiv(c, 64) * 64
 	}
-	c = max(c, ceilDiv(n, p.maxChunks))
-	return max(1, min(c, d.chunkMax))
+	return max(c, 1, ceilDiv(n, p.maxChunks))
 }
 
 // SetQuery uploads the queries, [batch][Hq][D] float32, after checking them.

@@ -86,13 +86,15 @@ func TestDenseMatchesReference(t *testing.T) {
 		{Heads{3, 3, 72}, 513, 1, 100},
 		{Heads{2, 1, 256}, 300, 1, 0},
 		{Heads{12, 1, 8}, 257, 2, 0},
-		{Heads{32, 2, 16}, 90, 1, 0}, // 16 query heads per KV head: two blocks of 8
+		{Heads{32, 2, 16}, 90, 1, 0},       // 16 query heads per KV head: two blocks of 8
+		{Heads{8, 2, 64}, 5000, 2, 2000},   // chunks of several tiles
+		{Heads{4, 1, 128}, 3001, 40, 3001}, // one chunk of many tiles, huge logits
 	}
 	for _, c := range cases {
 		// Both variants: one thread per row with tree reductions, and rows
 		// shared by threads that sum with subgroup operations (where the
 		// device has them).
-		variants := []DenseOptions{{ThreadsPerRow: 1, TreeReduce: true}}
+		variants := []DenseOptions{{ThreadsPerRow: 1, TreeReduce: true}, {Tile: 64}}
 		info := dev.Info()
 		if tpr := threadsPerRow(info, c.heads.Dim); tpr > 1 || info.SubgroupArithmetic {
 			variants = append(variants, DenseOptions{ThreadsPerRow: tpr})

@@ -41,7 +41,7 @@ func attn(args []string) error {
 	dim := fs.Int("dim", 128, "head dimension")
 	batches := fs.String("batch", "1", "batch sizes (comma-separated)")
 	chunks := fs.String("chunk", "0", "tokens per chunk to try (comma-separated; 0 = automatic)")
-	variants := fs.String("variants", "", "kernel variants to compare, ';'-separated, each a ','-separated list of tpr=N, tree=0|1, wg=N, chunkmax=N, unroll=N (empty: chosen for the device)")
+	variants := fs.String("variants", "", "kernel variants to compare, ';'-separated, each a ','-separated list of tpr=N, tree=0|1, wg=N, tile=N, unroll=N (empty: chosen for the device)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	warmup := fs.Int("warmup", 10, "untimed runs before timing")
 	check := fs.Bool("check", true, "compare the first sequence with the float64 reference")
@@ -183,6 +183,12 @@ func attnTime(dense *sparse.Dense, layers []*kvcache.Layer, q []float32, k0, v0 
 		} else if err := plan.SetQuery(q); err != nil {
 			return nil, err
 		}
+		// Keep the GPU busy a while first, so its clocks have risen.
+		for spin := time.Now(); time.Since(spin) < 300*time.Millisecond; {
+			if _, err := plan.Time(0, 20); err != nil {
+				return nil, err
+			}
+		}
 		times, err := plan.Time(warmup, reps)
 		if err != nil {
 			return nil, err
@@ -235,8 +241,8 @@ func parseVariants(s string) ([]sparse.DenseOptions, error) {
 				o.TreeReduce = n != 0
 			case "wg":
 				o.Workgroup = n
-			case "chunkmax":
-				o.ChunkMax = n
+			case "tile":
+				o.Tile = n
 			case "unroll":
 				o.Unroll = n
 			default:
@@ -254,5 +260,5 @@ func variantName(o sparse.DenseOptions) string {
 	if o.TreeReduce {
 		r = "tree"
 	}
-	return fmt.Sprintf("tpr%d/wg%d/cm%d/u%d/%s", o.ThreadsPerRow, o.Workgroup, o.ChunkMax, o.Unroll, r)
+	return fmt.Sprintf("tpr%d/wg%d/tile%d/u%d/%s", o.ThreadsPerRow, o.Workgroup, o.Tile, o.Unroll, r)
 }
