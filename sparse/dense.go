@@ -414,7 +414,7 @@ func (p *DensePlan) Time(warmup, reps int) ([]time.Duration, error) {
 	if err := c.Submit(); err != nil {
 		return nil, err
 	}
-	ticks, err := p.stamps.Durations()
+	ticks, err := p.stamps.Durations(total + 1)
 	if err != nil {
 		return nil, err
 	}

@@ -148,6 +148,9 @@ func (c *Commands) Copy(src, dst Range) {
 	vk.CmdCopyBuffer(c.cb, src.Buffer.buffer, dst.Buffer.buffer, 1, []vk.BufferCopy{{SrcOffset: vk.DeviceSize(src.Offset), DstOffset: vk.DeviceSize(dst.Offset), Size: vk.DeviceSize(src.Size)}})
 }
 
+// SubmitTimeout bounds how long Submit waits for the GPU.
+var SubmitTimeout = 2 * time.Minute
+
 // Submit runs the recorded commands and waits for them to finish.
 func (c *Commands) Submit() error {
 	si := []vk.SubmitInfo{{SType: vk.StructureTypeSubmitInfo, CommandBufferCount: 1, PCommandBuffers: []vk.CommandBuffer{c.cb}}}
@@ -155,7 +158,7 @@ func (c *Commands) Submit() error {
 		return err
 	}
 	fences := []vk.Fence{c.fence}
-	if err := check("vkWaitForFences", vk.WaitForFences(c.dev.device, 1, fences, vk.True, math.MaxUint64)); err != nil {
+	if err := check("vkWaitForFences", vk.WaitForFences(c.dev.device, 1, fences, vk.True, uint64(SubmitTimeout.Nanoseconds()))); err != nil {
 		return err
 	}
 	return check("vkResetFences", vk.ResetFences(c.dev.device, 1, fences))
@@ -218,11 +221,17 @@ func (c *Commands) Timestamp(t *Timestamps, i int) {
 	vk.CmdWriteTimestamp(c.cb, vk.PipelineStageBottomOfPipeBit, t.pool, uint32(i))
 }
 
-// read returns the raw ticks of the last submission.
-func (t *Timestamps) read() ([]uint64, error) {
-	ticks := make([]uint64, t.n)
-	flags := vk.QueryResultFlags(vk.QueryResult64Bit | vk.QueryResultWaitBit)
-	if err := check("vkGetQueryPoolResults", vk.GetQueryPoolResults(t.dev.device, t.pool, 0, t.n, uint(8*t.n), unsafe.Pointer(&ticks[0]), 8, flags)); err != nil {
+// read returns the raw ticks of queries 0..n-1 of the last submission,
+// which must all have been written (reading waits for them).
+func (t *Timestamps) read(n int) ([]uint64, error) {
+	if n <= 0 || n > int(t.n) {
+		return nil, fmt.Errorf("vk: reading %d timestamps of a pool of %d", n, t.n)
+	}
+	ticks := make([]uint64, n)
+	// Submit has waited for the fence, so written queries are available; an
+	// unwritten one fails with VK_NOT_READY instead of waiting forever.
+	flags := vk.QueryResultFlags(vk.QueryResult64Bit)
+	if err := check("vkGetQueryPoolResults", vk.GetQueryPoolResults(t.dev.device, t.pool, 0, uint32(n), uint(8*n), unsafe.Pointer(&ticks[0]), 8, flags)); err != nil {
 		return nil, err
 	}
 	return ticks, nil
@@ -239,22 +248,22 @@ func (t *Timestamps) between(ticks []uint64, i, j int) time.Duration {
 
 // Elapsed returns the time between queries i and j of the last submission.
 func (t *Timestamps) Elapsed(i, j int) (time.Duration, error) {
-	ticks, err := t.read()
+	ticks, err := t.read(max(i, j) + 1)
 	if err != nil {
 		return 0, err
 	}
 	return t.between(ticks, i, j), nil
 }
 
-// Durations returns, for every query i > 0 of the last submission, the
+// Durations returns, for every query 0 < i < n of the last submission, the
 // time since query i-1 (element 0 is zero).
-func (t *Timestamps) Durations() ([]time.Duration, error) {
-	ticks, err := t.read()
+func (t *Timestamps) Durations(n int) ([]time.Duration, error) {
+	ticks, err := t.read(n)
 	if err != nil {
 		return nil, err
 	}
-	out := make([]time.Duration, t.n)
-	for i := 1; i < int(t.n); i++ {
+	out := make([]time.Duration, n)
+	for i := 1; i < n; i++ {
 		out[i] = t.between(ticks, i-1, i)
 	}
 	return out, nil

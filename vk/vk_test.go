@@ -102,6 +102,11 @@ func TestDispatchAndTimestamps(t *testing.T) {
 	el, err := ts.Elapsed(0, 1)
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, el.Nanoseconds(), int64(0))
+	ds, err := ts.Durations(2)
+	require.NoError(t, err)
+	require.Equal(t, el, ds[1])
+	_, err = ts.Durations(3)
+	require.Error(t, err, "more queries than the pool holds")
 
 	// Recording errors surface at End, before anything runs.
 	err = dev.Run(func(c *vk.Commands) { c.Dispatch(pipe, bind, []uint32{1}, 1, 1, 1) })
