@@ -56,7 +56,7 @@ func boolWord(b bool) uint32 {
 // Limits of the dense kernels.
 const (
 	denseWorkgroup   = 256
-	scoreBudget      = 2048 // default shared floats for scores: group × chunk
+	scoreBudget      = 4096 // default shared floats for scores: group × tile
 	defaultMaxChunk  = 512  // chunk slots per (sequence, head)
 	targetWorkgroups = 512
 )
@@ -283,8 +283,10 @@ func (p *DensePlan) Release() error {
 	return nil
 }
 
-// chunkFor picks tokens per chunk for a sequence of n tokens: enough
-// workgroups to fill the device, within the chunk slots and shared memory.
+// chunkFor picks tokens per chunk for a sequence of n tokens: about 512
+// workgroups in all, but chunks of at least a tile (or of a quarter of that
+// many workgroups' share) so that long contexts are not split finer than
+// pays; at most maxChunks chunks per sequence.
 func (p *DensePlan) chunkFor(n int) int {
 	d := p.d
 	c := d.ChunkTokens
@@ -294,8 +296,9 @@ func (p *DensePlan) chunkFor(n int) int {
 			total += s.Len()
 		}
 		blocks := d.heads.KV * (d.heads.Group() / d.group)
-		c = ceilDiv(total*blocks, targetWorkgroups)
-		c = ceilDiv(c, 64) * 64
+		fine := ceilDiv(ceilDiv(total*blocks, targetWorkgroups), 64) * 64
+		coarse := ceilDiv(ceilDiv(total*blocks, targetWorkgroups/4), 64) * 64
+		c = max(fine, min(d.tile, coarse))
 	}
 	return max(c, 1, ceilDiv(n, p.maxChunks))
 }
