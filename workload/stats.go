@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"sort"
+	"sync"
 
 	"github.com/x448/float16"
 
@@ -39,12 +40,13 @@ func HeadAttention(t *trace.Trace, query, head int) (*Attention, error) {
 	keys := t.K[kvHead*t.Tokens*d:]
 	n := int(t.QPos[query]) + 1
 
+	halfToFloat := halfTable()
 	a := &Attention{Logits: make([]float64, n), Probs: make([]float64, n)}
 	maxLogit := math.Inf(-1)
 	for tok := range n {
 		var dot float64
 		for i, x := range keys[tok*d : (tok+1)*d] {
-			dot += float64(q[i]) * float64(float16.Frombits(x).Float32())
+			dot += float64(q[i]) * float64(halfToFloat[x])
 		}
 		a.Logits[tok] = dot * t.Scale
 		maxLogit = max(maxLogit, a.Logits[tok])
@@ -61,6 +63,15 @@ func HeadAttention(t *trace.Trace, query, head int) (*Attention, error) {
 	sort.Sort(sort.Reverse(sort.Float64Slice(a.descending)))
 	return a, nil
 }
+
+// halfTable returns the float32 value of every fp16 bit pattern.
+var halfTable = sync.OnceValue(func() []float32 {
+	table := make([]float32, 1<<16)
+	for bits := range table {
+		table[bits] = float16.Frombits(uint16(bits)).Float32()
+	}
+	return table
+})
 
 // LogitStd returns the standard deviation of the logits over the attended
 // tokens.

@@ -62,10 +62,9 @@ type Config struct {
 	// TopicRun is the mean length, in tokens, of a run of tokens on the
 	// same topic.
 	TopicRun float64
-	// Window is the local-window width in tokens: the positional part of
-	// the keys lives in the RoPE pairs that turn by at least 1/Window
-	// radians per token, so its match with a query fades over about Window
-	// tokens of distance.
+	// Window is the local-window width in tokens: keys carry a slowly
+	// varying local context whose correlation falls to 0.41 at a distance
+	// of Window tokens (see the package documentation).
 	Window int
 	// QueryCorrelation is the correlation, in [0, 1), of the random part
 	// of a head's query between consecutive decode steps.
@@ -75,15 +74,16 @@ type Config struct {
 }
 
 // DefaultConfig returns a Llama-3-8B-like layer of the given length: 8 KV
-// heads, 32 query heads, head dim 128, 8 decode queries, RoPE theta 500000,
-// 4 sinks, 32 topics in runs of about 64 tokens, a 128-token window and
-// query correlation 0.9 between steps.
+// heads, 32 query heads, head dim 128, 8 decode queries and 4 sinks (fewer
+// if tokens is smaller), RoPE theta 500000, 32 topics in runs of about 64
+// tokens, a 128-token window, query correlation 0.9 between steps and the
+// DefaultKinds mix of heads.
 func DefaultConfig(tokens int) Config {
 	return Config{
-		KVHeads: 8, QHeads: 32, HeadDim: 128, Tokens: tokens, Queries: 8,
+		KVHeads: 8, QHeads: 32, HeadDim: 128, Tokens: tokens, Queries: min(8, max(tokens, 1)),
 		Seed:             1,
 		RopeTheta:        500000,
-		Sinks:            4,
+		Sinks:            min(4, max(tokens, 0)),
 		Topics:           32,
 		TopicRun:         64,
 		Window:           128,
@@ -108,6 +108,12 @@ func DefaultKinds(qHeads, kvHeads int) []HeadKind {
 	return kinds
 }
 
+// Limits that keep the arithmetic of Generate sound.
+const (
+	maxElements = 1 << 36 // keys, values or queries in one trace
+	maxWindow   = 1 << 24
+)
+
 // validate reports the first problem with c.
 func (c *Config) validate() error {
 	switch {
@@ -121,6 +127,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("workload: Queries %d exceeds Tokens %d", c.Queries, c.Tokens)
 	case c.Tokens > math.MaxInt32:
 		return fmt.Errorf("workload: Tokens %d does not fit the int32 query positions", c.Tokens)
+	case c.KVHeads > maxElements/c.HeadDim/c.Tokens || c.QHeads > maxElements/c.HeadDim/c.Queries:
+		return fmt.Errorf("workload: %d×%d×%d keys or %d×%d×%d queries exceed %d elements", c.KVHeads, c.Tokens, c.HeadDim, c.Queries, c.QHeads, c.HeadDim, maxElements)
 	case !(c.RopeTheta > 1) || math.IsInf(c.RopeTheta, 0):
 		return fmt.Errorf("workload: RopeTheta %g must be a finite number above 1", c.RopeTheta)
 	case c.Sinks < 0 || c.Sinks > c.Tokens:
@@ -129,8 +137,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("workload: Topics %d must be positive", c.Topics)
 	case !(c.TopicRun >= 1) || math.IsInf(c.TopicRun, 0):
 		return fmt.Errorf("workload: TopicRun %g must be a finite number of at least 1", c.TopicRun)
-	case c.Window <= 0:
-		return fmt.Errorf("workload: Window %d must be positive", c.Window)
+	case c.Window <= 0 || c.Window > maxWindow:
+		return fmt.Errorf("workload: Window %d outside [1, %d]", c.Window, maxWindow)
 	case !(c.QueryCorrelation >= 0 && c.QueryCorrelation < 1):
 		return fmt.Errorf("workload: QueryCorrelation %g outside [0, 1)", c.QueryCorrelation)
 	case c.Kinds != nil && len(c.Kinds) != c.QHeads:
@@ -148,7 +156,7 @@ func (c *Config) validate() error {
 // disjoint sets of RoPE pairs (see bandsOf).
 const (
 	sinkNorm       = 64.0 // norm of the first sink's key along the sink direction
-	topicNorm      = 6.0  // norm of a topic direction's contribution to a key
+	topicNorm      = 3.0  // norm of a topic direction's contribution to a key
 	positionalAmp  = 1.0  // amplitude of each pair of the shared positional vector
 	contextStd     = 0.5  // std per element of the local context, fast band
 	noiseFast      = 0.25 // std of key noise per element, fast band
@@ -173,7 +181,7 @@ type profile struct {
 var profiles = [...]profile{
 	Streaming: {sink: 14, positional: 2, local: 7.5, random: 0.3},
 	Retrieval: {sink: 8, positional: 1, local: 1, random: 1.5},
-	Topic:     {sink: 9, positional: 1, local: 2, topics: []float64{5, 3.5}, random: 0.7},
+	Topic:     {sink: 9, positional: 1, local: 2, topics: []float64{4, 3}, random: 0.7},
 }
 
 // bands splits the head's RoPE pairs, fastest first: pairs [0, sem) are
@@ -498,9 +506,12 @@ func fillKeysValues(cfg *Config, b bands, freqs []float64, dirs *headDirections,
 
 // makeQueries returns the decode queries, [Queries][QHeads][HeadDim]. A
 // head's query at step i is the RoPE rotation, at its position, of a part
-// fixed by its kind's profile (sink, positional and topic directions) plus
-// a random part that follows an AR(1) process from step to step; to that
-// the local context at its position is added, like for the keys.
+// fixed by its kind's profile (positional and topic directions) plus a
+// random part that follows an AR(1) process from step to step; then the
+// local context at its position is added, like for the keys, and the
+// component along the sinks' key direction is set to give the profile's
+// sink logit (the sinks' large keys would turn any stray part along it
+// into a large random sink logit).
 func makeQueries(cfg *Config, b bands, freqs []float64, dirs []headDirections, contexts [][][]float64, kinds []HeadKind, qpos []int32, rng *rand.Rand) []float32 {
 	d := cfg.HeadDim
 	scale := 1 / math.Sqrt(float64(d))
@@ -532,8 +543,7 @@ func makeQueries(cfg *Config, b bands, freqs []float64, dirs []headDirections, c
 		dir := &dirs[kv]
 		fixed := make([]float64, d)
 		for i := range fixed {
-			fixed[i] = p.sink/(scale*sinkNorm)*dir.sink[i] +
-				p.positional/(scale*positionalNorm2)*dir.positional[i]
+			fixed[i] = p.positional / (scale * positionalNorm2) * dir.positional[i]
 		}
 		previous := -1
 		for _, logit := range p.topics {
@@ -549,8 +559,7 @@ func makeQueries(cfg *Config, b bands, freqs []float64, dirs []headDirections, c
 		randomStd := p.random / (scale * math.Sqrt(keyVariance))
 		random := make([]float64, d)
 		vec := make([]float64, d)
-		rotated := make([]float64, d)
-		for step := range qpos {
+		for step, pos := range qpos {
 			for _, i := range randomIdx {
 				if step == 0 {
 					random[i] = randomStd * rng.NormFloat64()
@@ -558,30 +567,22 @@ func makeQueries(cfg *Config, b bands, freqs []float64, dirs []headDirections, c
 					random[i] = rho*random[i] + innovation*randomStd*rng.NormFloat64()
 				}
 			}
-			copy(vec, random)
-			rotate(vec, freqs, int(qpos[step]))
-			// The random part leaves the sinks' key direction alone: their
-			// large keys would turn any part along it into a large random
-			// sink logit.
-			var along float64
-			for i, s := range dir.sink {
-				along += vec[i] * s
-			}
-			for i, s := range dir.sink {
-				vec[i] -= along * s
-			}
-			copy(rotated, fixed)
-			rotate(rotated, freqs, int(qpos[step]))
 			for i := range vec {
-				vec[i] += rotated[i]
+				vec[i] = fixed[i] + random[i]
 			}
+			rotate(vec, freqs, int(pos))
 			c := contexts[kv][step]
 			var c2 float64
 			for _, x := range c {
 				c2 += x * x
 			}
+			var along float64
 			for i := range vec {
 				vec[i] += p.local / (scale * c2) * c[i]
+				along += vec[i] * dir.sink[i]
+			}
+			for i, s := range dir.sink {
+				vec[i] += (p.sink/(scale*sinkNorm) - along) * s
 			}
 			out := q[(step*cfg.QHeads+h)*d:]
 			for i := range d {
