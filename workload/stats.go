@@ -22,8 +22,8 @@ type Attention struct {
 	descending []float64
 }
 
-// HeadAttention computes the attention of query head head of decode query
-// query of t.
+// HeadAttention computes the exact attention of query head `head` for
+// decode query `query` of t, over the keys 0..QPos[query].
 func HeadAttention(t *trace.Trace, query, head int) (*Attention, error) {
 	if err := t.Validate(); err != nil {
 		return nil, err
