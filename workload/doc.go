@@ -72,9 +72,9 @@
 //	retrieval  1.49 [1.22, 1.78]  5.7% [0.003, 11]%       14% [3.7, 24]%         40% [25, 51]%
 //	topic      2.24 [1.79, 2.65]  0.6% [0.03, 1.7]%       2.3% [0.7, 6.3]%       12% [4.7, 25]%
 //
-// (0.003% is a single token: the first sink.) Streaming heads put a median 87% [24, 98]% of the mass on the 4 sinks and
-// 9% [1, 73]% on the last 256 tokens; retrieval heads 6% [1, 52]% on the
-// sinks. Shorter contexts and smaller head
-// dims shift these numbers (fewer dimensions average less noise, so the
-// logits spread more); the package tests check the main ones.
+// (0.003% is a single token: the first sink.) Streaming heads put a median
+// 87% [24, 98]% of the mass on the 4 sinks and 9% [1, 73]% on the last 256
+// tokens; retrieval heads put 6% [1, 52]% on the sinks. Shorter contexts
+// and smaller head dims shift these numbers (fewer dimensions average less
+// noise, so the logits spread more); the package tests check the main ones.
 package workload
