@@ -83,7 +83,7 @@ func TestClusterTopPCount(t *testing.T) {
 		{0.5, []int32{6}, 4},    // 0.15 + 0.35
 		{0.55, []int32{6}, 6},   // + {0,1}: 0.8
 		{0.95, []int32{6}, 7},   // everything: 1.0
-		{0.95, []int32{4}, 7},   // forced 4 leaves {2,3} with 0.1 in its cluster
+		{0.95, []int32{4}, 6},   // token 6 unreachable: F and all clusters (1+5)
 		{0.4, []int32{4}, 3},    // 0.25 + {0,1} 0.3 = 0.55: 1 + 2 tokens
 		{0.3, []int32{4, 6}, 2}, // forced alone: 0.4
 	} {
