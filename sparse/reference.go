@@ -15,14 +15,14 @@ func HalvesToFloat64(h []uint16) []float64 {
 	return out
 }
 
-// AttendRef is dense decode attention in float64 for one sequence:
+// DenseRef is dense decode attention in float64 for one sequence:
 // for every query head h of KV head g = h / (Hq/Hkv),
 //
 //	out[h] = Σ_t softmax_t(scale · q[h]·k[g][t]) v[g][t]
 //
 // over tokens t < n, with the softmax shifted by its maximum. q is
 // [Hq][D], k and v are [Hkv][n][D] (already decoded), out is [Hq][D].
-func AttendRef(heads Heads, q []float32, k, v []float64, n int, scale float64) []float64 {
+func DenseRef(heads Heads, q []float32, k, v []float64, n int, scale float64) []float64 {
 	d := heads.Dim
 	out := make([]float64, heads.Query*d)
 	s := make([]float64, n)

@@ -175,7 +175,7 @@ func attnTime(dense *sparse.Dense, layers []*kvcache.Layer, q []float32, k0, v0 
 			if err != nil {
 				return nil, err
 			}
-			want := sparse.AttendRef(heads, q[:heads.Query*heads.Dim], sparse.HalvesToFloat64(k0), sparse.HalvesToFloat64(v0), n, 1/math.Sqrt(float64(heads.Dim)))
+			want := sparse.DenseRef(heads, q[:heads.Query*heads.Dim], sparse.HalvesToFloat64(k0), sparse.HalvesToFloat64(v0), n, 1/math.Sqrt(float64(heads.Dim)))
 			r.MaxRelErr, r.Checked = maxRelErr(want, got, heads.Dim), true
 			if !(r.MaxRelErr < 1e-3) {
 				return nil, fmt.Errorf("attention at n=%d differs from the reference: relative error %.3g", n, r.MaxRelErr)

@@ -1,0 +1,79 @@
+package sparse
+
+import "fmt"
+
+// ClusterIndex is a partition of a set of tokens into clusters, each with a
+// centroid.
+type ClusterIndex struct {
+	// D is the head dimension.
+	D int
+	// Centroids holds one centroid per cluster, C×D row-major.
+	Centroids []float64
+	// Sizes[c] = len(Members[c]); a cluster may be empty.
+	Sizes []int
+	// Members[c] lists the token ids of cluster c in ascending order.
+	Members [][]int32
+}
+
+// Clusters returns the number of clusters C.
+func (x *ClusterIndex) Clusters() int { return len(x.Sizes) }
+
+// Tokens returns the number of clustered tokens, Σ Sizes.
+func (x *ClusterIndex) Tokens() int {
+	n := 0
+	for _, s := range x.Sizes {
+		n += s
+	}
+	return n
+}
+
+// NewClusterIndex builds the index of assignments assign (as returned by
+// KMeansRef) over rows that stand for tokens first, first+1, …: row r is
+// token first+r and belongs to cluster assign[r]. centroids is C×d; C is
+// len(centroids)/d and every assignment must lie in [0, C).
+func NewClusterIndex(centroids []float64, d int, assign []int32, first int32) (*ClusterIndex, error) {
+	if d <= 0 || len(centroids) == 0 || len(centroids)%d != 0 {
+		return nil, fmt.Errorf("sparse: NewClusterIndex: %d centroid elements is not a positive multiple of d=%d", len(centroids), d)
+	}
+	if first < 0 || int64(first)+int64(len(assign)) > 1<<31-1 {
+		return nil, fmt.Errorf("sparse: NewClusterIndex: token ids first=%d … +%d do not fit int32", first, len(assign))
+	}
+	c := len(centroids) / d
+	x := &ClusterIndex{D: d, Centroids: append([]float64(nil), centroids...), Sizes: make([]int, c), Members: make([][]int32, c)}
+	for r, a := range assign {
+		if a < 0 || int(a) >= c {
+			return nil, fmt.Errorf("sparse: NewClusterIndex: assign[%d] = %d outside [0, %d)", r, a, c)
+		}
+		x.Sizes[a]++
+	}
+	for j := range x.Members {
+		x.Members[j] = make([]int32, 0, x.Sizes[j])
+	}
+	for r, a := range assign {
+		x.Members[a] = append(x.Members[a], first+int32(r))
+	}
+	return x, nil
+}
+
+// BuildClusterIndexRef clusters tokens [first, first+count) of keys (rows of
+// dimension d) the way Tactic does at prefill: KMeansClusterCount(count,
+// avgSize) clusters, initial rows KMeansInit(count, clusters, seed) (relative
+// to first), KMeansRef with maxIter iterations, then NewClusterIndex.
+func BuildClusterIndexRef(keys []float64, d, first, count, avgSize, maxIter int, seed uint64) (*ClusterIndex, error) {
+	if d <= 0 || first < 0 || count <= 0 || (first+count)*d > len(keys) {
+		return nil, fmt.Errorf("sparse: BuildClusterIndexRef: tokens [%d, %d) of d=%d not inside %d key elements", first, first+count, d, len(keys))
+	}
+	c, err := KMeansClusterCount(count, avgSize)
+	if err != nil {
+		return nil, err
+	}
+	init, err := KMeansInit(count, c, seed)
+	if err != nil {
+		return nil, err
+	}
+	cent, assign, _, err := KMeansRef(keys[first*d:(first+count)*d], count, d, init, maxIter)
+	if err != nil {
+		return nil, err
+	}
+	return NewClusterIndex(cent, d, assign, int32(first))
+}

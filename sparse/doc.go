@@ -1,0 +1,13 @@
+// Package sparse holds sparse decode attention policies and their float64
+// references.
+//
+// The references (functions ending in Ref) define exactly what a policy
+// computes, including tie-breaking and rounding choices, so that a GPU
+// implementation can be written against them and compared with them. They
+// favour clarity over speed, but every step is expressible as parallel work
+// (per token, per cluster, or a prefix scan followed by a bisection).
+//
+// Matrices are row-major []float64; a key or value matrix of n tokens and
+// head dimension d has n*d elements and token t is row t. Token ids are
+// int32 row indices into such a matrix.
+package sparse

@@ -1,0 +1,219 @@
+package sparse
+
+import (
+	"fmt"
+	"math"
+	"sort"
+)
+
+// Fidelity describes how well one query head's selected token set I stands
+// in for dense attention. p_i is the exact softmax over every token the query
+// attends.
+type Fidelity struct {
+	// Mass is p(I) = Σ_{i∈I} p_i, the attention mass the selection captures.
+	Mass float64
+	// Selected is |I|.
+	Selected int
+	// GlobalOptimal is TopPCount(p, P): the fewest tokens reaching mass P.
+	GlobalOptimal int
+	// ClusterOptimal is ClusterTopPCount(p, clusters, forced, P): the fewest
+	// tokens reaching P when whole clusters are taken on top of the forced
+	// tokens.
+	ClusterOptimal int
+	// RelErr is ‖o − ô‖ / ‖o‖ where o is dense attention and ô attention
+	// restricted to I (AttendSubsetRef).
+	RelErr float64
+}
+
+// Success reports whether the selection reached the target: Mass ≥ p.
+func (f Fidelity) Success(p float64) bool { return f.Mass >= p }
+
+// SoftmaxRef returns p_i = exp(s_i − m) / Σ_j exp(s_j − m) for every row i
+// of keys, with s_i = scale·q·k_i and m = max s; the sum runs in row order.
+func SoftmaxRef(q, keys []float64, scale float64) ([]float64, error) {
+	n, err := checkKV(q, keys, nil)
+	if err != nil {
+		return nil, err
+	}
+	if n == 0 {
+		return nil, fmt.Errorf("sparse: SoftmaxRef: no keys")
+	}
+	d := len(q)
+	p := make([]float64, n)
+	m := math.Inf(-1)
+	for i := range p {
+		p[i] = scale * dot(q, keys[i*d:(i+1)*d])
+		m = math.Max(m, p[i])
+	}
+	z := 0.0
+	for i := range p {
+		p[i] = math.Exp(p[i] - m)
+		z += p[i]
+	}
+	for i := range p {
+		p[i] /= z
+	}
+	return p, nil
+}
+
+// SubsetMass returns Σ_{i∈tokens} probs[i], summed in the order of tokens,
+// which must be distinct ids in [0, len(probs)).
+func SubsetMass(probs []float64, tokens []int32) (float64, error) {
+	if err := checkTokens(tokens, len(probs)); err != nil {
+		return 0, err
+	}
+	s := 0.0
+	for _, t := range tokens {
+		s += probs[t]
+	}
+	return s, nil
+}
+
+func checkP(p float64) error {
+	if !(p > 0 && p <= 1) {
+		return fmt.Errorf("sparse: target mass P = %v outside (0, 1]", p)
+	}
+	return nil
+}
+
+// TopPCount returns the global-optimal count: with probs sorted in
+// descending order and c_k the running sum of the first k, the least k with
+// c_k ≥ p·c_n (c_n, the same running sum over all, equals Σ probs up to
+// rounding, so the count never exceeds n).
+func TopPCount(probs []float64, p float64) (int, error) {
+	if err := checkP(p); err != nil {
+		return 0, err
+	}
+	s := append([]float64(nil), probs...)
+	sort.Sort(sort.Reverse(sort.Float64Slice(s)))
+	total := 0.0
+	for _, x := range s {
+		total += x
+	}
+	c := 0.0
+	for k, x := range s {
+		c += x
+		if c >= p*total {
+			return k + 1, nil
+		}
+	}
+	return len(s), nil
+}
+
+// ClusterTopPCount returns the cluster-optimal count on top of a forced
+// token set F (tokens every selection includes; may be empty). Each cluster
+// contributes its members outside F: mass m_c = Σ probs over them and size
+// n_c = their number. Clusters are taken in descending order of m_c (ties:
+// lower cluster index first) until Σ_{F} probs + Σ m_c ≥ p·Σ probs (all
+// sums in float64, Σ probs in index order); the result is |F| + Σ n_c of the
+// clusters taken (|F| alone if F already reaches the target; every token of
+// F and of the clusters if rounding keeps the target out of reach). Tokens
+// must be distinct within F and within the clusters together.
+func ClusterTopPCount(probs []float64, clusters [][]int32, forced []int32, p float64) (int, error) {
+	if err := checkP(p); err != nil {
+		return 0, err
+	}
+	n := len(probs)
+	if err := checkTokens(forced, n); err != nil {
+		return 0, err
+	}
+	inF := make([]bool, n)
+	for _, t := range forced {
+		inF[t] = true
+	}
+	seen := make([]bool, n)
+	mass := make([]float64, len(clusters))
+	size := make([]int, len(clusters))
+	for c, mem := range clusters {
+		for _, t := range mem {
+			if t < 0 || int(t) >= n {
+				return 0, fmt.Errorf("sparse: ClusterTopPCount: cluster %d token %d outside [0, %d)", c, t, n)
+			}
+			if seen[t] {
+				return 0, fmt.Errorf("sparse: ClusterTopPCount: token %d in two clusters", t)
+			}
+			seen[t] = true
+			if !inF[t] {
+				mass[c] += probs[t]
+				size[c]++
+			}
+		}
+	}
+	total := 0.0
+	for _, x := range probs {
+		total += x
+	}
+	got, count := 0.0, len(forced)
+	for _, t := range forced {
+		got += probs[t]
+	}
+	if got >= p*total {
+		return count, nil
+	}
+	order := make([]int, len(clusters))
+	for i := range order {
+		order[i] = i
+	}
+	sort.SliceStable(order, func(i, j int) bool { return mass[order[i]] > mass[order[j]] })
+	for _, c := range order {
+		got += mass[c]
+		count += size[c]
+		if got >= p*total {
+			break
+		}
+	}
+	return count, nil
+}
+
+// RelativeError returns ‖o − ref‖₂ / ‖ref‖₂ (+Inf if ref is zero and o is
+// not, 0 if both are zero).
+func RelativeError(o, ref []float64) (float64, error) {
+	if len(o) != len(ref) {
+		return 0, fmt.Errorf("sparse: RelativeError: lengths %d and %d differ", len(o), len(ref))
+	}
+	var num, den float64
+	for i := range o {
+		e := o[i] - ref[i]
+		num += e * e
+		den += ref[i] * ref[i]
+	}
+	switch {
+	case num == 0:
+		return 0, nil
+	case den == 0:
+		return math.Inf(1), nil
+	}
+	return math.Sqrt(num / den), nil
+}
+
+// FidelityRef measures a selection for one query head: q attends every row
+// of keys and values (n×d, d = len(q)); selected is the token set I it
+// actually uses; clusters and forced define the cluster-optimal oracle (see
+// ClusterTopPCount); p is the target mass.
+func FidelityRef(q, keys, values []float64, scale float64, selected []int32, clusters [][]int32, forced []int32, p float64) (Fidelity, error) {
+	var f Fidelity
+	probs, err := SoftmaxRef(q, keys, scale)
+	if err != nil {
+		return f, err
+	}
+	if f.Mass, err = SubsetMass(probs, selected); err != nil {
+		return f, err
+	}
+	f.Selected = len(selected)
+	if f.GlobalOptimal, err = TopPCount(probs, p); err != nil {
+		return f, err
+	}
+	if f.ClusterOptimal, err = ClusterTopPCount(probs, clusters, forced, p); err != nil {
+		return f, err
+	}
+	dense, err := AttendRef(q, keys, values, scale)
+	if err != nil {
+		return f, err
+	}
+	sparse, err := AttendSubsetRef(q, keys, values, selected, scale)
+	if err != nil {
+		return f, err
+	}
+	f.RelErr, err = RelativeError(sparse, dense)
+	return f, err
+}

@@ -1,0 +1,228 @@
+package sparse
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+)
+
+// KMeansDefaultAvgClusterSize is the average cluster size Tactic uses: a
+// prefill of n tokens is split into KMeansClusterCount(n, 16) clusters.
+const KMeansDefaultAvgClusterSize = 16
+
+// KMeansDefaultIters is the iteration cap Tactic uses for K-means.
+const KMeansDefaultIters = 10
+
+// KMeansClusterCount returns ceil(n / avgSize), the number of clusters for
+// n tokens at average cluster size avgSize (0 when n is 0).
+func KMeansClusterCount(n, avgSize int) (int, error) {
+	if n < 0 || avgSize <= 0 {
+		return 0, fmt.Errorf("sparse: KMeansClusterCount(n=%d, avgSize=%d): want n ≥ 0 and avgSize > 0", n, avgSize)
+	}
+	return (n + avgSize - 1) / avgSize, nil
+}
+
+// SplitMix64 is the splitmix64 generator (Steele, Lea, Flood 2014). Each
+// call to Next adds 0x9E3779B97F4A7C15 to the state and returns
+//
+//	z = state
+//	z = (z ^ z>>30) * 0xBF58476D1CE4E5B9
+//	z = (z ^ z>>27) * 0x94D049BB133111EB
+//	z ^ z>>31
+//
+// with all arithmetic modulo 2^64.
+type SplitMix64 struct{ State uint64 }
+
+// Next advances the generator and returns the next 64-bit output.
+func (s *SplitMix64) Next() uint64 {
+	s.State += 0x9E3779B97F4A7C15
+	z := s.State
+	z = (z ^ z>>30) * 0xBF58476D1CE4E5B9
+	z = (z ^ z>>27) * 0x94D049BB133111EB
+	return z ^ z>>31
+}
+
+// KMeansInit returns the initial centroid rows: clusters distinct indices in
+// [0, n) drawn by a partial Fisher-Yates shuffle driven by SplitMix64{seed}.
+// Exactly:
+//
+//	perm = [0, 1, …, n-1]
+//	for i = 0 … clusters-1:
+//	    j = i + Next() mod (n - i)      // unsigned 64-bit remainder
+//	    swap perm[i], perm[j]
+//	return perm[0:clusters]
+//
+// (The remainder has a modulo bias below 2^-50 for n < 2^14; it is part of
+// the definition, not an error.)
+func KMeansInit(n, clusters int, seed uint64) ([]int, error) {
+	if n < 0 || clusters < 0 || clusters > n {
+		return nil, fmt.Errorf("sparse: KMeansInit(n=%d, clusters=%d): want 0 ≤ clusters ≤ n", n, clusters)
+	}
+	perm := make([]int, n)
+	for i := range perm {
+		perm[i] = i
+	}
+	rng := SplitMix64{State: seed}
+	for i := 0; i < clusters; i++ {
+		j := i + int(rng.Next()%uint64(n-i))
+		perm[i], perm[j] = perm[j], perm[i]
+	}
+	return perm[:clusters:clusters], nil
+}
+
+// KMeansRef runs Lloyd's algorithm on the n rows of keys (n×d, row-major).
+//
+// The initial centroids are the rows keys[init[j]], j = 0 … len(init)-1.
+// Each iteration is an assignment step followed by an update step:
+//
+//   - assignment: row r goes to the cluster c minimising the squared
+//     Euclidean distance Σ_k (keys[r,k] − centroid[c,k])²; ties go to the
+//     lowest c. Distances are float64; the reference accumulates dimension
+//     k into partial sum k mod 4 and adds ((s0+s1)+(s2+s3)).
+//   - if this is not the first iteration and no row changed cluster, stop
+//     (the centroids are already the means of their members).
+//   - update: each centroid becomes the mean of its members, summed in
+//     ascending row order and divided by the member count; a cluster with no
+//     members keeps its previous centroid.
+//
+// At most maxIter iterations run. It returns the centroids (len(init)×d),
+// the final assignment (so centroids are always the means of the final
+// members, and the final assignment is nearest with respect to the
+// centroids before the last update), and iters, the number of assignment
+// steps run: iters < maxIter, or iters == maxIter with the last step
+// unchanged, means converged.
+func KMeansRef(keys []float64, n, d int, init []int, maxIter int) (centroids []float64, assign []int32, iters int, err error) {
+	switch {
+	case n <= 0 || d <= 0 || len(keys) != n*d:
+		return nil, nil, 0, fmt.Errorf("sparse: KMeansRef: keys has %d elements, want n×d with n=%d, d=%d positive", len(keys), n, d)
+	case len(init) == 0 || len(init) > n:
+		return nil, nil, 0, fmt.Errorf("sparse: KMeansRef: %d initial centroids for %d rows", len(init), n)
+	case maxIter < 1:
+		return nil, nil, 0, fmt.Errorf("sparse: KMeansRef: maxIter %d < 1", maxIter)
+	}
+	c := len(init)
+	centroids = make([]float64, c*d)
+	for j, r := range init {
+		if r < 0 || r >= n {
+			return nil, nil, 0, fmt.Errorf("sparse: KMeansRef: init[%d] = %d outside [0, %d)", j, r, n)
+		}
+		copy(centroids[j*d:(j+1)*d], keys[r*d:(r+1)*d])
+	}
+	assign = make([]int32, n)
+	for i := range assign {
+		assign[i] = -1
+	}
+	next := make([]int32, n)
+	sums := make([]float64, c*d)
+	counts := make([]int, c)
+	for iters = 1; iters <= maxIter; iters++ {
+		kmeansAssign(keys, n, d, centroids, assign, next)
+		changed := false
+		for i := range next {
+			if next[i] != assign[i] {
+				changed = true
+				break
+			}
+		}
+		assign, next = next, assign
+		if !changed {
+			break
+		}
+		clear(sums)
+		clear(counts)
+		for r := 0; r < n; r++ {
+			j := int(assign[r])
+			counts[j]++
+			row, s := keys[r*d:(r+1)*d], sums[j*d:(j+1)*d]
+			for k := range s {
+				s[k] += row[k]
+			}
+		}
+		for j := 0; j < c; j++ {
+			if counts[j] == 0 {
+				continue
+			}
+			cnt := float64(counts[j])
+			for k := 0; k < d; k++ {
+				centroids[j*d+k] = sums[j*d+k] / cnt
+			}
+		}
+	}
+	if iters > maxIter {
+		iters = maxIter
+	}
+	return centroids, assign, iters, nil
+}
+
+// kmeansAssign writes the nearest centroid of every row into out. Rows are
+// independent, so they are split over goroutines; the result does not
+// depend on the split. prev seeds each row's search with its previous
+// cluster, which only enables pruning: a candidate is abandoned once its
+// partial distance exceeds the best, which cannot change the argmin since
+// partial sums of non-negative terms never decrease.
+func kmeansAssign(keys []float64, n, d int, centroids []float64, prev, out []int32) {
+	c := len(centroids) / d
+	workers := runtime.GOMAXPROCS(0)
+	chunk := (n + workers - 1) / workers
+	var wg sync.WaitGroup
+	for lo := 0; lo < n; lo += chunk {
+		hi := min(lo+chunk, n)
+		wg.Add(1)
+		go func(lo, hi int) {
+			defer wg.Done()
+			for r := lo; r < hi; r++ {
+				x := keys[r*d : (r+1)*d]
+				best, bestD := 0, 0.0
+				if p := int(prev[r]); p >= 0 {
+					best = p
+				}
+				bestD = sqDist(x, centroids[best*d:(best+1)*d], -1)
+				for j := 0; j < c; j++ {
+					if j == best {
+						continue
+					}
+					dj := sqDist(x, centroids[j*d:(j+1)*d], bestD)
+					if dj < bestD || (dj == bestD && j < best) {
+						best, bestD = j, dj
+					}
+				}
+				out[r] = int32(best)
+			}
+		}(lo, hi)
+	}
+	wg.Wait()
+}
+
+// sqDist returns Σ (x−y)² accumulated as documented in KMeansRef. When
+// bound ≥ 0 it may stop early and return any value > bound once the partial
+// sum exceeds bound.
+func sqDist(x, y []float64, bound float64) float64 {
+	var s0, s1, s2, s3 float64
+	k := 0
+	for ; k+4 <= len(x); k += 4 {
+		a, b, c, e := x[k]-y[k], x[k+1]-y[k+1], x[k+2]-y[k+2], x[k+3]-y[k+3]
+		s0 += a * a
+		s1 += b * b
+		s2 += c * c
+		s3 += e * e
+		if bound >= 0 && k&15 == 12 {
+			if p := (s0 + s1) + (s2 + s3); p > bound {
+				return p
+			}
+		}
+	}
+	for ; k < len(x); k++ {
+		a := x[k] - y[k]
+		switch k & 3 {
+		case 0:
+			s0 += a * a
+		case 1:
+			s1 += a * a
+		case 2:
+			s2 += a * a
+		default:
+			s3 += a * a
+		}
+	}
+	return (s0 + s1) + (s2 + s3)
+}

@@ -1,0 +1,420 @@
+package sparse
+
+import (
+	"fmt"
+	"math"
+	"sort"
+)
+
+// Tactic (adaptive sparse decode attention with clustering and distribution
+// fitting), float64 reference.
+//
+// Token layout for one KV head at a decode step of a query at position pos:
+//
+//	[0, sinks)            sink tokens: always attended, not clustered
+//	[sinks, clusteredEnd) the prefill, K-means clustered (a ClusterIndex)
+//	[clusteredEnd, pos]   the recent tail (decoded tokens): always attended
+//
+// The sinks and the tail form the fixed set F (TacticFixedTokens). Per query
+// head, TacticBudgetRef estimates how many clusters reach the target mass P
+// (Alg. 1 of the paper, at cluster granularity, with F counted exactly), and
+// TacticSelectRef takes the union over the query heads sharing the KV head.
+
+// TacticFit holds the distribution-fitting parameters. Fractions are of n,
+// the number of clustered tokens.
+type TacticFit struct {
+	// InitialFrac sets the exact part: the first clusters in score order
+	// whose exp scores are computed exactly, as few as cover at least
+	// ceil(InitialFrac·n) tokens.
+	InitialFrac float64
+	// Window1 and Window2 are the centres of the two sampling windows, as
+	// fractions of n (positions in the cluster-ordered token list).
+	Window1, Window2 float64
+	// WindowFrac is the nominal width of each window as a fraction of n.
+	// The sample is the whole clusters overlapping the nominal window.
+	WindowFrac float64
+}
+
+// DefaultTacticFit returns the parameters tuned on the real traces:
+// InitialFrac 0.02, windows centred at 0.05 and 0.30 of nominal width 0.02.
+// The windows bracket the region where budgets for P ≤ 0.9 land, so the
+// curve interpolates there instead of extrapolating from 0.10 and 0.60; the
+// width (about 20 clusters of 16) keeps a few outlier tokens in a window
+// from inflating the fitted tail in sharply peaked heads.
+func DefaultTacticFit() TacticFit {
+	return TacticFit{InitialFrac: 0.02, Window1: 0.05, Window2: 0.30, WindowFrac: 0.02}
+}
+
+// TacticDefaultSinks is the number of leading sink tokens kept outside the
+// clusters and always attended. On the real traces 4 and 16 sinks give the
+// same success rates; 4 keeps the forced set small.
+const TacticDefaultSinks = 4
+
+func (f TacticFit) validate() error {
+	ok := func(x float64) bool { return x >= 0 && x <= 1 }
+	if !ok(f.InitialFrac) || !ok(f.Window1) || !ok(f.Window2) || !ok(f.WindowFrac) {
+		return fmt.Errorf("sparse: TacticFit %+v: fractions must lie in [0, 1]", f)
+	}
+	return nil
+}
+
+// TacticBudget is the result of TacticBudgetRef for one query head. Exp
+// sums are in shifted units: e_i = exp(s_i − Shift), s_i = scale·q·k_i.
+// Token positions x = 1 … N refer to the cluster-ordered token list: the
+// clusters in Order, each cluster's members in ascending token id.
+type TacticBudget struct {
+	// N is the number of clustered tokens, n.
+	N int
+	// Scores[c] = scale·q·centroid_c, by cluster index.
+	Scores []float64
+	// Order lists the cluster indices by descending score, ties by
+	// ascending cluster index.
+	Order []int32
+	// Offsets[j] = Σ sizes of Order[0:j]; len(Offsets) = C+1. The cluster of
+	// rank j holds positions Offsets[j]+1 … Offsets[j+1].
+	Offsets []int
+	// ExactClusters = J0, the least j with Offsets[j] ≥ ceil(InitialFrac·n);
+	// ExactTokens = Offsets[J0] = N'. Positions 1 … N' are exact.
+	ExactClusters, ExactTokens int
+	// Win1, Win2 are the rank ranges [lo, hi) of the window clusters.
+	Win1, Win2 [2]int
+	// Mu1, Mu2 are the window means of e; H1, H2 the window means of 1/x.
+	Mu1, Mu2, H1, H2 float64
+	// A, B are the fitted curve y = A/x + B (shifted units).
+	A, B float64
+	// Shift is the subtracted maximum score m.
+	Shift float64
+	// FixedSum = Σ_{F} e_i; ExactSum = Σ_{x ≤ N'} e_x.
+	FixedSum, ExactSum float64
+	// Total = S(N), the estimated total exp sum over F and all clustered
+	// tokens (true estimate: Total·exp(Shift)).
+	Total float64
+	// Budget is K, the least k in [0, N] with S(k) ≥ P·S(N) (N when P = 1).
+	Budget int
+	// Selected = J, the least j with Offsets[j] ≥ K: the head selects the
+	// clusters Order[0:J], SelectedTokens = Offsets[J] tokens of them.
+	Selected, SelectedTokens int
+}
+
+// Clusters returns the selected cluster indices, Order[0:Selected].
+func (b *TacticBudget) Clusters() []int32 { return b.Order[:b.Selected] }
+
+// EulerGamma is the Euler–Mascheroni constant.
+const EulerGamma = 0.57721566490153286060651209008240243
+
+// TacticHarmonic returns the harmonic number H_m = Σ_{i=1}^m 1/i (0 for
+// m ≤ 0): summed in ascending i for m < 32, otherwise by the expansion
+// ln m + γ + 1/(2m) − 1/(12m²) + 1/(120m⁴) − 1/(252m⁶), whose error is
+// below 1/(240m⁸) < 4e-15 there.
+func TacticHarmonic(m int) float64 {
+	if m <= 0 {
+		return 0
+	}
+	if m < 32 {
+		h := 0.0
+		for i := 1; i <= m; i++ {
+			h += 1 / float64(i)
+		}
+		return h
+	}
+	x := float64(m)
+	x2 := x * x
+	return math.Log(x) + EulerGamma + 1/(2*x) - 1/(12*x2) + 1/(120*x2*x2) - 1/(252*x2*x2*x2)
+}
+
+// tacticCurveSum returns Σ_{x=lo}^{hi} max(0, a/x + b) in closed form, 0 when
+// lo > hi. In exact arithmetic a/x + b > 0 holds on an interval of x: for
+// b > 0, x > −a/b (all x if a ≥ 0); for b = 0, all x if a > 0; for b < 0,
+// x < −a/b if a > 0. On the part [l, r] of [lo, hi] inside it the sum is
+// a·(H_r − H_{l−1}) + b·(r − l + 1), clamped at ≥ 0.
+func tacticCurveSum(a, b float64, lo, hi int) float64 {
+	if lo < 1 {
+		lo = 1
+	}
+	if lo > hi {
+		return 0
+	}
+	switch {
+	case b > 0 && a < 0:
+		x0 := -a / b
+		if x0 >= float64(hi) {
+			return 0
+		}
+		lo = max(lo, int(math.Floor(x0))+1)
+	case b == 0 && a <= 0, b < 0 && a <= 0:
+		return 0
+	case b < 0:
+		x0 := -a / b
+		if x0 <= float64(lo) {
+			return 0
+		}
+		if x0 < float64(hi) {
+			hi = int(math.Ceil(x0)) - 1
+		}
+	}
+	if lo > hi {
+		return 0
+	}
+	s := a*(TacticHarmonic(hi)-TacticHarmonic(lo-1)) + b*float64(hi-lo+1)
+	return math.Max(0, s)
+}
+
+// TacticBudgetRef estimates the token budget of one query head q (length d)
+// and the clusters it selects. keys holds the key rows of every token id
+// used (the members of idx and fixed); fixed lists the always-attended
+// tokens F, disjoint from the clustered ones. 0 < p ≤ 1. Dot products sum
+// over the dimension in index order.
+//
+// Steps (n = idx.Tokens(), positions x as in TacticBudget):
+//
+//  1. Scores s_c = scale·q·centroid_c; Order sorts clusters by descending
+//     s_c, ties by ascending index; Offsets is the exclusive prefix sum of
+//     the ordered sizes.
+//  2. Exact part: N = ceil(InitialFrac·n), J0 the least j with Offsets[j] ≥ N
+//     (0 if N = 0), N' = Offsets[J0]. Token scores are s = scale·q·k. The
+//     shift m is the maximum score over F and positions 1 … N' (the maximum
+//     centroid score if both are empty, 0 if there are no clusters either);
+//     e = exp(s − m). FixedSum (in the order of fixed), ExactSum and the
+//     exact prefix sums E(k), k ≤ N' (in list order) follow. The shift
+//     cancels in every comparison below.
+//  3. Windows (skipped if N' = n): width w = max(1, round(WindowFrac·n)); for
+//     centre fraction f, c = min(n, max(1, round(f·n))), the nominal window
+//     is positions [lo, hi] with lo = min(max(1, c − ⌊w/2⌋), max(1, n−w+1)),
+//     hi = min(n, lo+w−1); the sample is the whole clusters of ranks rlo …
+//     rhi that hold positions lo and hi, i.e. positions u+1 … v with
+//     u = Offsets[rlo], v = Offsets[rhi+1]. Its means are μ = Σ e / (v−u)
+//     and h = (H_v − H_u) / (v−u), the mean of 1/x (TacticHarmonic). Round
+//     is half away from zero.
+//  4. Fit y = a/x + b through (h1, μ1), (h2, μ2) in the 1/x coordinate:
+//     a = (μ1−μ2)/(h1−h2), b = μ1 − a·h1; if h1 = h2, a = 0 and b is the
+//     pooled mean of both samples. Fitted values are max(0, a/x + b).
+//  5. Estimated cumulative sum S(k) = FixedSum + E(k) for k ≤ N', and
+//     FixedSum + ExactSum + Σ_{x=N'+1}^{k} max(0, a/x + b) beyond
+//     (tacticCurveSum). S is non-decreasing. Total = S(n). Counting F
+//     here (as tokens placed before the list, whose values are known) is
+//     what keeps sharply peaked heads, where the sinks and the recent tail
+//     hold most of the mass, from selecting far more than they need.
+//  6. Budget K: for p = 1, K = n; otherwise the bisection lo = −1, hi = n;
+//     while hi − lo > 1 { mid = ⌊(lo+hi)/2⌋; if S(mid) ≥ p·Total then
+//     hi = mid else lo = mid }; K = hi.
+//  7. Selection: J = the least j with Offsets[j] ≥ K; clusters Order[0:J].
+//     (For p < 1, equivalently the least j with S(Offsets[j]) ≥ p·Total,
+//     so an implementation may bisect over cluster boundaries directly.)
+func TacticBudgetRef(q []float64, scale float64, keys []float64, idx *ClusterIndex, fixed []int32, p float64, fit TacticFit) (*TacticBudget, error) {
+	if err := checkP(p); err != nil {
+		return nil, err
+	}
+	if err := fit.validate(); err != nil {
+		return nil, err
+	}
+	d := len(q)
+	if idx == nil || idx.D != d || len(idx.Centroids) != d*len(idx.Sizes) || len(idx.Members) != len(idx.Sizes) {
+		return nil, fmt.Errorf("sparse: TacticBudgetRef: cluster index does not match head dimension %d", d)
+	}
+	nk, err := checkKV(q, keys, nil)
+	if err != nil {
+		return nil, err
+	}
+	inF := make([]bool, nk)
+	for _, t := range fixed {
+		if t < 0 || int(t) >= nk || inF[t] {
+			return nil, fmt.Errorf("sparse: TacticBudgetRef: fixed token %d repeated or outside [0, %d)", t, nk)
+		}
+		inF[t] = true
+	}
+	for c, mem := range idx.Members {
+		if len(mem) != idx.Sizes[c] {
+			return nil, fmt.Errorf("sparse: TacticBudgetRef: cluster %d has %d members, size %d", c, len(mem), idx.Sizes[c])
+		}
+		for _, t := range mem {
+			if t < 0 || int(t) >= nk || inF[t] {
+				return nil, fmt.Errorf("sparse: TacticBudgetRef: cluster %d token %d is fixed or outside [0, %d)", c, t, nk)
+			}
+		}
+	}
+	score := func(t int32) float64 { return scale * dot(q, keys[int(t)*d:int(t+1)*d]) }
+
+	// 1. Order clusters.
+	C := len(idx.Sizes)
+	b := &TacticBudget{Scores: make([]float64, C), Order: make([]int32, C), Offsets: make([]int, C+1)}
+	for c := range b.Scores {
+		b.Scores[c] = scale * dot(q, idx.Centroids[c*d:(c+1)*d])
+		b.Order[c] = int32(c)
+	}
+	sort.SliceStable(b.Order, func(i, j int) bool { return b.Scores[b.Order[i]] > b.Scores[b.Order[j]] })
+	for j, c := range b.Order {
+		b.Offsets[j+1] = b.Offsets[j] + idx.Sizes[c]
+	}
+	n := b.Offsets[C]
+	b.N = n
+
+	// 2. Exact part and shift.
+	need := int(math.Ceil(fit.InitialFrac * float64(n)))
+	for b.ExactClusters < C && b.Offsets[b.ExactClusters] < need {
+		b.ExactClusters++
+	}
+	b.ExactTokens = b.Offsets[b.ExactClusters]
+	fixedS := make([]float64, len(fixed))
+	exactS := make([]float64, 0, b.ExactTokens)
+	m := math.Inf(-1)
+	for i, t := range fixed {
+		fixedS[i] = score(t)
+		m = math.Max(m, fixedS[i])
+	}
+	for _, c := range b.Order[:b.ExactClusters] {
+		for _, t := range idx.Members[c] {
+			s := score(t)
+			exactS = append(exactS, s)
+			m = math.Max(m, s)
+		}
+	}
+	if math.IsInf(m, -1) {
+		m = 0
+		for c, s := range b.Scores {
+			if c == 0 || s > m {
+				m = s
+			}
+		}
+	}
+	b.Shift = m
+	for _, s := range fixedS {
+		b.FixedSum += math.Exp(s - m)
+	}
+	exactCum := make([]float64, len(exactS)+1)
+	for i, s := range exactS {
+		exactCum[i+1] = exactCum[i] + math.Exp(s-m)
+	}
+	b.ExactSum = exactCum[len(exactS)]
+
+	// 3–4. Windows and fit.
+	if b.ExactTokens < n {
+		w := max(1, int(math.Round(fit.WindowFrac*float64(n))))
+		var sum [2]float64
+		var cnt [2]int
+		for k, f := range [2]float64{fit.Window1, fit.Window2} {
+			c := min(n, max(1, int(math.Round(f*float64(n)))))
+			lo := min(max(1, c-w/2), max(1, n-w+1))
+			hi := min(n, lo+w-1)
+			rank := func(x int) int { // rank of the cluster holding position x
+				return sort.Search(C, func(j int) bool { return b.Offsets[j+1] >= x })
+			}
+			rlo, rhi := rank(lo), rank(hi)
+			u, v := b.Offsets[rlo], b.Offsets[rhi+1]
+			for _, cl := range b.Order[rlo : rhi+1] {
+				for _, t := range idx.Members[cl] {
+					sum[k] += math.Exp(score(t) - m)
+				}
+			}
+			cnt[k] = v - u
+			mu := sum[k] / float64(v-u)
+			h := (TacticHarmonic(v) - TacticHarmonic(u)) / float64(v-u)
+			if k == 0 {
+				b.Win1, b.Mu1, b.H1 = [2]int{rlo, rhi + 1}, mu, h
+			} else {
+				b.Win2, b.Mu2, b.H2 = [2]int{rlo, rhi + 1}, mu, h
+			}
+		}
+		if b.H1 != b.H2 {
+			b.A = (b.Mu1 - b.Mu2) / (b.H1 - b.H2)
+			b.B = b.Mu1 - b.A*b.H1
+		} else {
+			b.B = (sum[0] + sum[1]) / float64(cnt[0]+cnt[1])
+		}
+	}
+
+	// 5–6. Cumulative estimate and budget.
+	S := func(k int) float64 {
+		if k <= b.ExactTokens {
+			return b.FixedSum + exactCum[k]
+		}
+		return b.FixedSum + b.ExactSum + tacticCurveSum(b.A, b.B, b.ExactTokens+1, k)
+	}
+	b.Total = S(n)
+	if p == 1 {
+		b.Budget = n
+	} else {
+		target := p * b.Total
+		lo, hi := -1, n
+		for hi-lo > 1 {
+			mid := (lo + hi) / 2
+			if S(mid) >= target {
+				hi = mid
+			} else {
+				lo = mid
+			}
+		}
+		b.Budget = hi
+	}
+
+	// 7. Clusters covering K tokens.
+	b.Selected = sort.SearchInts(b.Offsets, b.Budget)
+	b.SelectedTokens = b.Offsets[b.Selected]
+	return b, nil
+}
+
+// TacticFixedTokens returns the fixed set F of a query at position pos:
+// tokens [0, sinks) and [clusteredEnd, pos], ascending. It needs
+// 0 ≤ sinks ≤ clusteredEnd ≤ pos+1.
+func TacticFixedTokens(sinks, clusteredEnd, pos int) ([]int32, error) {
+	if sinks < 0 || sinks > clusteredEnd || clusteredEnd > pos+1 || pos >= 1<<31-1 {
+		return nil, fmt.Errorf("sparse: TacticFixedTokens(sinks=%d, clusteredEnd=%d, pos=%d): want 0 ≤ sinks ≤ clusteredEnd ≤ pos+1", sinks, clusteredEnd, pos)
+	}
+	out := make([]int32, 0, sinks+pos+1-clusteredEnd)
+	for t := 0; t < sinks; t++ {
+		out = append(out, int32(t))
+	}
+	for t := clusteredEnd; t <= pos; t++ {
+		out = append(out, int32(t))
+	}
+	return out, nil
+}
+
+// TacticSelectRef returns the tokens a KV head attends: the union of fixed
+// and the members of the clusters selected by each budget (one per query
+// head sharing the KV head), sorted ascending, without repeats.
+func TacticSelectRef(idx *ClusterIndex, fixed []int32, budgets ...*TacticBudget) []int32 {
+	set := map[int32]struct{}{}
+	for _, t := range fixed {
+		set[t] = struct{}{}
+	}
+	for _, b := range budgets {
+		for _, c := range b.Clusters() {
+			for _, t := range idx.Members[c] {
+				set[t] = struct{}{}
+			}
+		}
+	}
+	out := make([]int32, 0, len(set))
+	for t := range set {
+		out = append(out, t)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
+	return out
+}
+
+// TacticDecodeRef runs a Tactic decode step for the query heads qs that
+// share one KV head: TacticBudgetRef per head, TacticSelectRef over all of
+// them, then AttendSubsetRef of every head over the union. keys and values
+// hold the rows of every token id used. It returns one output per head, the
+// union and the per-head budgets.
+func TacticDecodeRef(qs [][]float64, keys, values []float64, scale float64, idx *ClusterIndex, fixed []int32, p float64, fit TacticFit) (outs [][]float64, tokens []int32, budgets []*TacticBudget, err error) {
+	if len(qs) == 0 {
+		return nil, nil, nil, fmt.Errorf("sparse: TacticDecodeRef: no query heads")
+	}
+	for _, q := range qs {
+		b, err := TacticBudgetRef(q, scale, keys, idx, fixed, p, fit)
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		budgets = append(budgets, b)
+	}
+	tokens = TacticSelectRef(idx, fixed, budgets...)
+	for _, q := range qs {
+		o, err := AttendSubsetRef(q, keys, values, tokens, scale)
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		outs = append(outs, o)
+	}
+	return outs, tokens, budgets, nil
+}

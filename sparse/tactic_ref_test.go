@@ -1,0 +1,282 @@
+package sparse
+
+import (
+	"math"
+	"math/rand/v2"
+	"sort"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestTacticHarmonic(t *testing.T) {
+	h := 0.0
+	for m := 1; m <= 20000; m++ {
+		h += 1 / float64(m)
+		require.InDeltaf(t, h, TacticHarmonic(m), 1e-14*h, "m=%d", m)
+	}
+	assert.Equal(t, 0.0, TacticHarmonic(0))
+	assert.Equal(t, 0.0, TacticHarmonic(-3))
+}
+
+func TestTacticCurveSum(t *testing.T) {
+	r := rand.New(rand.NewPCG(21, 22))
+	for trial := 0; trial < 2000; trial++ {
+		a, b := r.NormFloat64()*10, r.NormFloat64()*0.1
+		switch trial % 5 {
+		case 0:
+			b = 0
+		case 1:
+			a = 0
+		}
+		lo := r.IntN(300)
+		hi := lo + r.IntN(3000) - 20
+		want, scaleSum := 0.0, 0.0
+		for x := max(lo, 1); x <= hi; x++ {
+			want += math.Max(0, a/float64(x)+b)
+			scaleSum += math.Abs(a/float64(x)) + math.Abs(b)
+		}
+		got := tacticCurveSum(a, b, lo, hi)
+		require.InDeltaf(t, want, got, 1e-12*scaleSum+1e-300, "a=%v b=%v [%d, %d]", a, b, lo, hi)
+	}
+}
+
+// syntheticIndex builds d = 1 keys whose exp scores (q = 1, scale = 1) are
+// e(x) = a/x + b at list position x = 1 … n, grouped into clusters of size
+// size in list order, with token ids offset by first. Cluster centroids are
+// member means, so the centroid order is the list order.
+func syntheticIndex(t *testing.T, n, size, first int, a, b float64) (keys []float64, idx *ClusterIndex) {
+	t.Helper()
+	keys = make([]float64, first+n)
+	assign := make([]int32, n)
+	for x := 1; x <= n; x++ {
+		keys[first+x-1] = math.Log(a/float64(x) + b)
+		assign[x-1] = int32((x - 1) / size)
+	}
+	c := (n + size - 1) / size
+	cent := make([]float64, c)
+	for j := 0; j < c; j++ {
+		lo, hi := j*size, min(n, (j+1)*size)
+		for x := lo; x < hi; x++ {
+			cent[j] += keys[first+x]
+		}
+		cent[j] /= float64(hi - lo)
+	}
+	idx, err := NewClusterIndex(cent, 1, assign, int32(first))
+	require.NoError(t, err)
+	return keys, idx
+}
+
+// bruteBudget returns the least k with fixed + Σ_{x≤k} e_x ≥ p·(fixed + Σ e).
+func bruteBudget(e []float64, fixed, p float64) int {
+	total := fixed
+	for _, v := range e {
+		total += v
+	}
+	c := fixed
+	for k := 0; k <= len(e); k++ {
+		if k > 0 {
+			c += e[k-1]
+		}
+		if c >= p*total {
+			return k
+		}
+	}
+	return len(e)
+}
+
+func TestTacticBudgetRecoversExactCurve(t *testing.T) {
+	const n, size, sinks = 4000, 8, 2
+	a, b := 50.0, 0.01
+	keys, idx := syntheticIndex(t, n, size, sinks, a, b)
+	keys[0], keys[1] = 3, 1 // sinks with their own scores
+	fixed := []int32{0, 1}
+	e := make([]float64, n)
+	for x := 1; x <= n; x++ {
+		e[x-1] = a/float64(x) + b
+	}
+	fixedSum := math.Exp(3) + math.Exp(1)
+	for _, p := range []float64{0.3, 0.5, 0.7, 0.83, 0.9, 0.97} {
+		bud, err := TacticBudgetRef([]float64{1}, 1, keys, idx, fixed, p, DefaultTacticFit())
+		require.NoError(t, err)
+		scale := math.Exp(bud.Shift)
+		assert.InDelta(t, a, bud.A*scale, 1e-9*a)
+		assert.InDelta(t, b, bud.B*scale, 1e-9*a)
+		assert.InDelta(t, fixedSum, bud.FixedSum*scale, 1e-12*fixedSum)
+		want := bruteBudget(e, fixedSum, p)
+		assert.Equalf(t, want, bud.Budget, "P=%v", p)
+		assert.Equal(t, (bud.Budget+size-1)/size, bud.Selected)
+		assert.Equal(t, min(n, bud.Selected*size), bud.SelectedTokens)
+	}
+}
+
+func TestTacticBudgetWindowPlacement(t *testing.T) {
+	keys, idx := syntheticIndex(t, 1000, 10, 0, 20, 0.5)
+	bud, err := TacticBudgetRef([]float64{1}, 1, keys, idx, nil, 0.5, DefaultTacticFit())
+	require.NoError(t, err)
+	// ceil(0.02·1000) = 20 exact tokens: two clusters.
+	assert.Equal(t, 2, bud.ExactClusters)
+	assert.Equal(t, 20, bud.ExactTokens)
+	// w = 20. Window 1: centre 50, nominal [40, 59], clusters of ranks 3
+	// (positions 31–40) to 5 (51–60). Window 2: centre 300, [290, 309],
+	// ranks 28–30.
+	assert.Equal(t, [2]int{3, 6}, bud.Win1)
+	assert.Equal(t, [2]int{28, 31}, bud.Win2)
+	h1 := (TacticHarmonic(60) - TacticHarmonic(30)) / 30
+	assert.InDelta(t, h1, bud.H1, 1e-15)
+	for j := 0; j < 100; j++ {
+		assert.Equal(t, int32(j), bud.Order[j])
+		assert.Equal(t, 10*j, bud.Offsets[j])
+	}
+}
+
+func TestTacticBudgetAllExactMatchesBruteForce(t *testing.T) {
+	r := rand.New(rand.NewPCG(31, 32))
+	const n, d, sinks = 600, 8, 3
+	keys := blobs(r, sinks+n, d, 10)
+	idx, err := BuildClusterIndexRef(keys, d, sinks, n, 16, 10, 5)
+	require.NoError(t, err)
+	fixed := []int32{0, 1, 2}
+	fit := TacticFit{InitialFrac: 1, Window1: 0.1, Window2: 0.6, WindowFrac: 0.01}
+	for trial := 0; trial < 20; trial++ {
+		q := randMatrix(r, 1, d)
+		p := 0.05 + 0.9*r.Float64()
+		bud, err := TacticBudgetRef(q, 0.7, keys, idx, fixed, p, fit)
+		require.NoError(t, err)
+		require.Equal(t, n, bud.ExactTokens)
+		// The true exp scores in list order, with the same shift.
+		var e []float64
+		for _, c := range bud.Order {
+			for _, tok := range idx.Members[c] {
+				e = append(e, math.Exp(0.7*dot(q, keys[int(tok)*d:int(tok+1)*d])-bud.Shift))
+			}
+		}
+		fs := 0.0
+		for _, tok := range fixed {
+			fs += math.Exp(0.7*dot(q, keys[int(tok)*d:int(tok+1)*d]) - bud.Shift)
+		}
+		require.Equal(t, bruteBudget(e, fs, p), bud.Budget)
+		j := sort.SearchInts(bud.Offsets, bud.Budget)
+		require.Equal(t, j, bud.Selected)
+		// Order is by descending centroid score, ties by index.
+		for i := 1; i < len(bud.Order); i++ {
+			a, b := bud.Order[i-1], bud.Order[i]
+			require.True(t, bud.Scores[a] > bud.Scores[b] || (bud.Scores[a] == bud.Scores[b] && a < b))
+		}
+	}
+}
+
+func TestTacticBudgetMonotoneInP(t *testing.T) {
+	r := rand.New(rand.NewPCG(41, 42))
+	const n, d = 2000, 8
+	keys := blobs(r, n, d, 30)
+	idx, err := BuildClusterIndexRef(keys, d, 0, n, 16, 10, 9)
+	require.NoError(t, err)
+	for trial := 0; trial < 10; trial++ {
+		q := randMatrix(r, 1, d)
+		prev := -1
+		for p := 0.05; p <= 1; p += 0.05 {
+			bud, err := TacticBudgetRef(q, 0.5, keys, idx, nil, math.Min(p, 1), DefaultTacticFit())
+			require.NoError(t, err)
+			require.GreaterOrEqual(t, bud.Budget, prev)
+			require.True(t, bud.Budget >= 0 && bud.Budget <= n)
+			require.GreaterOrEqual(t, bud.SelectedTokens, bud.Budget)
+			prev = bud.Budget
+		}
+	}
+}
+
+func TestTacticBudgetDegenerate(t *testing.T) {
+	// One cluster of 4 tokens, no exact part: both windows are that cluster,
+	// so the curve is the constant b = mean e, and S(k) = fixed + b·k.
+	keys := []float64{0, math.Log(2), math.Log(4), math.Log(6), math.Log(8)}
+	idx, err := NewClusterIndex([]float64{1}, 1, []int32{0, 0, 0, 0}, 1)
+	require.NoError(t, err)
+	fit := TacticFit{InitialFrac: 0, Window1: 0.1, Window2: 0.6, WindowFrac: 0.1}
+	bud, err := TacticBudgetRef([]float64{1}, 1, keys, idx, []int32{0}, 0.5, fit)
+	require.NoError(t, err)
+	assert.Equal(t, 0, bud.ExactClusters)
+	assert.Equal(t, 0.0, bud.Shift) // F = {0}: score 0
+	assert.Equal(t, 0.0, bud.A)
+	assert.InDelta(t, 5, bud.B, 1e-12)
+	assert.InDelta(t, 21, bud.Total, 1e-12)
+	assert.Equal(t, 2, bud.Budget) // 1 + 5k ≥ 10.5
+	assert.Equal(t, 1, bud.Selected)
+
+	// No clustered tokens at all.
+	empty, err := NewClusterIndex([]float64{0}, 1, nil, 0)
+	require.NoError(t, err)
+	bud, err = TacticBudgetRef([]float64{1}, 1, keys, empty, []int32{0}, 0.9, fit)
+	require.NoError(t, err)
+	assert.Equal(t, 0, bud.Budget)
+	assert.Equal(t, 0, bud.Selected)
+}
+
+func TestTacticPOneSelectsAllAndMatchesDense(t *testing.T) {
+	r := rand.New(rand.NewPCG(51, 52))
+	const d, sinks, end, pos = 16, 4, 1500, 1530
+	keys := blobs(r, pos+1, d, 20)
+	values := randMatrix(r, pos+1, d)
+	idx, err := BuildClusterIndexRef(keys, d, sinks, end-sinks, 16, 10, 3)
+	require.NoError(t, err)
+	fixed, err := TacticFixedTokens(sinks, end, pos)
+	require.NoError(t, err)
+	qs := [][]float64{randMatrix(r, 1, d), randMatrix(r, 1, d), randMatrix(r, 1, d)}
+	outs, tokens, budgets, err := TacticDecodeRef(qs, keys, values, 0.25, idx, fixed, 1, DefaultTacticFit())
+	require.NoError(t, err)
+	require.Len(t, tokens, pos+1)
+	for i, tok := range tokens {
+		require.Equal(t, int32(i), tok)
+	}
+	for h, q := range qs {
+		require.Equal(t, end-sinks, budgets[h].Budget)
+		dense, err := AttendRef(q, keys, values, 0.25)
+		require.NoError(t, err)
+		assert.InDeltaSlice(t, dense, outs[h], 1e-12)
+	}
+}
+
+func TestTacticSelectUnion(t *testing.T) {
+	idx, err := NewClusterIndex([]float64{0, 0, 0}, 1, []int32{2, 0, 1, 0, 2, 1}, 2)
+	require.NoError(t, err)
+	// Members: 0 → {3, 5}, 1 → {4, 7}, 2 → {2, 6}.
+	b1 := &TacticBudget{Order: []int32{2, 0, 1}, Selected: 1}
+	b2 := &TacticBudget{Order: []int32{0, 2, 1}, Selected: 2}
+	assert.Equal(t, []int32{0, 1, 2, 3, 5, 6, 8}, TacticSelectRef(idx, []int32{8, 0, 1}, b1, b2))
+	assert.Equal(t, []int32{2, 6}, TacticSelectRef(idx, nil, b1))
+
+	f, err := TacticFixedTokens(2, 5, 7)
+	require.NoError(t, err)
+	assert.Equal(t, []int32{0, 1, 5, 6, 7}, f)
+	f, err = TacticFixedTokens(0, 8, 7)
+	require.NoError(t, err)
+	assert.Empty(t, f)
+	_, err = TacticFixedTokens(3, 2, 7)
+	assert.Error(t, err)
+	_, err = TacticFixedTokens(0, 9, 7)
+	assert.Error(t, err)
+}
+
+func TestTacticBudgetErrors(t *testing.T) {
+	keys, idx := syntheticIndex(t, 100, 4, 1, 10, 1)
+	q := []float64{1}
+	fit := DefaultTacticFit()
+	for name, f := range map[string]func() error{
+		"p0":      func() error { _, err := TacticBudgetRef(q, 1, keys, idx, nil, 0, fit); return err },
+		"p>1":     func() error { _, err := TacticBudgetRef(q, 1, keys, idx, nil, 1.1, fit); return err },
+		"pNaN":    func() error { _, err := TacticBudgetRef(q, 1, keys, idx, nil, math.NaN(), fit); return err },
+		"dim":     func() error { _, err := TacticBudgetRef([]float64{1, 2}, 1, keys, idx, nil, 0.5, fit); return err },
+		"overlap": func() error { _, err := TacticBudgetRef(q, 1, keys, idx, []int32{5}, 0.5, fit); return err },
+		"range":   func() error { _, err := TacticBudgetRef(q, 1, keys[:50], idx, nil, 0.5, fit); return err },
+		"repeat":  func() error { _, err := TacticBudgetRef(q, 1, keys, idx, []int32{0, 0}, 0.5, fit); return err },
+		"fit": func() error {
+			_, err := TacticBudgetRef(q, 1, keys, idx, nil, 0.5, TacticFit{InitialFrac: -1})
+			return err
+		},
+		"nil":   func() error { _, err := TacticBudgetRef(q, 1, keys, nil, nil, 0.5, fit); return err },
+		"heads": func() error { _, _, _, err := TacticDecodeRef(nil, keys, keys, 1, idx, nil, 0.5, fit); return err },
+	} {
+		assert.Error(t, f(), name)
+	}
+}
