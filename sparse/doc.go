@@ -1,5 +1,6 @@
-// Package sparse holds sparse decode attention policies and their float64
-// references.
+// Package sparse computes decode attention on the GPU: dense attention and
+// the sparse selection policies, over KV caches from package kvcache. Every
+// kernel has a float64 reference here that states its exact computation.
 //
 // The references (functions ending in Ref) define exactly what a policy
 // computes, including tie-breaking and rounding choices, so that a GPU

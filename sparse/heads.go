@@ -1,6 +1,3 @@
-// Package sparse computes decode attention on the GPU: dense attention and
-// the sparse selection policies, over KV caches from package kvcache. Every
-// kernel has a float64 reference here that states its exact computation.
 package sparse
 
 import "fmt"

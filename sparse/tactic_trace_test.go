@@ -244,6 +244,9 @@ func TestTacticRealTraces(t *testing.T) {
 	for _, name := range []string{"L1", "L4"} {
 		path := filepath.Join(tracesDir(), "trace-shared_http_serve_test-"+name+".safetensors")
 		if _, err := os.Stat(path); err != nil {
+			if os.Getenv("VKSPARSE_REQUIRE_TRACES") != "" {
+				t.Fatalf("real trace %s missing but VKSPARSE_REQUIRE_TRACES is set: %v", path, err)
+			}
 			t.Skipf("real trace %s not available (set VKSPARSE_TRACES to the traces folder): %v", path, err)
 		}
 		l, err := loadTraceLayer(path, TacticDefaultSinks)
