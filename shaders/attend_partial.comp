@@ -150,55 +150,51 @@ void main() {
 				}
 			}
 		}
-		// The first value rows are loaded before the max is agreed, so their
-		// latency overlaps the reduction.
-		uvec4 w[UNROLL];
-		uint t = lane;
-		bool early = lane < LANES && t + (UNROLL - 1) * LANES < len;
-		if (early) {
-			[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowBase + (t + r * LANES) * DV + dg];
-		}
 		combine(mt, 0);  // the new running max
 
-		// Rescale what came before to the new max (a factor 0 on the first
-		// tile). l is summed per thread and across threads only at the end.
+		// Rescale what came before to the new max; weights p = exp(s - m).
+		float lt[GROUP];
 		[[unroll]] for (uint g = 0; g < GROUP; g++) {
-			float r = exp(m[g] - mt[g]);
+			float r = exp(m[g] - mt[g]);  // 0 on the first tile
 			l[g] *= r;
 			acc[2 * g] *= r;
 			acc[2 * g + 1] *= r;
 			m[g] = mt[g];
+			lt[g] = 0.0;
 		}
-		for (uint i = tid; i < len; i += WG) {
-			[[unroll]] for (uint g = 0; g < GROUP; g++) l[g] += exp(sc[g * TILE + i] - m[g]);
+		for (uint t = tid; t < len; t += WG) {
+			[[unroll]] for (uint g = 0; g < GROUP; g++) {
+				float p = exp(sc[g * TILE + t] - m[g]);
+				sc[g * TILE + t] = p;
+				lt[g] += p;
+			}
 		}
+		combine(lt, 1);
+		[[unroll]] for (uint g = 0; g < GROUP; g++) l[g] += lt[g];
 
 		// Weighted values: lane takes rows lane, lane+LANES, ...; dg is its
-		// eight dimensions, so DV adjacent threads read a whole row. Weights
-		// exp(s - m) are formed as they are used.
+		// eight dimensions, so DV adjacent threads read a whole row.
 		if (lane < LANES) {
-			while (early) {
+			uint t = lane;
+			for (; t + (UNROLL - 1) * LANES < len; t += UNROLL * LANES) {
+				uvec4 w[UNROLL];
+				[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowBase + (t + r * LANES) * DV + dg];
 				[[unroll]] for (uint r = 0; r < UNROLL; r++) {
 					vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
 					vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
 					[[unroll]] for (uint g = 0; g < GROUP; g++) {
-						float p = exp(sc[g * TILE + t + r * LANES] - m[g]);
+						float p = sc[g * TILE + t + r * LANES];
 						acc[2 * g] += p * a;
 						acc[2 * g + 1] += p * b;
 					}
 				}
-				t += UNROLL * LANES;
-				early = t + (UNROLL - 1) * LANES < len;
-				if (early) {
-					[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowBase + (t + r * LANES) * DV + dg];
-				}
 			}
 			for (; t < len; t += LANES) {
-				uvec4 x = v[rowBase + t * DV + dg];
-				vec4 a = vec4(unpackHalf2x16(x.x), unpackHalf2x16(x.y));
-				vec4 b = vec4(unpackHalf2x16(x.z), unpackHalf2x16(x.w));
+				uvec4 w = v[rowBase + t * DV + dg];
+				vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+				vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
 				[[unroll]] for (uint g = 0; g < GROUP; g++) {
-					float p = exp(sc[g * TILE + t] - m[g]);
+					float p = sc[g * TILE + t];
 					acc[2 * g] += p * a;
 					acc[2 * g + 1] += p * b;
 				}
@@ -206,8 +202,6 @@ void main() {
 		}
 		barrier();  // the next tile overwrites the scores
 	}
-
-	combine(l, 1);
 
 	// Sum the lanes, one head at a time: the score slots, no longer needed,
 	// hold the eight dimensions of every thread.
