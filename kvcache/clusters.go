@@ -1,0 +1,109 @@
+package kvcache
+
+import (
+	"fmt"
+
+	"github.com/vksparse/vksparse/vk"
+)
+
+// Clusters is a K-means index of a range of tokens of every KV head of a
+// layer, on the device: C clusters per head with centroids (fp32), sizes,
+// and member lists (token ids, ascending within a cluster, clusters laid
+// out one after another from Starts).
+type Clusters struct {
+	KVHeads, HeadDim int
+	C                int // clusters per head
+	First, Count     int // the clustered tokens are [First, First+Count)
+	Iterations       int // assignment steps run
+
+	Centroids *vk.Buffer // float32 [KVHeads][C][HeadDim]
+	Norms     *vk.Buffer // float32 [KVHeads][C], |centroid|²
+	Counts    *vk.Buffer // uint32 [KVHeads][C], cluster sizes
+	Starts    *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
+	Members   *vk.Buffer // uint32 [KVHeads][Count], token ids in cluster order
+	Assign    *vk.Buffer // uint32 [KVHeads][Count], cluster of token First+r
+}
+
+// NewClusters allocates an index of c clusters over count tokens from first.
+func NewClusters(dev *vk.Device, kvHeads, headDim, c, first, count int) (*Clusters, error) {
+	if c <= 0 || count <= 0 || c > count || first < 0 {
+		return nil, fmt.Errorf("kvcache: %d clusters of tokens [%d, %d+%d)", c, first, first, count)
+	}
+	x := &Clusters{KVHeads: kvHeads, HeadDim: headDim, C: c, First: first, Count: count}
+	h := uint64(kvHeads)
+	var err error
+	alloc := func(bytes uint64) *vk.Buffer {
+		if err != nil {
+			return nil
+		}
+		var b *vk.Buffer
+		b, err = dev.NewBuffer(bytes, vk.DeviceLocal)
+		return b
+	}
+	x.Centroids = alloc(h * uint64(c*headDim) * 4)
+	x.Norms = alloc(h * uint64(c) * 4)
+	x.Counts = alloc(h * uint64(c) * 4)
+	x.Starts = alloc(h * uint64(c) * 4)
+	x.Members = alloc(h * uint64(count) * 4)
+	x.Assign = alloc(h * uint64(count) * 4)
+	if err != nil {
+		x.Release()
+		return nil, fmt.Errorf("kvcache: cluster index: %w", err)
+	}
+	return x, nil
+}
+
+// Release frees the index's buffers.
+func (x *Clusters) Release() error {
+	for _, b := range []*vk.Buffer{x.Centroids, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
+		if b != nil {
+			b.Release()
+		}
+	}
+	x.Centroids, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil
+	return nil
+}
+
+// HostClusters is one KV head's index read back to the host.
+type HostClusters struct {
+	Centroids []float32 // C×HeadDim
+	Members   [][]int32 // token ids per cluster, ascending
+	Assign    []int32   // cluster of token First+r
+}
+
+// Read copies head g's index to the host.
+func (x *Clusters) Read(g int) (*HostClusters, error) {
+	if g < 0 || g >= x.KVHeads {
+		return nil, fmt.Errorf("kvcache: head %d of %d", g, x.KVHeads)
+	}
+	cent := make([]float32, x.C*x.HeadDim)
+	counts := make([]uint32, x.C)
+	starts := make([]uint32, x.C)
+	members := make([]uint32, x.Count)
+	assign := make([]uint32, x.Count)
+	c4, n4 := uint64(x.C)*4, uint64(x.Count)*4
+	for _, err := range []error{
+		x.Centroids.ReadFloat32(uint64(g)*c4*uint64(x.HeadDim), cent),
+		x.Counts.ReadUint32(uint64(g)*c4, counts),
+		x.Starts.ReadUint32(uint64(g)*c4, starts),
+		x.Members.ReadUint32(uint64(g)*n4, members),
+		x.Assign.ReadUint32(uint64(g)*n4, assign),
+	} {
+		if err != nil {
+			return nil, err
+		}
+	}
+	h := &HostClusters{Centroids: cent, Members: make([][]int32, x.C), Assign: make([]int32, x.Count)}
+	for c := range h.Members {
+		if int(starts[c])+int(counts[c]) > x.Count {
+			return nil, fmt.Errorf("kvcache: cluster %d range [%d, +%d) outside %d members", c, starts[c], counts[c], x.Count)
+		}
+		for _, t := range members[starts[c] : starts[c]+counts[c]] {
+			h.Members[c] = append(h.Members[c], int32(t))
+		}
+	}
+	for i, a := range assign {
+		h.Assign[i] = int32(a)
+	}
+	return h, nil
+}
