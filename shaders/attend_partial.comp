@@ -29,6 +29,9 @@ layout(constant_id = 6) const uint UNROLL = 4;
 // GROUP * WG with the tree, GROUP * number of subgroups with subgroups).
 layout(constant_id = 7) const uint SCORE_SLOTS = 4096;
 layout(constant_id = 8) const uint REDUCE_SLOTS = 1024;
+// GATHER = 1 attends, for KV head g, the tokens tok[g*listStride + i],
+// i < tokCount[g], instead of tokens 0 .. n-1 (n is then listStride).
+layout(constant_id = 9) const uint GATHER = 0;
 
 const uint DV = D / 8;  // uvec4 words per row
 const uint D4 = D / 4;  // vec4 per query row
@@ -38,9 +41,11 @@ layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };        // [head
 layout(std430, binding = 2) readonly buffer Values { uvec4 v[]; };      // [heads][headStride]
 layout(std430, binding = 3) writeonly buffer PartialO { float po[]; };  // [B][Hq][maxChunks][D]
 layout(std430, binding = 4) writeonly buffer PartialML { vec2 pml[]; }; // [B][Hq][maxChunks]
+layout(std430, binding = 5) readonly buffer Tokens { uint tok[]; };       // [heads][listStride], GATHER only
+layout(std430, binding = 6) readonly buffer TokenCounts { uint tokCount[]; }; // [heads], GATHER only
 
 layout(push_constant) uniform Push {
-	uint n;           // tokens of this sequence
+	uint n;           // tokens of this sequence (GATHER: token-list stride)
 	uint headStride;  // uvec4 words between consecutive KV heads in Keys/Values
 	uint kvBase;      // index of the bound range's first KV head
 	uint seq;         // sequence index in the batch
@@ -84,14 +89,22 @@ void combine(inout float x[GROUP], uint op) {
 	barrier();
 }
 
+// rowOf returns the first uvec4 word of row t of the tile starting at t0.
+uint rowOf(uint headBase, uint rowBase, uint listBase, uint t0, uint t) {
+	return GATHER != 0 ? headBase + tok[listBase + t0 + t] * DV : rowBase + t * DV;
+}
+
 void main() {
 	uint tid = gl_LocalInvocationID.x;
 	uint c = gl_WorkGroupID.x;
 	uint headBlocks = pc.groupSize / GROUP;
 	uint kvLocal = gl_WorkGroupID.y / headBlocks;
 	uint h0 = (pc.kvBase + kvLocal) * pc.groupSize + (gl_WorkGroupID.y % headBlocks) * GROUP;
+	uint n = GATHER != 0 ? tokCount[pc.kvBase + kvLocal] : pc.n;
+	uint listBase = (pc.kvBase + kvLocal) * pc.n;
 	uint chunkStart = c * pc.chunk;
-	uint chunkEnd = min(chunkStart + pc.chunk, pc.n);
+	uint chunkEnd = min(chunkStart + pc.chunk, n);
+	if (chunkStart >= chunkEnd) return;  // GATHER: past this head's tokens
 
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
@@ -116,7 +129,8 @@ void main() {
 
 	for (uint t0 = chunkStart; t0 < chunkEnd; t0 += TILE) {
 		uint len = min(TILE, chunkEnd - t0);
-		uint rowBase = kvLocal * pc.headStride + t0 * DV;  // in uvec4 words
+		uint headBase = kvLocal * pc.headStride;
+		uint rowBase = headBase + t0 * DV;  // in uvec4 words (without GATHER)
 
 		// Scores: TPR adjacent threads read one row, uvec4 j*TPR + sub each,
 		// so a load instruction covers whole 16-byte runs of rows.
@@ -127,7 +141,7 @@ void main() {
 			float s[GROUP];
 			[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] = 0.0;
 			if (t < len) {
-				uint row = rowBase + t * DV;
+				uint row = GATHER != 0 ? headBase + tok[listBase + t0 + t] * DV : rowBase + t * DV;
 				uvec4 w[VPT];
 				[[unroll]] for (uint j = 0; j < VPT; j++) w[j] = k[row + j * TPR + sub];
 				[[unroll]] for (uint j = 0; j < VPT; j++) {
@@ -178,7 +192,7 @@ void main() {
 			uint t = lane;
 			for (; t + (UNROLL - 1) * LANES < len; t += UNROLL * LANES) {
 				uvec4 w[UNROLL];
-				[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowBase + (t + r * LANES) * DV + dg];
+				[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowOf(headBase, rowBase, listBase, t0, t + r * LANES) + dg];
 				[[unroll]] for (uint r = 0; r < UNROLL; r++) {
 					vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
 					vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
@@ -190,7 +204,7 @@ void main() {
 				}
 			}
 			for (; t < len; t += LANES) {
-				uvec4 w = v[rowBase + t * DV + dg];
+				uvec4 w = v[rowOf(headBase, rowBase, listBase, t0, t) + dg];
 				vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
 				vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
 				[[unroll]] for (uint g = 0; g < GROUP; g++) {

@@ -1,6 +1,7 @@
 package sparse
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"sort"
@@ -20,6 +21,7 @@ type Dense struct {
 	group     int // query heads per workgroup
 	tile      int
 	partial   *vk.Pipeline
+	gather    *vk.Pipeline // attend_partial reading rows through token lists
 	merge     *vk.Pipeline
 	workgroup int
 	tpr       int  // threads sharing a K row in the score pass
@@ -126,9 +128,15 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	if err != nil {
 		return nil, err
 	}
-	d.partial, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial", SPIRV: code, Bindings: 5, PushWords: 9,
-		Specialization: []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots)}})
+	spec := []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0}
+	d.partial, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial", SPIRV: code, Bindings: 7, PushWords: 9, Specialization: spec})
 	if err != nil {
+		return nil, err
+	}
+	spec = append(spec[:len(spec)-1], 1) // GATHER
+	d.gather, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial (gather)", SPIRV: code, Bindings: 7, PushWords: 9, Specialization: spec})
+	if err != nil {
+		d.partial.Release()
 		return nil, err
 	}
 	code, err = shaders.SPIRV("attend_merge")
@@ -137,10 +145,11 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 		return nil, err
 	}
 	mwg := wg
-	d.merge, err = dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 2,
+	d.merge, err = dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 3,
 		Specialization: []uint32{uint32(mwg), uint32(heads.Dim)}})
 	if err != nil {
 		d.partial.Release()
+		d.gather.Release()
 		return nil, err
 	}
 	return d, nil
@@ -168,11 +177,9 @@ func (d *Dense) Heads() Heads { return d.heads }
 // Release destroys the kernels.
 func (d *Dense) Release() error {
 	err1 := d.partial.Release()
-	err2 := d.merge.Release()
-	if err1 != nil {
-		return err1
-	}
-	return err2
+	err2 := d.gather.Release()
+	err3 := d.merge.Release()
+	return errors.Join(err1, err2, err3)
 }
 
 // DensePlan holds the buffers and bindings that attend one batch of
@@ -191,6 +198,10 @@ type DensePlan struct {
 	cmd        *vk.Commands
 	stamps     *vk.Timestamps
 	stampCount int
+	// With token lists (PlanGather): the lists' stride, the tokens per
+	// chunk, and the lists and their lengths per KV head.
+	gatherStride, gatherChunk int
+	tokens, tokCounts         *vk.Buffer
 	// lastChunks is what the chunks buffer holds.
 	lastChunks []uint32
 }
@@ -237,8 +248,12 @@ func (p *DensePlan) allocate() error {
 	p.query = alloc(b * uint64(h.Query*h.Dim) * 4)
 	p.partO = alloc(slots * uint64(h.Dim) * 4)
 	p.partML = alloc(slots * 8)
-	p.chunks = alloc(b * 4)
+	p.chunks = alloc(b * uint64(h.KV) * 4)
 	p.out = alloc(b * uint64(h.Query*h.Dim) * 4)
+	if p.gatherStride > 0 {
+		p.tokens = alloc(uint64(h.KV*p.gatherStride) * 4)
+		p.tokCounts = alloc(uint64(h.KV) * 4)
+	}
 	if err != nil {
 		return err
 	}
@@ -253,7 +268,11 @@ func (p *DensePlan) allocate() error {
 		for base := 0; base < h.KV; base += perBinding {
 			count := min(perBinding, h.KV-base)
 			off, size := uint64(base)*headBytes, uint64(count)*headBytes
-			bind, err := d.partial.Bind(p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All())
+			pipe, lists, counts := d.partial, p.chunks, p.chunks // bindings 5 and 6 unused
+			if p.gatherStride > 0 {
+				pipe, lists, counts = d.gather, p.tokens, p.tokCounts
+			}
+			bind, err := pipe.Bind(p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists.All(), counts.All())
 			if err != nil {
 				return err
 			}
@@ -277,7 +296,7 @@ func (p *DensePlan) Release() error {
 		}
 	}
 	p.segments = nil
-	for _, r := range []interface{ Release() error }{p.mergeBind, p.cmd, p.stamps, p.query, p.partO, p.partML, p.chunks, p.out} {
+	for _, r := range []interface{ Release() error }{p.mergeBind, p.cmd, p.stamps, p.query, p.partO, p.partML, p.chunks, p.out, p.tokens, p.tokCounts} {
 		r.Release() // each tolerates a nil receiver
 	}
 	return nil
@@ -320,7 +339,10 @@ func (p *DensePlan) SetQuery(q []float32) error {
 // Record appends the attention kernels to c, for the sequences' current lengths.
 func (p *DensePlan) Record(c *vk.Commands) error {
 	h, d := p.d.heads, p.d
-	chunks := make([]uint32, len(p.seqs))
+	if p.gatherStride > 0 {
+		return p.recordGather(c)
+	}
+	chunks := make([]uint32, len(p.seqs)*h.KV)
 	for b, s := range p.seqs {
 		n := s.Len()
 		if n == 0 {
@@ -331,7 +353,9 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 		if nc > p.maxChunks {
 			return fmt.Errorf("sparse: sequence %d of %d tokens needs %d chunks, plan has %d", b, n, nc, p.maxChunks)
 		}
-		chunks[b] = uint32(nc)
+		for g := 0; g < h.KV; g++ {
+			chunks[b*h.KV+g] = uint32(nc)
+		}
 		blocks := h.Group() / d.group
 		for _, seg := range p.segments[b] {
 			push := []uint32{uint32(n), uint32(s.HeadBytes() / 16), uint32(seg.kvBase), uint32(b), uint32(chunk), uint32(p.maxChunks),
@@ -340,7 +364,7 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 		}
 	}
 	c.Barrier()
-	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query)}, uint32(h.Query), uint32(len(p.seqs)), 1)
+	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group())}, uint32(h.Query), uint32(len(p.seqs)), 1)
 	if fmt.Sprint(chunks) == fmt.Sprint(p.lastChunks) {
 		return nil
 	}
@@ -427,3 +451,82 @@ func (p *DensePlan) Time(warmup, reps int) ([]time.Duration, error) {
 }
 
 func ceilDiv(a, b int) int { return (a + b - 1) / b }
+
+// PlanGather prepares attention of one sequence over a list of tokens per
+// KV head (at most stride each): every query head of KV head g attends
+// exactly the tokens of list g. The lists live on the device (Tokens,
+// TokenCounts) so that GPU kernels can fill them; the chunk counts of the
+// merge (ChunkCounts, ceil(count / GatherChunk) per head) too.
+func (d *Dense) PlanGather(layer *kvcache.Layer, stride int) (*DensePlan, error) {
+	if stride <= 0 || stride > layer.Capacity() {
+		return nil, fmt.Errorf("sparse: token lists of %d entries for a cache of capacity %d", stride, layer.Capacity())
+	}
+	if layer.KVHeads() != d.heads.KV || layer.HeadDim() != d.heads.Dim {
+		return nil, fmt.Errorf("sparse: the cache has %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), d.heads.KV, d.heads.Dim)
+	}
+	blocks := d.heads.KV * (d.heads.Group() / d.group)
+	chunk := max(64, ceilDiv(ceilDiv(stride*blocks, targetWorkgroups), 64)*64)
+	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: ceilDiv(stride, chunk), gatherStride: stride, gatherChunk: chunk}
+	if err := p.allocate(); err != nil {
+		p.Release()
+		return nil, err
+	}
+	return p, nil
+}
+
+// Tokens returns the token lists, uint32 [KVHeads][stride] (PlanGather).
+func (p *DensePlan) Tokens() *vk.Buffer { return p.tokens }
+
+// TokenCounts returns the list lengths, uint32 [KVHeads] (PlanGather).
+func (p *DensePlan) TokenCounts() *vk.Buffer { return p.tokCounts }
+
+// ChunkCounts returns the merge's chunk counts, uint32 [KVHeads].
+func (p *DensePlan) ChunkCounts() *vk.Buffer { return p.chunks }
+
+// GatherChunk returns the tokens per chunk of a PlanGather plan.
+func (p *DensePlan) GatherChunk() int { return p.gatherChunk }
+
+// SetTokens uploads one token list per KV head (each non-empty, at most
+// the plan's stride, tokens below the cache's length).
+func (p *DensePlan) SetTokens(lists [][]int32) error {
+	h := p.d.heads
+	if p.gatherStride == 0 {
+		return fmt.Errorf("sparse: SetTokens on a plan without token lists")
+	}
+	if len(lists) != h.KV {
+		return fmt.Errorf("sparse: %d token lists for %d KV heads", len(lists), h.KV)
+	}
+	flat := make([]uint32, h.KV*p.gatherStride)
+	counts := make([]uint32, h.KV)
+	chunks := make([]uint32, h.KV)
+	n := p.seqs[0].Len()
+	for g, l := range lists {
+		if len(l) == 0 || len(l) > p.gatherStride {
+			return fmt.Errorf("sparse: token list %d has %d entries (1 to %d allowed)", g, len(l), p.gatherStride)
+		}
+		for i, t := range l {
+			if t < 0 || int(t) >= n {
+				return fmt.Errorf("sparse: token list %d entry %d is %d, outside the %d stored tokens", g, i, t, n)
+			}
+			flat[g*p.gatherStride+i] = uint32(t)
+		}
+		counts[g] = uint32(len(l))
+		chunks[g] = uint32(ceilDiv(len(l), p.gatherChunk))
+	}
+	return errors.Join(p.tokens.WriteUint32(0, flat), p.tokCounts.WriteUint32(0, counts), p.chunks.WriteUint32(0, chunks))
+}
+
+// recordGather records attention over the token lists: a fixed grid of
+// chunks per head, whose workgroups past a head's list length exit at once.
+func (p *DensePlan) recordGather(c *vk.Commands) error {
+	h, d := p.d.heads, p.d
+	blocks := h.Group() / d.group
+	for _, seg := range p.segments[0] {
+		push := []uint32{uint32(p.gatherStride), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(p.gatherChunk), uint32(p.maxChunks),
+			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group())}
+		c.Dispatch(d.gather, seg.bind, push, uint32(p.maxChunks), uint32(seg.kvCount*blocks), 1)
+	}
+	c.Barrier()
+	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group())}, uint32(h.Query), 1, 1)
+	return nil
+}

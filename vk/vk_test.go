@@ -66,7 +66,7 @@ func TestDispatchAndTimestamps(t *testing.T) {
 	code, err := shaders.SPIRV("attend_merge")
 	require.NoError(t, err)
 	const d = 8
-	pipe, err := dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 2, Specialization: []uint32{32, d}})
+	pipe, err := dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 3, Specialization: []uint32{32, d}})
 	require.NoError(t, err)
 	defer pipe.Release()
 	po, _ := dev.NewBuffer(4*d, vk.DeviceLocal)
@@ -91,7 +91,7 @@ func TestDispatchAndTimestamps(t *testing.T) {
 		c.Fill(out.All(), math.Float32bits(float32(math.NaN())))
 		c.Barrier()
 		c.Timestamp(ts, 0)
-		c.Dispatch(pipe, bind, []uint32{1, 1}, 1, 1, 1)
+		c.Dispatch(pipe, bind, []uint32{1, 1, 1}, 1, 1, 1)
 		c.Timestamp(ts, 1)
 	}))
 	got := make([]float32, d)
@@ -109,7 +109,7 @@ func TestDispatchAndTimestamps(t *testing.T) {
 	require.Error(t, err, "more queries than the pool holds")
 
 	// Recording errors surface at End, before anything runs.
-	err = dev.Run(func(c *vk.Commands) { c.Dispatch(pipe, bind, []uint32{1}, 1, 1, 1) })
+	err = dev.Run(func(c *vk.Commands) { c.Dispatch(pipe, bind, []uint32{1, 1}, 1, 1, 1) })
 	require.ErrorContains(t, err, "push-constant")
 	_, err = pipe.Bind(po.All())
 	require.Error(t, err)
