@@ -31,6 +31,7 @@ type attnResult struct {
 	GBps      float64             `json:"kv_gb_per_s"` // K+V bytes / median time
 	MaxRelErr float64             `json:"max_rel_err,omitempty"`
 	Checked   bool                `json:"checked"`
+	Selected  int                 `json:"selected_tokens_per_kv_head,omitempty"` // -select: tokens read per KV head
 }
 
 func attn(args []string) error {
@@ -46,7 +47,12 @@ func attn(args []string) error {
 	warmup := fs.Int("warmup", 10, "untimed runs before timing")
 	check := fs.Bool("check", true, "compare the first sequence with the float64 reference")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
+	selectFrac := fs.Float64("select", 0, "if in (0, 1): attend only this share of each KV head's tokens, chosen at random, through token lists (the gathered attention of sparse policies); batch 1")
 	fs.Parse(args)
+	if *selectFrac < 0 || *selectFrac >= 1 {
+		return fmt.Errorf("-select %v: want a share in [0, 1)", *selectFrac)
+	}
+	gatherShare = *selectFrac
 	nList, err := ints(*ns)
 	if err != nil {
 		return fmt.Errorf("-n: %v", err)
@@ -155,10 +161,49 @@ func attnRows(dev *vk.Device, kernels []*sparse.Dense, heads sparse.Heads, n, ba
 	return out, nil
 }
 
+// gatherShare is -select: the share of tokens gathered attention reads.
+var gatherShare float64
+
+// planFor plans dense attention over the caches, or, with -select, gathered
+// attention over a random gatherShare of the first cache's tokens per KV head.
+func planFor(dense *sparse.Dense, layers []*kvcache.Layer) (*sparse.DensePlan, [][]int32, error) {
+	if gatherShare == 0 {
+		plan, err := dense.Plan(layers)
+		return plan, nil, err
+	}
+	if len(layers) != 1 {
+		return nil, nil, fmt.Errorf("-select needs batch 1")
+	}
+	n := layers[0].Len()
+	count := max(1, int(gatherShare*float64(n)))
+	plan, err := dense.PlanGather(layers[0], count)
+	if err != nil {
+		return nil, nil, err
+	}
+	rng := newHalfSource(uint64(n))
+	lists := make([][]int32, dense.Heads().KV)
+	for g := range lists {
+		// A random subset, ascending: every token with probability share.
+		for t := 0; t < n && len(lists[g]) < count; t++ {
+			if (rng.uniform()+1)/2 < gatherShare {
+				lists[g] = append(lists[g], int32(t))
+			}
+		}
+		if len(lists[g]) == 0 {
+			lists[g] = []int32{0}
+		}
+	}
+	if err := plan.SetTokens(lists); err != nil {
+		plan.Release()
+		return nil, nil, err
+	}
+	return plan, lists, nil
+}
+
 // attnTime times one kernel variant over the caches for every chunk size.
 func attnTime(dense *sparse.Dense, layers []*kvcache.Layer, q []float32, k0, v0 []uint16, chunks []int, warmup, reps int, check bool, prog *progress) ([]attnResult, error) {
 	heads, n, batch := dense.Heads(), layers[0].Len(), len(layers)
-	plan, err := dense.Plan(layers)
+	plan, lists, err := planFor(dense, layers)
 	if err != nil {
 		return nil, err
 	}
@@ -170,12 +215,23 @@ func attnTime(dense *sparse.Dense, layers []*kvcache.Layer, q []float32, k0, v0 
 		dense.ChunkTokens = chunk
 		r := attnResult{Tokens: n, Batch: batch, QHeads: heads.Query, KVHeads: heads.KV, HeadDim: heads.Dim, Chunk: chunk, Kernel: dense.Options(), Reps: reps,
 			KVBytes: uint64(batch) * uint64(n) * uint64(heads.KV*heads.Dim) * 4}
+		if lists != nil {
+			r.KVBytes = 0
+			for _, l := range lists {
+				r.Selected += len(l)
+				r.KVBytes += uint64(len(l)*heads.Dim) * 4
+			}
+			r.Selected /= len(lists)
+		}
 		if check {
 			got, err := plan.Attend(q)
 			if err != nil {
 				return nil, err
 			}
-			want := sparse.DenseRef(heads, q[:heads.Query*heads.Dim], sparse.HalvesToFloat64(k0), sparse.HalvesToFloat64(v0), n, 1/math.Sqrt(float64(heads.Dim)))
+			want, err := reference(heads, q, k0, v0, n, lists)
+			if err != nil {
+				return nil, err
+			}
 			r.MaxRelErr, r.Checked = maxRelErr(want, got, heads.Dim), true
 			if !(r.MaxRelErr < 1e-3) {
 				return nil, fmt.Errorf("attention at n=%d differs from the reference: relative error %.3g", n, r.MaxRelErr)
@@ -197,6 +253,31 @@ func attnTime(dense *sparse.Dense, layers []*kvcache.Layer, q []float32, k0, v0 
 		r.MedianUs, r.P10Us, r.P90Us = us(times[len(times)/2]), us(times[len(times)/10]), us(times[len(times)*9/10])
 		r.GBps = float64(r.KVBytes) / (r.MedianUs * 1e3)
 		out = append(out, r)
+	}
+	return out, nil
+}
+
+// reference computes the float64 attention of the first sequence: dense,
+// or over lists[g] for KV head g.
+func reference(heads sparse.Heads, q []float32, k0, v0 []uint16, n int, lists [][]int32) ([]float64, error) {
+	k, v := sparse.HalvesToFloat64(k0), sparse.HalvesToFloat64(v0)
+	scale := 1 / math.Sqrt(float64(heads.Dim))
+	if lists == nil {
+		return sparse.DenseRef(heads, q[:heads.Query*heads.Dim], k, v, n, scale), nil
+	}
+	d := heads.Dim
+	var out []float64
+	for h := 0; h < heads.Query; h++ {
+		g := h / heads.Group()
+		qh := make([]float64, d)
+		for i := range qh {
+			qh[i] = float64(q[h*d+i])
+		}
+		o, err := sparse.AttendSubsetRef(qh, k[g*n*d:(g+1)*n*d], v[g*n*d:(g+1)*n*d], lists[g], scale)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, o...)
 	}
 	return out, nil
 }
