@@ -70,13 +70,12 @@ func attn(args []string) error {
 		return fmt.Errorf("-variants: %v", err)
 	}
 	heads := sparse.Heads{Query: *qHeads, KV: *kvHeads, Dim: *dim}
-	dev, err := vk.Open(vk.OptionsFromEnv())
+	dev, err := openDevice()
 	if err != nil {
 		return err
 	}
 	defer dev.Release()
 	info := dev.Info()
-	fmt.Printf("device: %s (%s), driver %s\n", info.Name, info.Type, info.Driver)
 	var kernels []*sparse.Dense
 	for _, opts := range optList {
 		dense, err := sparse.NewDenseWith(dev, heads, opts)

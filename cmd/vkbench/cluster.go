@@ -9,7 +9,6 @@ import (
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/sparse"
-	"github.com/vksparse/vksparse/vk"
 	"github.com/vksparse/vksparse/workload"
 )
 
@@ -39,13 +38,12 @@ func cluster(args []string) error {
 	if err != nil {
 		return fmt.Errorf("-n: %v", err)
 	}
-	dev, err := vk.Open(vk.OptionsFromEnv())
+	dev, err := openDevice()
 	if err != nil {
 		return err
 	}
 	defer dev.Release()
 	info := dev.Info()
-	fmt.Printf("device: %s (%s), driver %s\n", info.Name, info.Type, info.Driver)
 	km, err := sparse.NewKMeans(dev, *kvHeads, *dim)
 	if err != nil {
 		return err

@@ -29,7 +29,7 @@ func probe(args []string) error {
 	if err != nil {
 		return fmt.Errorf("-mib: %v", err)
 	}
-	dev, err := vk.Open(vk.OptionsFromEnv())
+	dev, err := openDevice()
 	if err != nil {
 		return err
 	}

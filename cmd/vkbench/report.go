@@ -80,3 +80,14 @@ func (p *progress) step(what string) {
 func (p *progress) finish() { fmt.Fprint(os.Stderr, "\r\033[K") }
 
 func mib(b uint64) string { return fmt.Sprintf("%d MiB", b>>20) }
+
+// openDevice opens the device the environment picks and names it.
+func openDevice() (*vk.Device, error) {
+	dev, err := vk.Open(vk.OptionsFromEnv())
+	if err != nil {
+		return nil, err
+	}
+	info := dev.Info()
+	fmt.Printf("device: %s (%s), driver %s\n", info.Name, info.Type, info.Driver)
+	return dev, nil
+}
