@@ -76,7 +76,13 @@ func sqDist64(a []float64, b []float32) float64 {
 
 func TestKMeansFirstStepMatchesReference(t *testing.T) {
 	dev := vktest.Open(t)
-	const n, heads, dim, first = 1500, 2, 64, 4
+	for _, dim := range []int{64, 24} { // dimension steps of 16 and of 8
+		kmeansFirstStep(t, dev, dim)
+	}
+}
+
+func kmeansFirstStep(t *testing.T, dev *vk.Device, dim int) {
+	const n, heads, first = 1500, 2, 4
 	seed := uint64(rand.Int63())
 	layer, keys := clusteredLayer(t, dev, n, heads, dim, int64(seed))
 	km, err := NewKMeans(dev, heads, dim)
@@ -180,4 +186,22 @@ func TestKMeansRejectsBadInput(t *testing.T) {
 	defer other.Release()
 	_, err = km.Cluster(other, 0, 10, KMeansOptions{})
 	require.ErrorContains(t, err, "heads")
+}
+
+// TestKMeansOddDimension covers a head dimension that is not a multiple of
+// 16 (dimension steps of 8).
+func TestKMeansOddDimension(t *testing.T) {
+	dev := vktest.Open(t)
+	const n, heads, dim, first = 700, 1, 24, 0
+	seed := uint64(rand.Int63())
+	layer, keys := clusteredLayer(t, dev, n, heads, dim, int64(seed))
+	km, err := NewKMeans(dev, heads, dim)
+	require.NoError(t, err)
+	defer km.Release()
+	x, err := km.Cluster(layer, first, n, KMeansOptions{AvgClusterSize: 10, Seed: seed})
+	require.NoError(t, err)
+	defer x.Release()
+	got, err := x.Read(0)
+	require.NoError(t, err)
+	checkIndex(t, got, keys[0], dim, first, n)
 }
