@@ -181,7 +181,7 @@ func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, max
 			cmd.Fill(x.Counts.All(), 0)
 			cmd.Fill(changed.All(), 0)
 			cmd.Barrier()
-			cmd.Dispatch(km.assign, bAssign, []uint32{nn, uint32(x.First), headWords, cc}, uint32(ceilDiv(n, 64)), hh, 1)
+			cmd.Dispatch(km.assign, bAssign, []uint32{nn, uint32(x.First), headWords, cc}, uint32(ceilDiv(n, 128)), hh, 1)
 		})
 		if err == nil {
 			err = changed.ReadUint32(0, got)
