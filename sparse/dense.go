@@ -42,7 +42,7 @@ type DenseOptions struct {
 	// Workgroup is the threads per workgroup (a power of two); 0 = 256.
 	Workgroup int
 	// Tile is how many tokens a workgroup scores at once (the shared score
-	// buffer holds group × Tile floats); 0 = 2048 / group.
+	// buffer holds group × Tile floats); 0 = 4096 / group.
 	Tile int
 	// Unroll is how many value rows a thread loads at once; 0 = 8.
 	Unroll int
@@ -118,8 +118,8 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	}
 	shared := 4 * (group*heads.Dim + scoreSlots + reduceSlots)
 	switch {
-	case wg&(wg-1) != 0 || wg > int(info.MaxWorkgroupInvocations) || wg < heads.Dim/8 || wg < 32:
-		return nil, fmt.Errorf("%w: workgroup of %d threads (a power of two from %d to %d)", vk.ErrUnsupported, wg, max(32, heads.Dim/8), info.MaxWorkgroupInvocations)
+	case wg&(wg-1) != 0 || wg > int(info.MaxWorkgroupInvocations) || wg < heads.Dim/4 || wg < 32:
+		return nil, fmt.Errorf("%w: workgroup of %d threads (a power of two from %d to %d)", vk.ErrUnsupported, wg, max(32, heads.Dim/4), info.MaxWorkgroupInvocations)
 	case tile <= 0 || shared > int(info.SharedMemoryBytes):
 		return nil, fmt.Errorf("%w: tiles of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, tile, shared, info.SharedMemoryBytes)
 	}
