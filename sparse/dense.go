@@ -185,19 +185,17 @@ func (d *Dense) Release() error {
 // DensePlan holds the buffers and bindings that attend one batch of
 // sequences; record it again after the sequences grow.
 type DensePlan struct {
-	d          *Dense
-	seqs       []*kvcache.Layer
-	maxChunks  int
-	query      *vk.Buffer
-	partO      *vk.Buffer
-	partML     *vk.Buffer
-	chunks     *vk.Buffer
-	out        *vk.Buffer
-	segments   [][]segment // per sequence: KV head ranges bound together
-	mergeBind  *vk.Binding
-	cmd        *vk.Commands
-	stamps     *vk.Timestamps
-	stampCount int
+	d         *Dense
+	seqs      []*kvcache.Layer
+	maxChunks int
+	query     *vk.Buffer
+	partO     *vk.Buffer
+	partML    *vk.Buffer
+	chunks    *vk.Buffer
+	out       *vk.Buffer
+	segments  [][]segment // per sequence: KV head ranges bound together
+	mergeBind *vk.Binding
+	clock     stopwatch
 	// With token lists (PlanGather): the lists' stride, the tokens per
 	// chunk, and the lists and their lengths per KV head.
 	gatherStride, gatherChunk int
@@ -281,10 +279,6 @@ func (p *DensePlan) allocate() error {
 		p.segments = append(p.segments, segs)
 	}
 	p.mergeBind, err = d.merge.Bind(p.partO.All(), p.partML.All(), p.chunks.All(), p.out.All())
-	if err != nil {
-		return err
-	}
-	p.cmd, err = dev.NewCommands()
 	return err
 }
 
@@ -296,7 +290,8 @@ func (p *DensePlan) Release() error {
 		}
 	}
 	p.segments = nil
-	for _, r := range []interface{ Release() error }{p.mergeBind, p.cmd, p.stamps, p.query, p.partO, p.partML, p.chunks, p.out, p.tokens, p.tokCounts} {
+	p.clock.release()
+	for _, r := range []interface{ Release() error }{p.mergeBind, p.query, p.partO, p.partML, p.chunks, p.out, p.tokens, p.tokCounts} {
 		r.Release() // each tolerates a nil receiver
 	}
 	return nil
@@ -388,52 +383,59 @@ func (p *DensePlan) Attend(q []float32) ([]float32, error) {
 // Output returns the buffer the attention output lands in.
 func (p *DensePlan) Output() *vk.Buffer { return p.out }
 
-func (p *DensePlan) run() error {
-	c := p.cmd
-	if err := c.Begin(); err != nil {
-		return err
-	}
-	if err := p.Record(c); err != nil {
-		c.End()
-		return err
-	}
-	if err := c.End(); err != nil {
-		return err
-	}
-	return c.Submit()
-}
+func (p *DensePlan) run() error { return runOnce(p.d.dev, p.Record) }
 
 // Time records warmup+reps back-to-back runs of the attention in one
 // submission, with a timestamp after each, so the GPU stays busy as in a
 // decode loop; it returns the GPU times of the timed runs, sorted.
 func (p *DensePlan) Time(warmup, reps int) ([]time.Duration, error) {
-	if reps <= 0 {
-		return nil, fmt.Errorf("sparse: Time needs at least one timed run")
+	return p.clock.time(p.d.dev, warmup, reps, p.Record)
+}
+
+// stopwatch times repeated recordings with timestamp queries.
+type stopwatch struct {
+	stamps *vk.Timestamps
+	cmd    *vk.Commands
+}
+
+// time records warmup+reps runs of record back to back in one submission,
+// a barrier before each (a run rewrites what the previous one used), and
+// returns the timed runs' GPU times, sorted.
+func (w *stopwatch) time(dev *vk.Device, warmup, reps int, record func(*vk.Commands) error) ([]time.Duration, error) {
+	if reps <= 0 || warmup < 0 {
+		return nil, fmt.Errorf("sparse: timing needs at least one timed run")
 	}
 	total := warmup + reps
-	if p.stamps == nil || p.stampCount < total+1 {
-		if p.stamps != nil {
-			p.stamps.Release()
-		}
-		s, err := p.d.dev.NewTimestamps(total + 1)
+	if w.cmd == nil {
+		c, err := dev.NewCommands()
 		if err != nil {
 			return nil, err
 		}
-		p.stamps, p.stampCount = s, total+1
+		w.cmd = c
 	}
-	c := p.cmd
+	if w.stamps == nil || w.stamps.Len() < total+1 {
+		if w.stamps != nil {
+			w.stamps.Release()
+		}
+		s, err := dev.NewTimestamps(total + 1)
+		if err != nil {
+			return nil, err
+		}
+		w.stamps = s
+	}
+	c := w.cmd
 	if err := c.Begin(); err != nil {
 		return nil, err
 	}
-	c.Reset(p.stamps)
-	c.Timestamp(p.stamps, 0)
+	c.Reset(w.stamps)
+	c.Timestamp(w.stamps, 0)
 	for i := 0; i < total; i++ {
-		c.Barrier() // the previous run's partial results are rewritten
-		if err := p.Record(c); err != nil {
+		c.Barrier()
+		if err := record(c); err != nil {
 			c.End()
 			return nil, err
 		}
-		c.Timestamp(p.stamps, i+1)
+		c.Timestamp(w.stamps, i+1)
 	}
 	if err := c.End(); err != nil {
 		return nil, err
@@ -441,13 +443,44 @@ func (p *DensePlan) Time(warmup, reps int) ([]time.Duration, error) {
 	if err := c.Submit(); err != nil {
 		return nil, err
 	}
-	ticks, err := p.stamps.Durations(total + 1)
+	ticks, err := w.stamps.Durations(total + 1)
 	if err != nil {
 		return nil, err
 	}
 	times := ticks[1+warmup:]
 	sort.Slice(times, func(i, j int) bool { return times[i] < times[j] })
 	return times, nil
+}
+
+// release frees the stopwatch's objects.
+func (w *stopwatch) release() {
+	if w.stamps != nil {
+		w.stamps.Release()
+	}
+	if w.cmd != nil {
+		w.cmd.Release()
+	}
+	w.stamps, w.cmd = nil, nil
+}
+
+// runOnce records record into a fresh command buffer, submits it and waits.
+func runOnce(dev *vk.Device, record func(*vk.Commands) error) error {
+	c, err := dev.NewCommands()
+	if err != nil {
+		return err
+	}
+	defer c.Release()
+	if err := c.Begin(); err != nil {
+		return err
+	}
+	if err := record(c); err != nil {
+		c.End()
+		return err
+	}
+	if err := c.End(); err != nil {
+		return err
+	}
+	return c.Submit()
 }
 
 func ceilDiv(a, b int) int { return (a + b - 1) / b }

@@ -209,6 +209,9 @@ func (d *Device) NewTimestamps(n int) (*Timestamps, error) {
 	return t, nil
 }
 
+// Len returns the number of queries in the pool.
+func (t *Timestamps) Len() int { return int(t.n) }
+
 // Reset records resetting all queries; do it before writing them again.
 func (c *Commands) Reset(t *Timestamps) { vk.CmdResetQueryPool(c.cb, t.pool, 0, t.n) }
 
