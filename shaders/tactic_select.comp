@@ -3,16 +3,16 @@
 // constant pass) over KV head g = gl_WorkGroupID.y:
 //  0: the fixed tokens, [0, sinks) then [clusteredEnd, n), open the list
 //     and count = sinks + n - clusteredEnd;
-//  1: every cluster c that some query head h of the group selects
-//     (s[h][c] >= threshold[h]) appends its members (the union over GQA);
+//  1: every cluster c that some query head h of the group selects (its bin
+//     below the head's cut) appends its members (the union over GQA);
 //  2: chunks[g] = ceil(count[g] / chunk), for the merge.
 // The order of the clusters in a list depends on scheduling; attention
 // does not depend on it.
 
 layout(local_size_x = 64) in;
 
-layout(std430, binding = 0) readonly buffer Scores { float s[]; };        // [Hq][C]
-layout(std430, binding = 1) readonly buffer Thresholds { float th[]; };   // [Hq]
+layout(std430, binding = 0) readonly buffer BinOf { uint binOf[]; };     // [Hq][C]
+layout(std430, binding = 1) readonly buffer Cut { uint cut[]; };         // [Hq]
 layout(std430, binding = 2) readonly buffer Starts { uint starts[]; };    // [Hkv][C]
 layout(std430, binding = 3) readonly buffer Counts { uint sizes[]; };     // [Hkv][C]
 layout(std430, binding = 4) readonly buffer Members { uint members[]; };  // [Hkv][clustered]
@@ -42,7 +42,7 @@ void main() {
 	} else if (pc.pass == 1) {
 		if (i >= pc.C) return;
 		bool take = false;
-		for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take = take || s[h * pc.C + i] >= th[h];
+		for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take = take || binOf[h * pc.C + i] < cut[h];
 		uint size = sizes[g * pc.C + i];
 		if (!take || size == 0) return;
 		uint at = atomicAdd(count[g], size);

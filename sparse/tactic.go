@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sort"
 	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
@@ -11,33 +12,54 @@ import (
 	"github.com/vksparse/vksparse/vk"
 )
 
-// TacticStep is the GPU part of a Tactic decode step for one sequence
-// whose tokens [sinks, sinks+clustered) are clustered: centroid scoring,
-// the union over each GQA group of the clusters its query heads select
-// (score ≥ the head's threshold) together with the sinks and the recent
-// tail, and gathered attention over that union. Every stage runs on the
-// device in one submission. The thresholds, which the distribution fitting
-// of TacticBudgetRef decides, are inputs here: the fitting kernel that will
-// compute them on the device is not written yet.
+// TacticStep is a Tactic decode step of one sequence on the GPU, in one
+// submission with no host round trip: centroid scoring; the clusters of
+// each query head ranked by bins of their scores (TacticBin); the exact
+// exponentials of the exact part, the two sampling windows and the fixed
+// tokens; the fit and budget of Alg. 1 at bin granularity
+// (TacticBinnedBudgetRef states the computation); the union over each GQA
+// group of the selected clusters with the sinks and the recent tail; and
+// gathered attention over that union. The layer's tokens before
+// clusters.First are the sinks; those from clusters.First+clusters.Count
+// on are the tail, attended in full.
 type TacticStep struct {
 	dense    *Dense
 	layer    *kvcache.Layer
 	clusters *kvcache.Clusters
-	sinks    int
+	p        float64
+	fit      TacticFit
 	plan     *DensePlan // gathered attention over the lists
-	score    *vk.Pipeline
-	sel      *vk.Pipeline
+	kernels  struct{ score, order, sample, budget, sel *vk.Pipeline }
+	binds    struct{ score, order, sample, budget, sel *vk.Binding }
+	bufs     []*vk.Buffer
 	scores   *vk.Buffer // float32 [Hq][C]
-	thresh   *vk.Buffer // float32 [Hq]
-	bScore   *vk.Binding
-	bSelect  *vk.Binding
+	binOf    *vk.Buffer // uint32 [Hq][C]
+	order    *vk.Buffer // uint32 [Hq][C]
+	tokStart *vk.Buffer // uint32 [Hq][TacticBins+1]
+	cluStart *vk.Buffer // uint32 [Hq][TacticBins+1]
+	planBuf  *vk.Buffer // uint32 [Hq][16]
+	cluSum   *vk.Buffer // float32 [Hq][C]
+	fixSum   *vk.Buffer // float32 [Hq][fixed chunks]
+	cut      *vk.Buffer // uint32 [Hq]
 	clock    stopwatch
 }
 
-// NewTacticStep prepares decode steps over layer, whose tokens
-// [clusters.First, clusters.First+clusters.Count) are clustered and whose
-// tokens before clusters.First are the sinks.
-func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters) (*TacticStep, error) {
+// Bins of the GPU's cluster order: bin(s) = min(TacticBins−1,
+// ⌊(m − s)·TacticBinsPerLogit⌋) for a cluster of score s when the head's
+// best centroid scores m, in float32 (exact: the factor is a power of two).
+const (
+	TacticBins         = 1024
+	TacticBinsPerLogit = 16
+)
+
+// TacticBin returns the bin of score s for a head whose best score is m.
+func TacticBin(m, s float32) int {
+	return min(TacticBins-1, int(math.Floor(float64((m-s)*TacticBinsPerLogit))))
+}
+
+// NewTacticStep prepares decode steps at target mass p with the fit's
+// parameters over layer, clustered as clusters says.
+func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, p float64, fit TacticFit) (*TacticStep, error) {
 	h := dense.heads
 	if clusters.KVHeads != h.KV || clusters.HeadDim != h.Dim {
 		return nil, fmt.Errorf("sparse: clusters of %d heads of %d for kernels of %d of %d", clusters.KVHeads, clusters.HeadDim, h.KV, h.Dim)
@@ -45,13 +67,19 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	if clusters.First+clusters.Count > layer.Len() {
 		return nil, fmt.Errorf("sparse: clustered tokens [%d, %d) beyond the %d stored", clusters.First, clusters.First+clusters.Count, layer.Len())
 	}
-	t := &TacticStep{dense: dense, layer: layer, clusters: clusters, sinks: clusters.First}
+	if err := checkP(p); err != nil {
+		return nil, err
+	}
+	if err := fit.validate(); err != nil {
+		return nil, err
+	}
+	t := &TacticStep{dense: dense, layer: layer, clusters: clusters, p: p, fit: fit}
 	var err error
 	if t.plan, err = dense.PlanGather(layer, layer.Capacity()); err != nil {
 		return nil, err
 	}
 	dev := dense.dev
-	build := func(name string, bindings, push int, spec []uint32) *vk.Pipeline {
+	build := func(name string, bindings, push int, spec ...uint32) *vk.Pipeline {
 		if err != nil {
 			return nil
 		}
@@ -59,25 +87,45 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 		if code, err = shaders.SPIRV(name); err != nil {
 			return nil
 		}
-		var p *vk.Pipeline
-		p, err = dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: bindings, PushWords: push, Specialization: spec})
-		return p
+		var pipe *vk.Pipeline
+		pipe, err = dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: bindings, PushWords: push, Specialization: spec})
+		return pipe
 	}
-	t.score = build("tactic_score", 3, 3, []uint32{uint32(h.Dim)})
-	t.sel = build("tactic_select", 8, 9, nil)
-	if err == nil {
-		t.scores, err = dev.NewBuffer(uint64(h.Query*clusters.C)*4, vk.DeviceLocal)
+	k := &t.kernels
+	k.score = build("tactic_score", 3, 3, uint32(h.Dim))
+	k.order = build("tactic_plan", 7, 8, TacticBins, math.Float32bits(TacticBinsPerLogit))
+	k.sample = build("tactic_sample", 10, 10, uint32(h.Dim), TacticBins)
+	k.budget = build("tactic_budget", 6, 4, TacticBins)
+	k.sel = build("tactic_select", 8, 9)
+	alloc := func(words int) *vk.Buffer {
+		if err != nil {
+			return nil
+		}
+		var b *vk.Buffer
+		b, err = dev.NewBuffer(uint64(words)*4, vk.DeviceLocal)
+		t.bufs = append(t.bufs, b)
+		return b
 	}
-	if err == nil {
-		t.thresh, err = dev.NewBuffer(uint64(h.Query)*4, vk.DeviceLocal)
+	hq, c := h.Query, clusters.C
+	t.scores, t.binOf, t.order = alloc(hq*c), alloc(hq*c), alloc(hq*c)
+	t.tokStart, t.cluStart = alloc(hq*(TacticBins+1)), alloc(hq*(TacticBins+1))
+	t.planBuf, t.cluSum = alloc(hq*16), alloc(hq*c)
+	t.fixSum, t.cut = alloc(hq*ceilDiv(layer.Capacity(), 16)), alloc(hq)
+	bind := func(pipe *vk.Pipeline, r ...vk.Range) *vk.Binding {
+		if err != nil {
+			return nil
+		}
+		var b *vk.Binding
+		b, err = pipe.Bind(r...)
+		return b
 	}
-	if err == nil {
-		t.bScore, err = t.score.Bind(t.plan.query.All(), clusters.Centroids.All(), t.scores.All())
-	}
-	if err == nil {
-		t.bSelect, err = t.sel.Bind(t.scores.All(), t.thresh.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(),
-			t.plan.Tokens().All(), t.plan.TokenCounts().All(), t.plan.ChunkCounts().All())
-	}
+	x := clusters
+	b := &t.binds
+	b.score = bind(k.score, t.plan.query.All(), x.Centroids.All(), t.scores.All())
+	b.order = bind(k.order, t.scores.All(), x.Counts.All(), t.binOf.All(), t.order.All(), t.tokStart.All(), t.cluStart.All(), t.planBuf.All())
+	b.sample = bind(k.sample, t.plan.query.All(), layer.Keys().All(), t.order.All(), t.cluStart.All(), t.planBuf.All(), x.Starts.All(), x.Counts.All(), x.Members.All(), t.cluSum.All(), t.fixSum.All())
+	b.budget = bind(k.budget, t.tokStart.All(), t.cluStart.All(), t.planBuf.All(), t.cluSum.All(), t.fixSum.All(), t.cut.All())
+	b.sel = bind(k.sel, t.binOf.All(), t.cut.All(), x.Starts.All(), x.Counts.All(), x.Members.All(), t.plan.Tokens().All(), t.plan.TokenCounts().All(), t.plan.ChunkCounts().All())
 	if err != nil {
 		t.Release()
 		return nil, err
@@ -89,47 +137,75 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 func (t *TacticStep) Release() error {
 	t.clock.release()
 	var errs []error
-	for _, r := range []interface{ Release() error }{t.bScore, t.bSelect, t.score, t.sel, t.scores, t.thresh, t.plan} {
-		if r != nil {
-			errs = append(errs, r.Release())
+	for _, b := range []*vk.Binding{t.binds.score, t.binds.order, t.binds.sample, t.binds.budget, t.binds.sel} {
+		if b != nil {
+			errs = append(errs, b.Release())
 		}
+	}
+	for _, p := range []*vk.Pipeline{t.kernels.score, t.kernels.order, t.kernels.sample, t.kernels.budget, t.kernels.sel} {
+		if p != nil {
+			errs = append(errs, p.Release())
+		}
+	}
+	for _, b := range t.bufs {
+		if b != nil {
+			errs = append(errs, b.Release())
+		}
+	}
+	if t.plan != nil {
+		errs = append(errs, t.plan.Release())
 	}
 	return errors.Join(errs...)
-}
-
-// SetThresholds sets each query head's score threshold: a cluster c is
-// selected by head h when scale·q_h·centroid_c ≥ th[h].
-func (t *TacticStep) SetThresholds(th []float32) error {
-	if len(th) != t.dense.heads.Query {
-		return fmt.Errorf("sparse: %d thresholds for %d query heads", len(th), t.dense.heads.Query)
-	}
-	for i, x := range th {
-		if math.IsNaN(float64(x)) {
-			return fmt.Errorf("sparse: threshold %d is NaN", i)
-		}
-	}
-	return t.thresh.WriteFloat32(0, th)
 }
 
 // SetQuery uploads the query, [Hq][D].
 func (t *TacticStep) SetQuery(q []float32) error { return t.plan.SetQuery(q) }
 
+// windowPositions returns the exact part's token count and the two
+// sampling windows' first and last positions over n clustered tokens, as
+// TacticBudgetRef places them.
+func windowPositions(fit TacticFit, n int) (need int, win [4]int) {
+	need = int(math.Ceil(fit.InitialFrac * float64(n)))
+	w := max(1, int(math.Round(fit.WindowFrac*float64(n))))
+	for k, f := range [2]float64{fit.Window1, fit.Window2} {
+		c := min(n, max(1, int(math.Round(f*float64(n)))))
+		lo := min(max(1, c-w/2), max(1, n-w+1))
+		win[2*k], win[2*k+1] = lo, min(n, lo+w-1)
+	}
+	return need, win
+}
+
 // Record appends the step's kernels to c.
 func (t *TacticStep) Record(c *vk.Commands) error {
 	h, x := t.dense.heads, t.clusters
-	cc := uint32(x.C)
-	c.Dispatch(t.score, t.bScore, []uint32{cc, uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))}, uint32(ceilDiv(x.C, 64)), uint32(h.Query), 1)
 	n := t.layer.Len()
 	end := x.First + x.Count
-	push := func(pass uint32) []uint32 {
-		return []uint32{pass, cc, uint32(h.Group()), uint32(t.sinks), uint32(end), uint32(n), uint32(t.plan.gatherStride), uint32(t.plan.GatherChunk()), uint32(x.Count)}
+	fixed := x.First + n - end
+	hq, kv, cc := uint32(h.Query), uint32(h.KV), uint32(x.C)
+	scale := math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))
+	need, win := windowPositions(t.fit, x.Count)
+	chunks := uint32(ceilDiv(max(fixed, 1), 16))
+	k, b := &t.kernels, &t.binds
+	c.Dispatch(k.score, b.score, []uint32{cc, uint32(h.Group()), scale}, uint32(ceilDiv(x.C, 64)), hq, 1)
+	c.Barrier()
+	c.Dispatch(k.order, b.order, []uint32{cc, uint32(h.Group()), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])}, hq, 1, 1)
+	c.Barrier()
+	sample := func(pass uint32) []uint32 {
+		return []uint32{pass, cc, uint32(h.Group()), uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), chunks, scale}
 	}
-	kv := uint32(h.KV)
-	c.Dispatch(t.sel, t.bSelect, push(0), uint32(ceilDiv(max(1, t.sinks+n-end), 64)), kv, 1)
+	c.Dispatch(k.sample, b.sample, sample(0), uint32(ceilDiv(x.C, 64)), hq, 1)
+	c.Dispatch(k.sample, b.sample, sample(1), uint32(ceilDiv(int(chunks), 64)), hq, 1)
 	c.Barrier()
-	c.Dispatch(t.sel, t.bSelect, push(1), uint32(ceilDiv(x.C, 64)), kv, 1)
+	c.Dispatch(k.budget, b.budget, []uint32{cc, uint32(x.Count), chunks, math.Float32bits(float32(t.p))}, hq, 1, 1)
 	c.Barrier()
-	c.Dispatch(t.sel, t.bSelect, push(2), 1, kv, 1)
+	sel := func(pass uint32) []uint32 {
+		return []uint32{pass, cc, uint32(h.Group()), uint32(x.First), uint32(end), uint32(n), uint32(t.plan.gatherStride), uint32(t.plan.GatherChunk()), uint32(x.Count)}
+	}
+	c.Dispatch(k.sel, b.sel, sel(0), uint32(ceilDiv(max(1, fixed), 64)), kv, 1)
+	c.Barrier()
+	c.Dispatch(k.sel, b.sel, sel(1), uint32(ceilDiv(x.C, 64)), kv, 1)
+	c.Barrier()
+	c.Dispatch(k.sel, b.sel, sel(2), 1, kv, 1)
 	c.Barrier()
 	return t.plan.Record(c)
 }
@@ -150,6 +226,20 @@ func (t *TacticStep) Attend(q []float32) ([]float32, error) {
 func (t *TacticStep) Scores() ([]float32, error) {
 	s := make([]float32, t.dense.heads.Query*t.clusters.C)
 	return s, t.scores.ReadFloat32(0, s)
+}
+
+// Cuts returns each query head's cut of the last step: it selected the
+// clusters of bins below it.
+func (t *TacticStep) Cuts() ([]int, error) {
+	raw := make([]uint32, t.dense.heads.Query)
+	if err := t.cut.ReadUint32(0, raw); err != nil {
+		return nil, err
+	}
+	out := make([]int, len(raw))
+	for i, x := range raw {
+		out[i] = int(x)
+	}
+	return out, nil
 }
 
 // Tokens returns the token list of each KV head of the last step.
@@ -176,4 +266,52 @@ func (t *TacticStep) Tokens() ([][]int32, error) {
 // returns the timed ones' GPU times, sorted (as DensePlan.Time).
 func (t *TacticStep) Time(warmup, reps int) ([]time.Duration, error) {
 	return t.clock.time(t.dense.dev, warmup, reps, t.Record)
+}
+
+// TacticBinnedBudgetRef is TacticBudgetRef with the GPU's order: given the
+// head's float32 centroid scores, clusters are grouped by TacticBin (the
+// members of a bin's clusters merged, ascending) and the groups ranked by
+// ascending bin; the fit and budget then run over the groups. It returns
+// the budget and the cut: the head selects the clusters whose bin is below.
+func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *ClusterIndex, scores []float32, fixed []int32, p float64, fit TacticFit) (*TacticBudget, int, error) {
+	if len(scores) != idx.Clusters() {
+		return nil, 0, fmt.Errorf("sparse: %d scores for %d clusters", len(scores), idx.Clusters())
+	}
+	m := float32(math.Inf(-1))
+	for _, s := range scores {
+		m = max(m, s)
+	}
+	byBin := make([][]int32, TacticBins)
+	for c, s := range scores {
+		b := TacticBin(m, s)
+		byBin[b] = append(byBin[b], idx.Members[c]...)
+	}
+	groups := &ClusterIndex{D: idx.D}
+	var bins []int
+	for b, mem := range byBin {
+		if len(mem) == 0 {
+			continue
+		}
+		sort.Slice(mem, func(i, j int) bool { return mem[i] < mem[j] })
+		groups.Members = append(groups.Members, mem)
+		groups.Sizes = append(groups.Sizes, len(mem))
+		bins = append(bins, b)
+	}
+	groups.Centroids = make([]float64, len(bins)*idx.D)
+	order := make([]int32, len(bins))
+	for i := range order {
+		order[i] = int32(i)
+	}
+	budget, err := tacticBudget(q, scale, keys, groups, fixed, p, fit, order)
+	if err != nil {
+		return nil, 0, err
+	}
+	cut := 0
+	if budget.Selected > 0 {
+		cut = bins[budget.Selected-1] + 1
+	}
+	if p == 1 {
+		cut = TacticBins
+	}
+	return budget, cut, nil
 }

@@ -201,6 +201,12 @@ func tacticCurveSum(a, b float64, lo, hi int) float64 {
 //     (For p < 1, equivalently the least j with S(Offsets[j]) ≥ p·Total,
 //     so an implementation may bisect over cluster boundaries directly.)
 func TacticBudgetRef(q []float64, scale float64, keys []float64, idx *ClusterIndex, fixed []int32, p float64, fit TacticFit) (*TacticBudget, error) {
+	return tacticBudget(q, scale, keys, idx, fixed, p, fit, nil)
+}
+
+// tacticBudget is TacticBudgetRef, with the cluster order given by order
+// when it is not nil (a permutation of the clusters) instead of step 1's.
+func tacticBudget(q []float64, scale float64, keys []float64, idx *ClusterIndex, fixed []int32, p float64, fit TacticFit, order []int32) (*TacticBudget, error) {
 	if err := checkP(p); err != nil {
 		return nil, err
 	}
@@ -241,7 +247,14 @@ func TacticBudgetRef(q []float64, scale float64, keys []float64, idx *ClusterInd
 		b.Scores[c] = scale * dot(q, idx.Centroids[c*d:(c+1)*d])
 		b.Order[c] = int32(c)
 	}
-	sort.SliceStable(b.Order, func(i, j int) bool { return b.Scores[b.Order[i]] > b.Scores[b.Order[j]] })
+	if order != nil {
+		if len(order) != C {
+			return nil, fmt.Errorf("sparse: an order of %d clusters for %d", len(order), C)
+		}
+		copy(b.Order, order)
+	} else {
+		sort.SliceStable(b.Order, func(i, j int) bool { return b.Scores[b.Order[i]] > b.Scores[b.Order[j]] })
+	}
 	for j, c := range b.Order {
 		b.Offsets[j+1] = b.Offsets[j] + idx.Sizes[c]
 	}

@@ -1,6 +1,7 @@
 package sparse
 
 import (
+	"fmt"
 	"math"
 	"math/rand"
 	"sort"
@@ -14,13 +15,15 @@ import (
 	"github.com/vksparse/vksparse/workload"
 )
 
-// TestTacticStepMatchesReference runs the GPU stages of a decode step on a
-// generated layer: centroid scores against float64 products with the GPU's
-// centroids, the token lists against the union of the clusters each head
-// selects plus sinks and tail, and the output against AttendSubsetRef.
+// TestTacticStepMatchesReference runs whole GPU decode steps on a
+// generated layer and checks each stage: centroid scores against float64
+// products with the GPU's centroids, each head's cut against
+// TacticBinnedBudgetRef on those scores, the token lists against the union
+// of the selected clusters with sinks and tail, and the output against
+// AttendSubsetRef over that union.
 func TestTacticStepMatchesReference(t *testing.T) {
 	dev := vktest.Open(t)
-	const n, tail, sinks = 3000, 150, 4
+	const n, tail, sinks = 4000, 150, 4
 	h := Heads{Query: 8, KV: 2, Dim: 64}
 	cfg := workload.DefaultConfig(n)
 	cfg.KVHeads, cfg.QHeads, cfg.HeadDim, cfg.Queries, cfg.Seed, cfg.Kinds = h.KV, h.Query, h.Dim, 2, rand.Int63(), nil
@@ -39,81 +42,98 @@ func TestTacticStepMatchesReference(t *testing.T) {
 	dense, err := NewDense(dev, h)
 	require.NoError(t, err)
 	defer dense.Release()
-	step, err := NewTacticStep(dense, layer, clusters)
-	require.NoError(t, err)
-	defer step.Release()
-
-	q := tr.Query(tr.Queries() - 1)
-	d, scale := h.Dim, 1/math.Sqrt(float64(h.Dim))
-	// Thresholds: each head keeps its 10 % best clusters by its own scores
-	// (computed here from the GPU's centroids).
-	index := make([]*kvcache.HostClusters, h.KV)
+	index := make([]*ClusterIndex, h.KV)
 	for g := range index {
-		index[g], err = clusters.Read(g)
+		hc, err := clusters.Read(g)
 		require.NoError(t, err)
-	}
-	want := make([][]float64, h.Query)
-	th := make([]float32, h.Query)
-	for hh := 0; hh < h.Query; hh++ {
-		cent := index[hh/h.Group()].Centroids
-		want[hh] = make([]float64, clusters.C)
-		for c := range want[hh] {
-			s := 0.0
-			for i := 0; i < d; i++ {
-				s += float64(q[hh*d+i]) * float64(cent[c*d+i])
-			}
-			want[hh][c] = scale * s
+		cent := make([]float64, len(hc.Centroids))
+		for i, x := range hc.Centroids {
+			cent[i] = float64(x)
 		}
-		sorted := append([]float64(nil), want[hh]...)
-		sort.Sort(sort.Reverse(sort.Float64Slice(sorted)))
-		th[hh] = float32(sorted[clusters.C/10])
-	}
-	require.NoError(t, step.SetThresholds(th))
-	require.NoError(t, dev.Run(func(c *vk.Commands) { c.Fill(step.plan.Output().All(), math.Float32bits(float32(math.NaN()))) }))
-	got, err := step.Attend(q)
-	require.NoError(t, err)
-
-	scores, err := step.Scores()
-	require.NoError(t, err)
-	for hh := range want {
-		for c, w := range want[hh] {
-			require.InDelta(t, w, float64(scores[hh*clusters.C+c]), 1e-4*(1+math.Abs(w)), "score of head %d, cluster %d", hh, c)
+		index[g] = &ClusterIndex{D: h.Dim, Centroids: cent, Members: hc.Members}
+		for _, mem := range hc.Members {
+			index[g].Sizes = append(index[g].Sizes, len(mem))
 		}
 	}
-	lists, err := step.Tokens()
+	fixed, err := TacticFixedTokens(sinks, n-tail, n-1)
 	require.NoError(t, err)
 	k, v := HalvesToFloat64(tr.K), HalvesToFloat64(tr.V)
-	var ref []float64
-	for g := 0; g < h.KV; g++ {
-		var expect []int32
-		for tok := 0; tok < sinks; tok++ {
-			expect = append(expect, int32(tok))
-		}
-		for tok := n - tail; tok < n; tok++ {
-			expect = append(expect, int32(tok))
-		}
-		for c, mem := range index[g].Members {
+	d, scale := h.Dim, 1/math.Sqrt(float64(h.Dim))
+	q := tr.Query(tr.Queries() - 1)
+
+	for _, p := range []float64{0.5, 0.9, 1} {
+		step, err := NewTacticStep(dense, layer, clusters, p, DefaultTacticFit())
+		require.NoError(t, err)
+		require.NoError(t, dev.Run(func(c *vk.Commands) { c.Fill(step.plan.Output().All(), math.Float32bits(float32(math.NaN()))) }))
+		got, err := step.Attend(q)
+		require.NoError(t, err)
+		scores, err := step.Scores()
+		require.NoError(t, err)
+		cuts, err := step.Cuts()
+		require.NoError(t, err)
+		lists, err := step.Tokens()
+		require.NoError(t, err)
+		require.NoError(t, step.Release())
+		t.Logf("P %v: cuts %v, union sizes %d and %d of %d", p, cuts, len(lists[0]), len(lists[1]), n)
+
+		var ref []float64
+		for g := 0; g < h.KV; g++ {
+			keys := k[g*n*d : (g+1)*n*d]
+			set := map[int32]bool{}
+			for _, tok := range fixed {
+				set[tok] = true
+			}
 			for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
-				if scores[hh*clusters.C+c] >= th[hh] {
-					expect = append(expect, mem...)
-					break
+				qh := make([]float64, d)
+				for i := range qh {
+					qh[i] = float64(q[hh*d+i])
+				}
+				hs := scores[hh*clusters.C : (hh+1)*clusters.C]
+				for c, w := range hs {
+					s := 0.0
+					for i := 0; i < d; i++ {
+						s += qh[i] * index[g].Centroids[c*d+i]
+					}
+					require.InDelta(t, scale*s, float64(w), 1e-4*(1+math.Abs(scale*s)), "P %v: score of head %d, cluster %d", p, hh, c)
+				}
+				_, cut, err := TacticBinnedBudgetRef(qh, scale, keys, index[g], hs, fixed, p, DefaultTacticFit())
+				require.NoError(t, err)
+				require.InDelta(t, cut, cuts[hh], 1, "P %v: cut of head %d (GPU %d, reference %d)", p, hh, cuts[hh], cut)
+				m := hs[0]
+				for _, x := range hs {
+					m = max(m, x)
+				}
+				for c, x := range hs {
+					if TacticBin(m, x) < cuts[hh] {
+						for _, tok := range index[g].Members[c] {
+							set[tok] = true
+						}
+					}
 				}
 			}
-		}
-		sort.Slice(expect, func(i, j int) bool { return expect[i] < expect[j] })
-		have := append([]int32(nil), lists[g]...)
-		sort.Slice(have, func(i, j int) bool { return have[i] < have[j] })
-		require.Equal(t, expect, have, "token list of KV head %d", g)
-		for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
-			qh := make([]float64, d)
-			for i := range qh {
-				qh[i] = float64(q[hh*d+i])
+			var expect []int32
+			for tok := range set {
+				expect = append(expect, tok)
 			}
-			o, err := AttendSubsetRef(qh, k[g*n*d:(g+1)*n*d], v[g*n*d:(g+1)*n*d], expect, scale)
-			require.NoError(t, err)
-			ref = append(ref, o...)
+			sort.Slice(expect, func(i, j int) bool { return expect[i] < expect[j] })
+			have := append([]int32(nil), lists[g]...)
+			sort.Slice(have, func(i, j int) bool { return have[i] < have[j] })
+			require.Equal(t, expect, have, "P %v: token list of KV head %d", p, g)
+			if p == 1 {
+				require.Len(t, have, n, "P = 1 attends every token")
+			}
+			for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
+				qh := make([]float64, d)
+				for i := range qh {
+					qh[i] = float64(q[hh*d+i])
+				}
+				o, err := AttendSubsetRef(qh, keys, v[g*n*d:(g+1)*n*d], expect, scale)
+				require.NoError(t, err)
+				ref = append(ref, o...)
+			}
 		}
+		requireClose(t, ref, got, d, 1e-3, fmt.Sprintf("tactic step at P %v", p))
 	}
-	requireClose(t, ref, got, d, 1e-3, "tactic step")
-	require.Error(t, step.SetThresholds(th[:3]))
+	_, err = NewTacticStep(dense, layer, clusters, 0, DefaultTacticFit())
+	require.Error(t, err, "P = 0")
 }

@@ -1,0 +1,151 @@
+#version 450
+// Tactic, distribution fitting (Alg. 1) and budget of one query head per
+// workgroup, over the bins of tactic_plan as ordered groups of tokens:
+// exact sums of the bins [0, j0) and of the fixed tokens, the two windows'
+// means μ and mean 1/x, the curve y = a/x + b through them in the 1/x
+// coordinate, the estimated cumulative sum S at every bin boundary
+// (exact below N', the fitted curve above, clamped at 0), and the cut: the
+// least bin boundary j with S(j) ≥ P·S(n). The head selects the clusters of
+// bins below the cut.
+
+layout(local_size_x = 256) in;
+layout(constant_id = 0) const uint NB = 1024;  // a multiple of 256
+
+layout(std430, binding = 0) readonly buffer TokStart { uint tokStart[]; };   // [Hq][NB+1]
+layout(std430, binding = 1) readonly buffer CluStart { uint cluStart[]; };   // [Hq][NB+1]
+layout(std430, binding = 2) readonly buffer Plan { uint plan[]; };           // [Hq][16]
+layout(std430, binding = 3) readonly buffer ClusterSum { float clusterSum[]; }; // [Hq][C]
+layout(std430, binding = 4) readonly buffer FixedSum { float fixedSum[]; };     // [Hq][fixedChunks]
+layout(std430, binding = 5) writeonly buffer Cut { uint cut[]; };             // [Hq]
+
+layout(push_constant) uniform Push {
+	uint C;
+	uint n;  // clustered tokens
+	uint fixedChunks;
+	float p;
+} pc;
+
+shared float bs[NB];        // bin sums (exact and window bins)
+shared float pre[NB + 1];   // S at bin boundaries
+shared float red[256];
+shared uint best;
+
+const float GAMMA = 0.5772156649;
+
+// harmonic returns H_x = Σ_{i ≤ x} 1/i.
+float harmonic(uint x) {
+	if (x == 0) return 0.0;
+	if (x < 32) {
+		float h = 0.0;
+		for (uint i = 1; i <= x; i++) h += 1.0 / float(i);
+		return h;
+	}
+	float f = float(x);
+	float f2 = f * f;
+	return log(f) + GAMMA + 1.0 / (2.0 * f) - 1.0 / (12.0 * f2) + 1.0 / (120.0 * f2 * f2);
+}
+
+// curve returns Σ_{x=lo}^{hi} max(0, a/x + b), in closed form.
+float curve(float a, float b, uint lo, uint hi) {
+	lo = max(lo, 1u);
+	if (lo > hi) return 0.0;
+	if (b > 0.0 && a < 0.0) {
+		float x0 = -a / b;
+		if (x0 >= float(hi)) return 0.0;
+		lo = max(lo, uint(floor(x0)) + 1);
+	} else if (a <= 0.0 && b <= 0.0) {
+		return 0.0;
+	} else if (b < 0.0) {
+		float x0 = -a / b;
+		if (x0 <= float(lo)) return 0.0;
+		if (x0 < float(hi)) hi = uint(ceil(x0)) - 1;
+	}
+	if (lo > hi) return 0.0;
+	return max(0.0, a * (harmonic(hi) - harmonic(lo - 1)) + b * float(hi - lo + 1));
+}
+
+float reduceSum(float x) {
+	uint tid = gl_LocalInvocationID.x;
+	barrier();
+	red[tid] = x;
+	barrier();
+	for (uint k = 128; k > 0; k >>= 1) {
+		if (tid < k) red[tid] += red[tid + k];
+		barrier();
+	}
+	float r = red[0];
+	barrier();
+	return r;
+}
+
+void main() {
+	uint tid = gl_LocalInvocationID.x;
+	uint h = gl_WorkGroupID.x;
+	uint pl = h * 16;
+	uint j0 = plan[pl + 1];
+	uint exact = plan[pl + 2];
+	bool windows = plan[pl + 3] != 0;
+	uint r1 = plan[pl + 4], r2 = plan[pl + 5], u1 = plan[pl + 6], v1 = plan[pl + 7];
+	uint r3 = plan[pl + 8], r4 = plan[pl + 9], u2 = plan[pl + 10], v2 = plan[pl + 11];
+	uint ob = h * (NB + 1);
+
+	// Bin sums where sampled, each in rank order.
+	for (uint b = tid; b < NB; b += 256) {
+		bool sampled = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
+		float sum = 0.0;
+		if (sampled) {
+			for (uint r = cluStart[ob + b]; r < cluStart[ob + b + 1]; r++) sum += clusterSum[h * pc.C + r];
+		}
+		bs[b] = sum;
+	}
+	float f = 0.0;
+	for (uint i = tid; i < pc.fixedChunks; i += 256) f += fixedSum[h * pc.fixedChunks + i];
+	float fixedTotal = reduceSum(f);
+	float e = 0.0, w1 = 0.0, w2 = 0.0;
+	for (uint b = tid; b < NB; b += 256) {
+		if (b < j0) e += bs[b];
+		if (windows && b >= r1 && b <= r2) w1 += bs[b];
+		if (windows && b >= r3 && b <= r4) w2 += bs[b];
+	}
+	float exactTotal = reduceSum(e);
+	float win1 = reduceSum(w1);
+	float win2 = reduceSum(w2);
+
+	float a = 0.0, bb = 0.0;
+	if (windows) {
+		float mu1 = win1 / float(v1 - u1), mu2 = win2 / float(v2 - u2);
+		float h1 = (harmonic(v1) - harmonic(u1)) / float(v1 - u1);
+		float h2 = (harmonic(v2) - harmonic(u2)) / float(v2 - u2);
+		if (h1 != h2) {
+			a = (mu1 - mu2) / (h1 - h2);
+			bb = mu1 - a * h1;
+		} else {
+			bb = (win1 + win2) / float(v1 - u1 + v2 - u2);
+		}
+	}
+
+	// S at every bin boundary: exact prefix sums up to j0, the curve beyond.
+	if (tid == 0) {
+		float run = fixedTotal;
+		for (uint j = 0; j <= j0 && j <= NB; j++) {
+			pre[j] = run;
+			if (j < j0) run += bs[j];
+		}
+		best = NB;
+	}
+	barrier();
+	for (uint j = tid; j <= NB; j += 256) {
+		if (j > j0) pre[j] = fixedTotal + exactTotal + curve(a, bb, exact + 1, tokStart[ob + j]);
+	}
+	barrier();
+	float total = fixedTotal + exactTotal + curve(a, bb, exact + 1, pc.n);
+	if (j0 >= NB) total = pre[NB];
+	if (pc.p < 1.0) {
+		float target = pc.p * total;
+		for (uint j = tid; j <= NB; j += 256) {
+			if (pre[j] >= target) atomicMin(best, j);
+		}
+	}
+	barrier();
+	if (tid == 0) cut[h] = best;
+}
