@@ -175,8 +175,14 @@ func windowPositions(fit TacticFit, n int) (need int, win [4]int) {
 	return need, win
 }
 
+// TacticStages names the stages of a step, in order.
+var TacticStages = []string{"score", "order", "sample", "fit", "union", "attend"}
+
 // Record appends the step's kernels to c.
-func (t *TacticStep) Record(c *vk.Commands) error {
+func (t *TacticStep) Record(c *vk.Commands) error { return t.record(c, func(int) {}) }
+
+// record appends the kernels, calling mark(i) after stage i.
+func (t *TacticStep) record(c *vk.Commands, mark func(stage int)) error {
 	h, x := t.dense.heads, t.clusters
 	n := t.layer.Len()
 	end := x.First + x.Count
@@ -187,16 +193,20 @@ func (t *TacticStep) Record(c *vk.Commands) error {
 	chunks := uint32(ceilDiv(max(fixed, 1), 16))
 	k, b := &t.kernels, &t.binds
 	c.Dispatch(k.score, b.score, []uint32{cc, uint32(h.Group()), scale}, uint32(ceilDiv(x.C, 64)), hq, 1)
+	mark(0)
 	c.Barrier()
 	c.Dispatch(k.order, b.order, []uint32{cc, uint32(h.Group()), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])}, hq, 1, 1)
+	mark(1)
 	c.Barrier()
 	sample := func(pass uint32) []uint32 {
 		return []uint32{pass, cc, uint32(h.Group()), uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), chunks, scale}
 	}
 	c.Dispatch(k.sample, b.sample, sample(0), uint32(ceilDiv(x.C, 64)), hq, 1)
 	c.Dispatch(k.sample, b.sample, sample(1), uint32(ceilDiv(int(chunks), 64)), hq, 1)
+	mark(2)
 	c.Barrier()
 	c.Dispatch(k.budget, b.budget, []uint32{cc, uint32(x.Count), chunks, math.Float32bits(float32(t.p))}, hq, 1, 1)
+	mark(3)
 	c.Barrier()
 	sel := func(pass uint32) []uint32 {
 		return []uint32{pass, cc, uint32(h.Group()), uint32(x.First), uint32(end), uint32(n), uint32(t.plan.gatherStride), uint32(t.plan.GatherChunk()), uint32(x.Count)}
@@ -206,8 +216,13 @@ func (t *TacticStep) Record(c *vk.Commands) error {
 	c.Dispatch(k.sel, b.sel, sel(1), uint32(ceilDiv(x.C, 64)), kv, 1)
 	c.Barrier()
 	c.Dispatch(k.sel, b.sel, sel(2), 1, kv, 1)
+	mark(4)
 	c.Barrier()
-	return t.plan.Record(c)
+	if err := t.plan.Record(c); err != nil {
+		return err
+	}
+	mark(5)
+	return nil
 }
 
 // Attend runs a step for the query q ([Hq][D]) and returns the output.
@@ -268,6 +283,58 @@ func (t *TacticStep) Time(warmup, reps int) ([]time.Duration, error) {
 	return t.clock.time(t.dense.dev, warmup, reps, t.Record)
 }
 
+// TimeStages runs reps steps back to back in one submission, after warmup
+// untimed ones, with a timestamp after every stage, and returns each
+// stage's median GPU time (TacticStages order) and the median whole step.
+func (t *TacticStep) TimeStages(warmup, reps int) (stages []time.Duration, total time.Duration, err error) {
+	ns := len(TacticStages)
+	dev := t.dense.dev
+	stamps, err := dev.NewTimestamps(1 + ns*(warmup+reps))
+	if err != nil {
+		return nil, 0, err
+	}
+	defer stamps.Release()
+	next := 0
+	err = runOnce(dev, func(c *vk.Commands) error {
+		c.Reset(stamps)
+		c.Timestamp(stamps, 0)
+		for r := 0; r < warmup+reps; r++ {
+			c.Barrier()
+			if err := t.record(c, func(i int) { c.Timestamp(stamps, 1+r*ns+i) }); err != nil {
+				return err
+			}
+		}
+		next = 1 + ns*(warmup+reps)
+		return nil
+	})
+	if err != nil {
+		return nil, 0, err
+	}
+	d, err := stamps.Durations(next)
+	if err != nil {
+		return nil, 0, err
+	}
+	per := make([][]time.Duration, ns)
+	var totals []time.Duration
+	for r := warmup; r < warmup+reps; r++ {
+		var sum time.Duration
+		for i := 0; i < ns; i++ {
+			x := d[1+r*ns+i]
+			per[i] = append(per[i], x)
+			sum += x
+		}
+		totals = append(totals, sum)
+	}
+	median := func(x []time.Duration) time.Duration {
+		sort.Slice(x, func(i, j int) bool { return x[i] < x[j] })
+		return x[len(x)/2]
+	}
+	for i := range per {
+		stages = append(stages, median(per[i]))
+	}
+	return stages, median(totals), nil
+}
+
 // TacticBinnedBudgetRef is TacticBudgetRef with the GPU's order: given the
 // head's float32 centroid scores, clusters are grouped by TacticBin (the
 // members of a bin's clusters merged, ascending) and the groups ranked by
@@ -314,4 +381,81 @@ func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *Clus
 		cut = TacticBins
 	}
 	return budget, cut, nil
+}
+
+// StepFidelity is how well a GPU step stood in for dense attention, per
+// query head: Fidelity with Mass the exact softmax mass of the tokens the
+// head attended (the union of its KV head), Selected its own selection (the
+// fixed tokens and the clusters of bins below its cut), and RelErr the
+// step's output against dense attention.
+type StepFidelity []Fidelity
+
+// Fidelity evaluates the last step (after Attend of q, whose output is out)
+// in float64. keys and values hold each KV head's decoded rows of all
+// stored tokens ([KV][n·D]); index holds each head's clusters as read back.
+func (t *TacticStep) Fidelity(q, out []float32, keys, values [][]float64, index []*kvcache.HostClusters) (StepFidelity, error) {
+	h, x := t.dense.heads, t.clusters
+	n := t.layer.Len()
+	scores, err := t.Scores()
+	if err != nil {
+		return nil, err
+	}
+	cuts, err := t.Cuts()
+	if err != nil {
+		return nil, err
+	}
+	lists, err := t.Tokens()
+	if err != nil {
+		return nil, err
+	}
+	fixed, err := TacticFixedTokens(x.First, x.First+x.Count, n-1)
+	if err != nil {
+		return nil, err
+	}
+	d, scale := h.Dim, 1/math.Sqrt(float64(h.Dim))
+	res := make(StepFidelity, h.Query)
+	for hh := range res {
+		g := hh / h.Group()
+		qh := make([]float64, d)
+		for i := range qh {
+			qh[i] = float64(q[hh*d+i])
+		}
+		probs, err := SoftmaxRef(qh, keys[g], scale)
+		if err != nil {
+			return nil, err
+		}
+		f := &res[hh]
+		if f.Mass, err = SubsetMass(probs, lists[g]); err != nil {
+			return nil, err
+		}
+		hs := scores[hh*x.C : (hh+1)*x.C]
+		m := float32(math.Inf(-1))
+		for _, s := range hs {
+			m = max(m, s)
+		}
+		f.Selected = len(fixed)
+		for c, s := range hs {
+			if TacticBin(m, s) < cuts[hh] {
+				f.Selected += len(index[g].Members[c])
+			}
+		}
+		if f.GlobalOptimal, err = TopPCount(probs, t.p); err != nil {
+			return nil, err
+		}
+		if f.ClusterOptimal, err = ClusterTopPCount(probs, index[g].Members, fixed, t.p); err != nil {
+			return nil, err
+		}
+		dense, err := AttendRef(qh, keys[g], values[g], scale)
+		if err != nil {
+			return nil, err
+		}
+		got := make([]float64, d)
+		for i := range got {
+			got[i] = float64(out[hh*d+i])
+		}
+		if f.RelErr, err = RelativeError(got, dense); err != nil {
+			return nil, err
+		}
+	}
+	return res, nil
 }

@@ -6,6 +6,7 @@ import (
 	"math/rand"
 	"sort"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -136,4 +137,17 @@ func TestTacticStepMatchesReference(t *testing.T) {
 	}
 	_, err = NewTacticStep(dense, layer, clusters, 0, DefaultTacticFit())
 	require.Error(t, err, "P = 0")
+
+	step, err := NewTacticStep(dense, layer, clusters, 0.9, DefaultTacticFit())
+	require.NoError(t, err)
+	defer step.Release()
+	require.NoError(t, step.SetQuery(q))
+	stages, total, err := step.TimeStages(1, 3)
+	require.NoError(t, err)
+	require.Len(t, stages, len(TacticStages))
+	for i, s := range stages {
+		require.Greater(t, s, time.Duration(0), "stage %s", TacticStages[i])
+	}
+	require.Greater(t, total, time.Duration(0))
+	t.Logf("stages %v, step %v", stages, total)
 }

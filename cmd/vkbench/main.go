@@ -4,6 +4,7 @@
 //	vkbench attn [flags]            time dense decode attention
 //	vkbench probe [flags]           measure read bandwidth
 //	vkbench cluster [flags]         time K-means clustering of a layer
+//	vkbench tactic [flags]          Tactic decode steps: times and fidelity
 //
 // VKSPARSE_DEVICE picks the device (index or name substring) and
 // VKSPARSE_VALIDATE=1 turns on the validation layer.
@@ -21,6 +22,7 @@ commands:
   attn      time dense decode attention (run "vkbench attn -h" for flags)
   probe     measure the device's read bandwidth, the ceiling for attention
   cluster   time K-means clustering of a layer's keys (Tactic's prefill)
+  tactic    run Tactic decode steps beside dense attention: stage times, speed-up, fidelity
 `
 
 func main() {
@@ -38,6 +40,8 @@ func main() {
 		err = probe(os.Args[2:])
 	case "cluster":
 		err = cluster(os.Args[2:])
+	case "tactic":
+		err = tactic(os.Args[2:])
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return

@@ -63,6 +63,19 @@ func intsFrom(s string, least int) ([]int, error) {
 	return out, nil
 }
 
+// floats parses a comma-separated list of numbers in (0, 1].
+func floats(s string) ([]float64, error) {
+	var out []float64
+	for _, f := range strings.Split(s, ",") {
+		v, err := strconv.ParseFloat(strings.TrimSpace(f), 64)
+		if err != nil || !(v > 0 && v <= 1) {
+			return nil, fmt.Errorf("%q is not a number in (0, 1]", f)
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
 // progress writes a one-line status to stderr, overwritten by the next.
 type progress struct {
 	total, done int
