@@ -1,0 +1,216 @@
+package sparse
+
+import (
+	"time"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/trace"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// TacticRun is the outcome of Tactic decode steps over a trace at one
+// target mass: fidelity over every (tail query, query head), and GPU times
+// at the final length.
+type TacticRun struct {
+	Source      string             `json:"source"`
+	Tokens      int                `json:"tokens"`
+	Prefill     int                `json:"prefill"`
+	P           float64            `json:"p"`
+	Steps       int                `json:"steps"`
+	ClusterMs   float64            `json:"cluster_ms"`
+	DenseUs     float64            `json:"dense_us"`
+	TacticUs    float64            `json:"tactic_us"`
+	StageUs     map[string]float64 `json:"stage_us"`
+	Speedup     float64            `json:"speedup"`
+	SelectedPct float64            `json:"selected_pct"` // a head's own selection, % of tokens
+	UnionPct    float64            `json:"union_pct"`    // tokens its KV head read, % of tokens
+	Mass        float64            `json:"mean_mass"`
+	Success     float64            `json:"success_rate"` // share of (step, head) with mass ≥ P
+	ClusterOpt  float64            `json:"mean_cluster_optimal"`
+	GlobalOpt   float64            `json:"mean_global_optimal"`
+	RatioToOpt  float64            `json:"selected_over_cluster_optimal"`
+	RelErr      float64            `json:"mean_rel_err"`
+}
+
+// tailStart returns the index of the first of the consecutive queries that
+// end the trace.
+func tailStart(t *trace.Trace) int {
+	i := t.Queries() - 1
+	for i > 0 && t.QPos[i-1] == t.QPos[i]-1 {
+		i--
+	}
+	return i
+}
+
+// TacticTrace runs Tactic over a trace on the GPU: it prefills a cache with
+// the keys before the trace's decode tail (the consecutive queries that end
+// it), rounded down to a multiple of 64, clusters them (sinks excluded),
+// then for each P appends the tail tokens one at a time and runs a step for
+// each tail query, measuring fidelity in float64. With reps > 0 it also
+// times the step and dense attention at the final length. progress, if not
+// nil, is told each P before it runs.
+func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, reps int, seed uint64, progress func(p float64)) ([]TacticRun, error) {
+	heads := Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
+	first := tailStart(t)
+	prefill := int(t.QPos[first]) / 64 * 64
+	last := int(t.QPos[t.Queries()-1])
+	d := t.HeadDim
+	rows := func(from, to int) (k, v []uint16) { // tokens [from, to) of every KV head
+		for g := 0; g < t.KVHeads; g++ {
+			k = append(k, t.K[(g*t.Tokens+from)*d:(g*t.Tokens+to)*d]...)
+			v = append(v, t.V[(g*t.Tokens+from)*d:(g*t.Tokens+to)*d]...)
+		}
+		return k, v
+	}
+	keys := make([][]float64, t.KVHeads)
+	values := make([][]float64, t.KVHeads)
+	for g := range keys {
+		keys[g] = HalvesToFloat64(t.K[g*t.Tokens*d : (g+1)*t.Tokens*d])
+		values[g] = HalvesToFloat64(t.V[g*t.Tokens*d : (g+1)*t.Tokens*d])
+	}
+	dense, err := NewDense(dev, heads)
+	if err != nil {
+		return nil, err
+	}
+	defer dense.Release()
+	km, err := NewKMeans(dev, heads.KV, d)
+	if err != nil {
+		return nil, err
+	}
+	defer km.Release()
+
+	layer, err := kvcache.NewLayer(dev, heads.KV, d, last+1)
+	if err != nil {
+		return nil, err
+	}
+	defer layer.Release()
+	k, v := rows(0, prefill)
+	if err := layer.Prefill(k, v, prefill); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	clusters, err := km.Cluster(layer, TacticDefaultSinks, prefill-TacticDefaultSinks, KMeansOptions{Seed: seed})
+	if err != nil {
+		return nil, err
+	}
+	defer clusters.Release()
+	clusterMs := float64(time.Since(start).Microseconds()) / 1e3
+	index := make([]*kvcache.HostClusters, heads.KV)
+	for g := range index {
+		if index[g], err = clusters.Read(g); err != nil {
+			return nil, err
+		}
+	}
+
+	var out []TacticRun
+	for _, p := range ps {
+		if progress != nil {
+			progress(p)
+		}
+		// Back to the prefill: the decode tail is appended again for each P.
+		if err := layer.Prefill(k, v, prefill); err != nil {
+			return nil, err
+		}
+		r, err := tacticRow(t, layer, clusters, index, dense, heads, first, p, reps, rows, keys, values)
+		if err != nil {
+			return nil, err
+		}
+		r.Tokens, r.Prefill, r.P, r.ClusterMs = last+1, prefill, p, clusterMs
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+// tacticRow runs the decode steps of the tail queries at mass p.
+func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters, index []*kvcache.HostClusters, dense *Dense, heads Heads, first int, p float64, reps int,
+	rows func(from, to int) ([]uint16, []uint16), keys, values [][]float64) (TacticRun, error) {
+	var r TacticRun
+	step, err := NewTacticStep(dense, layer, clusters, p, DefaultTacticFit())
+	if err != nil {
+		return r, err
+	}
+	defer step.Release()
+	d := heads.Dim
+	var cases int
+	for qi := first; qi < t.Queries(); qi++ {
+		pos := int(t.QPos[qi])
+		for layer.Len() <= pos { // decode: the tail grows one token at a time
+			k, v := rows(layer.Len(), layer.Len()+1)
+			if err := layer.Append(k, v); err != nil {
+				return r, err
+			}
+		}
+		q := t.Query(qi)
+		o, err := step.Attend(q)
+		if err != nil {
+			return r, err
+		}
+		n := layer.Len()
+		kk, vv := make([][]float64, heads.KV), make([][]float64, heads.KV)
+		for g := range kk {
+			kk[g], vv[g] = keys[g][:n*d], values[g][:n*d]
+		}
+		fid, err := step.Fidelity(q, o, kk, vv, index)
+		if err != nil {
+			return r, err
+		}
+		lists, err := step.Tokens()
+		if err != nil {
+			return r, err
+		}
+		for hh, f := range fid {
+			g := hh / heads.Group()
+			cases++
+			r.Mass += f.Mass
+			if f.Success(p) {
+				r.Success++
+			}
+			r.SelectedPct += 100 * float64(f.Selected) / float64(n)
+			r.UnionPct += 100 * float64(len(lists[g])) / float64(n)
+			r.ClusterOpt += float64(f.ClusterOptimal)
+			r.GlobalOpt += float64(f.GlobalOptimal)
+			r.RatioToOpt += float64(f.Selected)
+			r.RelErr += f.RelErr
+		}
+		r.Steps++
+	}
+	c := float64(cases)
+	r.Mass, r.Success, r.SelectedPct, r.UnionPct, r.RelErr = r.Mass/c, r.Success/c, r.SelectedPct/c, r.UnionPct/c, r.RelErr/c
+	r.RatioToOpt /= r.ClusterOpt
+	r.ClusterOpt, r.GlobalOpt = r.ClusterOpt/c, r.GlobalOpt/c
+
+	if reps == 0 {
+		return r, nil
+	}
+	// Timing at the final length: the step's stages and dense attention,
+	// after keeping the GPU busy a while so its clocks have risen.
+	for spin := time.Now(); time.Since(spin) < 300*time.Millisecond; {
+		if _, err := step.Time(0, 20); err != nil {
+			return r, err
+		}
+	}
+	stages, total, err := step.TimeStages(10, reps)
+	if err != nil {
+		return r, err
+	}
+	r.StageUs = map[string]float64{}
+	for i, s := range TacticStages {
+		r.StageUs[s] = float64(stages[i].Nanoseconds()) / 1e3
+	}
+	r.TacticUs = float64(total.Nanoseconds()) / 1e3
+	plan, err := dense.Plan([]*kvcache.Layer{layer})
+	if err != nil {
+		return r, err
+	}
+	defer plan.Release()
+	if err := plan.SetQuery(t.Query(t.Queries() - 1)); err != nil {
+		return r, err
+	}
+	times, err := plan.Time(10, reps)
+	if err != nil {
+		return r, err
+	}
+	r.DenseUs = float64(times[len(times)/2].Nanoseconds()) / 1e3
+	r.Speedup = r.DenseUs / r.TacticUs
+	return r, nil
+}
