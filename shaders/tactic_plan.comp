@@ -1,20 +1,23 @@
 #version 450
 // Tactic, ordering and sampling plan of one query head per workgroup.
-// Clusters are ranked by bin(s) = min(NB − 1, ⌊(m − s)·BPL⌋), m the head's
-// best centroid score: bins ascend as scores descend, and the clusters of a
-// bin form one group (the fit works on groups). It writes each cluster's
-// bin, the clusters sorted by (bin, index), the token and cluster offsets of
-// the bins, and the plan of Alg. 1: the exact bins [0, j0) covering at least
+// Clusters are ranked by bin(s) = min(NB − 1, ⌊(m − s)·u⌋), m and m0 the
+// head's best and worst centroid scores and u = 2^(log2 NB − e) for
+// m − m0 = f·2^e, f in [0.5, 1): a power of two, so the bin is exact, and
+// the bins span between half and all of [m0, m]. Bins ascend as scores
+// descend; the clusters of a bin form one group (the fit works on groups).
+// It writes each cluster's bin, the clusters ordered by bin (in no
+// particular order within a bin), the token and cluster offsets of the
+// bins, and the plan of Alg. 1: the exact bins [0, j0) covering at least
 // `need` tokens, and the bins holding the two sampling windows' ends.
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const uint NB = 1024;   // bins, a multiple of 256
-layout(constant_id = 1) const float BPL = 16.0; // bins per logit, a power of two
+layout(constant_id = 1) const int LOG2NB = 10;  // log2(NB)
 
 layout(std430, binding = 0) readonly buffer Scores { float s[]; };      // [Hq][C]
 layout(std430, binding = 1) readonly buffer Sizes { uint sizes[]; };    // [Hkv][C]
 layout(std430, binding = 2) writeonly buffer BinOf { uint binOf[]; };   // [Hq][C]
-layout(std430, binding = 3) buffer Order { uint order[]; };             // [Hq][C]
+layout(std430, binding = 3) writeonly buffer Order { uint order[]; };   // [Hq][C]
 layout(std430, binding = 4) writeonly buffer TokStart { uint tokStart[]; };  // [Hq][NB+1]
 layout(std430, binding = 5) writeonly buffer CluStart { uint cluStart[]; };  // [Hq][NB+1]
 layout(std430, binding = 6) writeonly buffer Plan { uint plan[]; };     // [Hq][16]
@@ -34,8 +37,8 @@ shared uint stT[NB + 1];
 shared uint stC[NB + 1];
 shared uint part[2][256];
 
-uint binOfScore(float m, float x) {
-	return min(NB - 1, uint(floor((m - x) * BPL)));
+uint binOfScore(float m, float u, float x) {
+	return min(NB - 1, uint(floor((m - x) * u)));
 }
 
 // rank returns the least bin j with stT[j+1] >= x (the bin holding position x).
@@ -51,8 +54,11 @@ void main() {
 	uint g = h / pc.groupSize;
 	uint sb = h * pc.C;
 
-	float m = -1.0 / 0.0;
-	for (uint c = tid; c < pc.C; c += 256) m = max(m, s[sb + c]);
+	float m = -1.0 / 0.0, m0 = 1.0 / 0.0;
+	for (uint c = tid; c < pc.C; c += 256) {
+		m = max(m, s[sb + c]);
+		m0 = min(m0, s[sb + c]);
+	}
 	red[tid] = m;
 	for (uint i = tid; i < NB; i += 256) {
 		cntT[i] = 0;
@@ -64,9 +70,23 @@ void main() {
 		barrier();
 	}
 	m = red[0];
+	barrier();
+	red[tid] = m0;
+	barrier();
+	for (uint k = 128; k > 0; k >>= 1) {
+		if (tid < k) red[tid] = min(red[tid], red[tid + k]);
+		barrier();
+	}
+	m0 = red[0];
+	float u = 1.0;
+	if (m - m0 > 0.0) {
+		int e;
+		frexp(m - m0, e);
+		u = ldexp(1.0, LOG2NB - e);
+	}
 
 	for (uint c = tid; c < pc.C; c += 256) {
-		uint b = binOfScore(m, s[sb + c]);
+		uint b = binOfScore(m, u, s[sb + c]);
 		binOf[sb + c] = b;
 		atomicAdd(cntT[b], sizes[g * pc.C + c]);
 		atomicAdd(cntC[b], 1);
@@ -111,27 +131,12 @@ void main() {
 		cluStart[ob + b] = stC[b];
 	}
 
-	// Clusters sorted by bin (counting sort), then by index within a bin.
+	// Clusters grouped by bin (counting sort).
 	for (uint b = tid; b < NB; b += 256) cntC[b] = stC[b];  // cursors
 	barrier();
 	for (uint c = tid; c < pc.C; c += 256) {
-		uint b = binOfScore(m, s[sb + c]);
+		uint b = binOfScore(m, u, s[sb + c]);
 		order[sb + atomicAdd(cntC[b], 1)] = c;
-	}
-	memoryBarrierBuffer();
-	barrier();
-	for (uint b = tid; b < NB; b += 256) {
-		uint lo = sb + stC[b];
-		uint hi = sb + stC[b + 1];
-		for (uint i = lo + 1; i < hi; i++) {
-			uint x = order[i];
-			uint j = i;
-			while (j > lo && order[j - 1] > x) {
-				order[j] = order[j - 1];
-				j--;
-			}
-			order[j] = x;
-		}
 	}
 
 	if (tid == 0) {
@@ -140,6 +145,7 @@ void main() {
 		uint exact = stT[j0];
 		uint p = h * 16;
 		plan[p + 0] = floatBitsToUint(m);
+		plan[p + 12] = floatBitsToUint(u);
 		plan[p + 1] = j0;
 		plan[p + 2] = exact;
 		uint windows = exact < pc.n ? 1 : 0;

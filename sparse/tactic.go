@@ -44,17 +44,30 @@ type TacticStep struct {
 	clock    stopwatch
 }
 
-// Bins of the GPU's cluster order: bin(s) = min(TacticBins−1,
-// ⌊(m − s)·TacticBinsPerLogit⌋) for a cluster of score s when the head's
-// best centroid scores m, in float32 (exact: the factor is a power of two).
-const (
-	TacticBins         = 1024
-	TacticBinsPerLogit = 16
-)
+// TacticBins is the number of bins of the GPU's cluster order (TacticBin).
+const TacticBins = 1024
 
-// TacticBin returns the bin of score s for a head whose best score is m.
-func TacticBin(m, s float32) int {
-	return min(TacticBins-1, int(math.Floor(float64((m-s)*TacticBinsPerLogit))))
+// TacticBinScale returns a head's best centroid score m and the bin factor
+// u = 2^(log2 TacticBins − e), where m − m0 = f·2^e with f in [0.5, 1) and
+// m0 the worst score (u = 1 when all scores are equal): a power of two, so
+// bins are exact in float32, and they span half to all of [m0, m].
+func TacticBinScale(scores []float32) (m, u float32) {
+	m, m0 := float32(math.Inf(-1)), float32(math.Inf(1))
+	for _, s := range scores {
+		m, m0 = max(m, s), min(m0, s)
+	}
+	u = 1
+	if r := m - m0; r > 0 {
+		_, e := math.Frexp(float64(r))
+		u = float32(math.Ldexp(1, 10-e))
+	}
+	return m, u
+}
+
+// TacticBin returns the bin of score s: min(TacticBins−1, ⌊(m − s)·u⌋) in
+// float32, with m and u from TacticBinScale.
+func TacticBin(m, u, s float32) int {
+	return min(TacticBins-1, int(math.Floor(float64((m-s)*u))))
 }
 
 // NewTacticStep prepares decode steps at target mass p with the fit's
@@ -93,7 +106,7 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	}
 	k := &t.kernels
 	k.score = build("tactic_score", 3, 3, uint32(h.Dim))
-	k.order = build("tactic_plan", 7, 8, TacticBins, math.Float32bits(TacticBinsPerLogit))
+	k.order = build("tactic_plan", 7, 8, TacticBins, 10)
 	k.sample = build("tactic_sample", 10, 10, uint32(h.Dim), TacticBins)
 	k.budget = build("tactic_budget", 6, 4, TacticBins)
 	k.sel = build("tactic_select", 8, 9)
@@ -344,13 +357,10 @@ func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *Clus
 	if len(scores) != idx.Clusters() {
 		return nil, 0, fmt.Errorf("sparse: %d scores for %d clusters", len(scores), idx.Clusters())
 	}
-	m := float32(math.Inf(-1))
-	for _, s := range scores {
-		m = max(m, s)
-	}
+	m, u := TacticBinScale(scores)
 	byBin := make([][]int32, TacticBins)
 	for c, s := range scores {
-		b := TacticBin(m, s)
+		b := TacticBin(m, u, s)
 		byBin[b] = append(byBin[b], idx.Members[c]...)
 	}
 	groups := &ClusterIndex{D: idx.D}
@@ -429,13 +439,10 @@ func (t *TacticStep) Fidelity(q, out []float32, keys, values [][]float64, index 
 			return nil, err
 		}
 		hs := scores[hh*x.C : (hh+1)*x.C]
-		m := float32(math.Inf(-1))
-		for _, s := range hs {
-			m = max(m, s)
-		}
+		m, u := TacticBinScale(hs)
 		f.Selected = len(fixed)
 		for c, s := range hs {
-			if TacticBin(m, s) < cuts[hh] {
+			if TacticBin(m, u, s) < cuts[hh] {
 				f.Selected += len(index[g].Members[c])
 			}
 		}

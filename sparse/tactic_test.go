@@ -100,12 +100,9 @@ func TestTacticStepMatchesReference(t *testing.T) {
 				_, cut, err := TacticBinnedBudgetRef(qh, scale, keys, index[g], hs, fixed, p, DefaultTacticFit())
 				require.NoError(t, err)
 				require.InDelta(t, cut, cuts[hh], 1, "P %v: cut of head %d (GPU %d, reference %d)", p, hh, cuts[hh], cut)
-				m := hs[0]
-				for _, x := range hs {
-					m = max(m, x)
-				}
+				m, u := TacticBinScale(hs)
 				for c, x := range hs {
-					if TacticBin(m, x) < cuts[hh] {
+					if TacticBin(m, u, x) < cuts[hh] {
 						for _, tok := range index[g].Members[c] {
 							set[tok] = true
 						}
