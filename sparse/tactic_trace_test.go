@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/vksparse/vksparse/trace"
+	"github.com/vksparse/vksparse/workload"
 )
 
 // Evaluation setup on the real traces (see ../shared/traces/README.md from
@@ -96,5 +97,50 @@ func TestTacticRealTraces(t *testing.T) {
 			require.GreaterOrEqualf(t, r.SuccessRate, 0.85, "%s P=%.1f success rate", names[i], r.P)
 			require.LessOrEqualf(t, r.SelectedOverClusterOptimal, 1.3, "%s P=%.1f tokens selected / cluster-optimal", names[i], r.P)
 		}
+	}
+}
+
+// TestTacticGeneratedWorkload evaluates Tactic on the generator's layer at
+// 32768 tokens (all 32 query heads, its 8 decode queries): for P = 0.5,
+// 0.7, 0.9 the union must reach P in at least 85 % of the cases, the mean
+// union mass must reach P, and the mean own selection must stay within
+// 1.25× the mean cluster-optimal count.
+func TestTacticGeneratedWorkload(t *testing.T) {
+	if testing.Short() {
+		t.Skip("clusters 8 KV heads of 32768 tokens; skipped in -short mode")
+	}
+	tr, err := workload.Generate(workload.DefaultConfig(32768))
+	require.NoError(t, err)
+	start := time.Now()
+	ev, err := TacticEvaluate(tr, DefaultTacticEvalOptions())
+	require.NoError(t, err)
+	t.Logf("evaluated in %v", time.Since(start).Round(time.Millisecond))
+	var table []string
+	for _, r := range ev.Results {
+		require.Equal(t, tr.Queries()*tr.QHeads, r.Cases)
+		table = append(table, evalRow("gen-32768", r))
+		byKind := map[string][]TacticEvalHead{}
+		for _, h := range r.Heads {
+			byKind[h.Kind] = append(byKind[h.Kind], h)
+		}
+		for _, kind := range []string{"streaming", "retrieval", "topic"} {
+			var sel, opt, succ, mass float64
+			for _, h := range byKind[kind] {
+				sel += h.Selected
+				opt += h.ClusterOptimal
+				succ += h.SuccessRate
+				mass += h.Mass
+			}
+			n := float64(len(byKind[kind]))
+			table = append(table, fmt.Sprintf("    %-9s success %5.1f%%  mass %.3f  selected %7.1f  cluster-opt %7.1f  ratio %.3f",
+				kind, 100*succ/n, mass/n, sel/n, opt/n, sel/opt))
+		}
+	}
+	t.Log("\n" + strings.Join(table, "\n"))
+	requireBound(t, "gen-32768", ev)
+	for _, r := range ev.Results {
+		require.GreaterOrEqualf(t, r.SuccessRate, 0.85, "P=%.1f success rate", r.P)
+		require.GreaterOrEqualf(t, r.Mass, r.P, "P=%.1f mean union mass", r.P)
+		require.LessOrEqualf(t, r.SelectedOverClusterOptimal, 1.25, "P=%.1f tokens selected / cluster-optimal", r.P)
 	}
 }
