@@ -293,16 +293,14 @@ func TacticEvaluate(t *trace.Trace, opts TacticEvalOptions) (*TacticEvaluation, 
 	return ev, nil
 }
 
-// check validates the options against the trace, with the defaults for
-// queries and prefill already applied.
-func (o *TacticEvalOptions) check(t *trace.Trace, queries []int, prefill int) error {
+// Validate reports the first problem with the options that does not
+// depend on the trace (TacticEvaluate checks the rest).
+func (o *TacticEvalOptions) Validate() error {
 	switch {
-	case len(queries) == 0:
-		return fmt.Errorf("sparse: TacticEvaluate: no queries to evaluate")
 	case len(o.P) == 0:
 		return fmt.Errorf("sparse: TacticEvaluate: no target masses P")
-	case o.Sinks < 0 || o.Sinks >= prefill || prefill > t.Tokens:
-		return fmt.Errorf("sparse: TacticEvaluate: want 0 ≤ sinks (%d) < prefill (%d) ≤ tokens (%d)", o.Sinks, prefill, t.Tokens)
+	case o.Sinks < 0:
+		return fmt.Errorf("sparse: TacticEvaluate: %d sinks", o.Sinks)
 	case o.AvgClusterSize <= 0 || o.KMeansIters < 1:
 		return fmt.Errorf("sparse: TacticEvaluate: average cluster size %d and K-means iterations %d must be positive", o.AvgClusterSize, o.KMeansIters)
 	}
@@ -311,8 +309,20 @@ func (o *TacticEvalOptions) check(t *trace.Trace, queries []int, prefill int) er
 			return err
 		}
 	}
-	if err := o.Fit.validate(); err != nil {
+	return o.Fit.validate()
+}
+
+// check validates the options against the trace, with the defaults for
+// queries and prefill already applied.
+func (o *TacticEvalOptions) check(t *trace.Trace, queries []int, prefill int) error {
+	if err := o.Validate(); err != nil {
 		return err
+	}
+	switch {
+	case len(queries) == 0:
+		return fmt.Errorf("sparse: TacticEvaluate: no queries to evaluate")
+	case o.Sinks >= prefill || prefill > t.Tokens:
+		return fmt.Errorf("sparse: TacticEvaluate: want 0 ≤ sinks (%d) < prefill (%d) ≤ tokens (%d)", o.Sinks, prefill, t.Tokens)
 	}
 	seen := make(map[int]bool, len(queries))
 	for _, qi := range queries {

@@ -26,13 +26,14 @@ type TacticFit struct {
 	// InitialFrac sets the exact part: the first clusters in score order
 	// whose exp scores are computed exactly, as few as cover at least
 	// ceil(InitialFrac·n) tokens.
-	InitialFrac float64
+	InitialFrac float64 `json:"initial_frac"`
 	// Window1 and Window2 are the centres of the two sampling windows, as
 	// fractions of n (positions in the cluster-ordered token list).
-	Window1, Window2 float64
+	Window1 float64 `json:"window1"`
+	Window2 float64 `json:"window2"`
 	// WindowFrac is the nominal width of each window as a fraction of n.
 	// The sample is the whole clusters overlapping the nominal window.
-	WindowFrac float64
+	WindowFrac float64 `json:"window_frac"`
 }
 
 // DefaultTacticFit returns InitialFrac 0.02 and windows centred at 0.10

@@ -3,6 +3,7 @@
 //	vkbench devices                 list every Vulkan device and its facts
 //	vkbench attn [flags]            time dense decode attention
 //	vkbench probe [flags]           measure read bandwidth
+//	vkbench tactic [flags]          measure Tactic's selection fidelity (CPU)
 //
 // VKSPARSE_DEVICE picks the device (index or name substring) and
 // VKSPARSE_VALIDATE=1 turns on the validation layer.
@@ -19,6 +20,8 @@ commands:
   devices   list every Vulkan device with the facts kernels need
   attn      time dense decode attention (run "vkbench attn -h" for flags)
   probe     measure the device's read bandwidth, the ceiling for attention
+  tactic    measure how well Tactic's selection reaches the target mass
+            (float64 reference on the CPU; "vkbench tactic -h" for flags)
 `
 
 func main() {
@@ -34,6 +37,8 @@ func main() {
 		err = attn(os.Args[2:])
 	case "probe":
 		err = probe(os.Args[2:])
+	case "tactic":
+		err = tactic(os.Args[2:])
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return

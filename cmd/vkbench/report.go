@@ -63,6 +63,26 @@ func intsFrom(s string, least int) ([]int, error) {
 	return out, nil
 }
 
+// floats parses a comma-separated list of numbers.
+func floats(s string) ([]float64, error) {
+	var out []float64
+	for _, f := range strings.Split(s, ",") {
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		v, err := strconv.ParseFloat(f, 64)
+		if err != nil {
+			return nil, fmt.Errorf("%q is not a number", f)
+		}
+		out = append(out, v)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("empty list")
+	}
+	return out, nil
+}
+
 // progress writes a one-line status to stderr, overwritten by the next.
 type progress struct {
 	total, done int

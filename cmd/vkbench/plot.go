@@ -1,0 +1,82 @@
+package main
+
+import (
+	"fmt"
+	"slices"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/plotutil"
+	"gonum.org/v1/plot/vg"
+)
+
+// plotTactic draws the tokens selected and the mass reached as fractions:
+// against P when the results hold one layer, otherwise against N (one
+// curve of each per P).
+func plotTactic(path string, results []tacticResult) error {
+	p := plot.New()
+	p.Y.Label.Text = "fraction"
+	// Headroom above 1 keeps the legend off the curves.
+	p.Y.Min, p.Y.Max = 0, 1.35
+	var ticks []plot.Tick
+	for i := 0; i <= 10; i++ {
+		t := plot.Tick{Value: float64(i) / 10}
+		if i%2 == 0 {
+			t.Label = fmt.Sprint(t.Value)
+		}
+		ticks = append(ticks, t)
+	}
+	p.Y.Tick.Marker = plot.ConstantTicks(ticks)
+	p.Legend.Top, p.Legend.Left = true, true
+	var series []any
+	layers := map[string]bool{}
+	for _, r := range results {
+		layers[fmt.Sprint(r.Source, r.Tokens)] = true
+	}
+	if len(layers) == 1 {
+		r0 := results[0]
+		p.Title.Text = fmt.Sprintf("Tactic on %s, N = %d", r0.Source, r0.Tokens)
+		p.X.Label.Text = "target mass P"
+		curve := func(f func(r tacticResult) float64) plotter.XYs {
+			var xy plotter.XYs
+			for _, r := range results {
+				xy = append(xy, plotter.XY{X: r.P, Y: f(r)})
+			}
+			return xy
+		}
+		series = append(series,
+			"selected / N", curve(func(r tacticResult) float64 { return r.Selected / r.Attended }),
+			"union / N", curve(func(r tacticResult) float64 { return r.Union / r.Attended }),
+			"cluster-optimal / N", curve(func(r tacticResult) float64 { return r.ClusterOptimal / r.Attended }),
+			"mass reached", curve(func(r tacticResult) float64 { return r.Mass }),
+			"target P", curve(func(r tacticResult) float64 { return r.P }))
+	} else {
+		p.Title.Text = fmt.Sprintf("Tactic on %s", results[0].Source)
+		p.X.Label.Text = "context length N"
+		var ps []float64
+		var nTicks []plot.Tick
+		for _, r := range results {
+			if !slices.Contains(ps, r.P) {
+				ps = append(ps, r.P)
+			}
+			if t := (plot.Tick{Value: float64(r.Tokens), Label: fmt.Sprint(r.Tokens)}); !slices.Contains(nTicks, t) {
+				nTicks = append(nTicks, t)
+			}
+		}
+		p.X.Scale, p.X.Tick.Marker = plot.LogScale{}, plot.ConstantTicks(nTicks)
+		for _, pv := range ps {
+			var sel, mass plotter.XYs
+			for _, r := range results {
+				if r.P == pv {
+					sel = append(sel, plotter.XY{X: float64(r.Tokens), Y: r.Selected / r.Attended})
+					mass = append(mass, plotter.XY{X: float64(r.Tokens), Y: r.Mass})
+				}
+			}
+			series = append(series, fmt.Sprintf("selected / N, P=%g", pv), sel, fmt.Sprintf("mass, P=%g", pv), mass)
+		}
+	}
+	if err := plotutil.AddLinePoints(p, series...); err != nil {
+		return err
+	}
+	return p.Save(7*vg.Inch, 5*vg.Inch, path)
+}
