@@ -379,7 +379,9 @@ func tacticEvalStep(t *trace.Trace, h *tacticKVHead, g, qi, prefill int, opts *T
 			if c.own, err = oracles[j].measure(own, nil, h.idx.Members, fixed, p); err != nil {
 				return err
 			}
-			c.bound = c.union.Err / (2*(1-c.union.Mass)*vmax + 1e-12*vmax)
+			if vmax > 0 { // with vmax = 0 both sides of the bound are 0
+				c.bound = c.union.Err / (2*(1-c.union.Mass)*vmax + 1e-12*vmax)
+			}
 		}
 	}
 	return nil
