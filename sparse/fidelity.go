@@ -20,13 +20,19 @@ type Fidelity struct {
 	// tokens reaching P when whole clusters are taken on top of the forced
 	// tokens.
 	ClusterOptimal int
-	// RelErr is ‖o − ô‖ / ‖o‖ where o is dense attention and ô attention
-	// restricted to I (AttendSubsetRef).
-	RelErr float64
+	// Err is ‖o − ô‖₂ where o is dense attention and ô attention
+	// restricted to I (AttendSubsetRef); RelErr is Err / ‖o‖₂ (see
+	// RelativeError).
+	Err, RelErr float64
 }
 
-// Success reports whether the selection reached the target: Mass ≥ p.
-func (f Fidelity) Success(p float64) bool { return f.Mass >= p }
+// SuccessTolerance absorbs the rounding of the probability sums in
+// Success: a selection of every token has mass 1 only up to rounding.
+const SuccessTolerance = 1e-9
+
+// Success reports whether the selection reached the target: Mass ≥ p −
+// SuccessTolerance.
+func (f Fidelity) Success(p float64) bool { return f.Mass >= p-SuccessTolerance }
 
 // SoftmaxRef returns p_i = exp(s_i − m) / Σ_j exp(s_j − m) for every row i
 // of keys, with s_i = scale·q·k_i and m = max s; the sum runs in row order.
@@ -86,18 +92,24 @@ func TopPCount(probs []float64, p float64) (int, error) {
 	}
 	s := append([]float64(nil), probs...)
 	sort.Sort(sort.Reverse(sort.Float64Slice(s)))
+	return topPCountSorted(s, p), nil
+}
+
+// topPCountSorted is TopPCount of probabilities already in descending
+// order.
+func topPCountSorted(desc []float64, p float64) int {
 	total := 0.0
-	for _, x := range s {
+	for _, x := range desc {
 		total += x
 	}
 	c := 0.0
-	for k, x := range s {
+	for k, x := range desc {
 		c += x
 		if c >= p*total {
-			return k + 1, nil
+			return k + 1
 		}
 	}
-	return len(s), nil
+	return len(desc)
 }
 
 // ClusterTopPCount returns the cluster-optimal count on top of a forced
@@ -168,8 +180,14 @@ func ClusterTopPCount(probs []float64, clusters [][]int32, forced []int32, p flo
 // RelativeError returns ‖o − ref‖₂ / ‖ref‖₂ (+Inf if ref is zero and o is
 // not, 0 if both are zero).
 func RelativeError(o, ref []float64) (float64, error) {
+	_, rel, err := outputError(o, ref)
+	return rel, err
+}
+
+// outputError returns ‖o − ref‖₂ and the relative error of RelativeError.
+func outputError(o, ref []float64) (abs, rel float64, err error) {
 	if len(o) != len(ref) {
-		return 0, fmt.Errorf("sparse: RelativeError: lengths %d and %d differ", len(o), len(ref))
+		return 0, 0, fmt.Errorf("sparse: RelativeError: lengths %d and %d differ", len(o), len(ref))
 	}
 	var num, den float64
 	for i := range o {
@@ -179,11 +197,11 @@ func RelativeError(o, ref []float64) (float64, error) {
 	}
 	switch {
 	case num == 0:
-		return 0, nil
+		return 0, 0, nil
 	case den == 0:
-		return math.Inf(1), nil
+		return math.Sqrt(num), math.Inf(1), nil
 	}
-	return math.Sqrt(num / den), nil
+	return math.Sqrt(num), math.Sqrt(num / den), nil
 }
 
 // FidelityRef measures a selection for one query head: q attends every row
@@ -191,29 +209,59 @@ func RelativeError(o, ref []float64) (float64, error) {
 // actually uses; clusters and forced define the cluster-optimal oracle (see
 // ClusterTopPCount); p is the target mass.
 func FidelityRef(q, keys, values []float64, scale float64, selected []int32, clusters [][]int32, forced []int32, p float64) (Fidelity, error) {
-	var f Fidelity
-	probs, err := SoftmaxRef(q, keys, scale)
+	o, err := newFidelityOracle(q, keys, values, scale)
 	if err != nil {
+		return Fidelity{}, err
+	}
+	return o.measure(selected, nil, clusters, forced, p)
+}
+
+// fidelityOracle holds what FidelityRef computes from the query alone, so
+// that several selections of one query can be measured without redoing it:
+// the exact softmax, the same sorted in descending order, and dense
+// attention.
+type fidelityOracle struct {
+	q, keys, values []float64
+	scale           float64
+	probs, desc     []float64
+	dense           []float64
+}
+
+func newFidelityOracle(q, keys, values []float64, scale float64) (*fidelityOracle, error) {
+	o := &fidelityOracle{q: q, keys: keys, values: values, scale: scale}
+	var err error
+	if o.probs, err = SoftmaxRef(q, keys, scale); err != nil {
+		return nil, err
+	}
+	o.desc = append([]float64(nil), o.probs...)
+	sort.Sort(sort.Reverse(sort.Float64Slice(o.desc)))
+	if o.dense, err = AttendRef(q, keys, values, scale); err != nil {
+		return nil, err
+	}
+	return o, nil
+}
+
+// measure is FidelityRef of the oracle's query. out, if not nil, must be
+// AttendSubsetRef over selected, which is then not recomputed.
+func (o *fidelityOracle) measure(selected []int32, out []float64, clusters [][]int32, forced []int32, p float64) (Fidelity, error) {
+	var f Fidelity
+	var err error
+	if err = checkP(p); err != nil {
 		return f, err
 	}
-	if f.Mass, err = SubsetMass(probs, selected); err != nil {
+	if f.Mass, err = SubsetMass(o.probs, selected); err != nil {
 		return f, err
 	}
 	f.Selected = len(selected)
-	if f.GlobalOptimal, err = TopPCount(probs, p); err != nil {
+	f.GlobalOptimal = topPCountSorted(o.desc, p)
+	if f.ClusterOptimal, err = ClusterTopPCount(o.probs, clusters, forced, p); err != nil {
 		return f, err
 	}
-	if f.ClusterOptimal, err = ClusterTopPCount(probs, clusters, forced, p); err != nil {
-		return f, err
+	if out == nil {
+		if out, err = AttendSubsetRef(o.q, o.keys, o.values, selected, o.scale); err != nil {
+			return f, err
+		}
 	}
-	dense, err := AttendRef(q, keys, values, scale)
-	if err != nil {
-		return f, err
-	}
-	sparse, err := AttendSubsetRef(q, keys, values, selected, scale)
-	if err != nil {
-		return f, err
-	}
-	f.RelErr, err = RelativeError(sparse, dense)
+	f.Err, f.RelErr, err = outputError(out, o.dense)
 	return f, err
 }

@@ -173,6 +173,7 @@ func TestFidelityRef(t *testing.T) {
 	assert.Equal(t, 1, f.GlobalOptimal)
 	assert.Equal(t, 1, f.ClusterOptimal)
 	// o = 0.75·1 + 0.25·5 = 2, ô = 1.
+	assert.InDelta(t, 1, f.Err, 1e-15)
 	assert.InDelta(t, 0.5, f.RelErr, 1e-15)
 
 	f, err = FidelityRef(q, keys, values, 1, []int32{0, 1}, [][]int32{{0, 1}}, nil, 0.9)

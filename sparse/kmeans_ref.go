@@ -3,6 +3,7 @@ package sparse
 import (
 	"fmt"
 	"runtime"
+	"sort"
 	"sync"
 )
 
@@ -115,8 +116,10 @@ func KMeansRef(keys []float64, n, d int, init []int, maxIter int) (centroids []f
 	next := make([]int32, n)
 	sums := make([]float64, c*d)
 	counts := make([]int, c)
+	perm := kmeansPruneOrder(keys, n, d)
+	pkeys := permuteRows(keys, d, perm)
 	for iters = 1; iters <= maxIter; iters++ {
-		kmeansAssign(keys, n, d, centroids, assign, next)
+		kmeansAssign(keys, pkeys, n, d, centroids, permuteRows(centroids, d, perm), assign, next)
 		changed := false
 		for i := range next {
 			if next[i] != assign[i] {
@@ -157,10 +160,17 @@ func KMeansRef(keys []float64, n, d int, init []int, maxIter int) (centroids []f
 // kmeansAssign writes the nearest centroid of every row into out. Rows are
 // independent, so they are split over goroutines; the result does not
 // depend on the split. prev seeds each row's search with its previous
-// cluster, which only enables pruning: a candidate is abandoned once its
-// partial distance exceeds the best, which cannot change the argmin since
-// partial sums of non-negative terms never decrease.
-func kmeansAssign(keys []float64, n, d int, centroids []float64, prev, out []int32) {
+// cluster, which only enables pruning.
+//
+// Pruning never changes the result. A candidate is first measured on pkeys
+// and pcentroids, the same rows with their dimensions reordered (see
+// kmeansPruneOrder), and abandoned once that partial sum exceeds the best
+// distance so far by the factor 1+1e-12: both sums add the same
+// non-negative terms, in orders whose rounding differs by far less, so the
+// candidate's distance as KMeansRef defines it is larger than the best. A
+// candidate that survives is measured in the defined order, where it is
+// again abandoned once its partial sum exceeds the best.
+func kmeansAssign(keys, pkeys []float64, n, d int, centroids, pcentroids []float64, prev, out []int32) {
 	c := len(centroids) / d
 	workers := runtime.GOMAXPROCS(0)
 	chunk := (n + workers - 1) / workers
@@ -171,7 +181,7 @@ func kmeansAssign(keys []float64, n, d int, centroids []float64, prev, out []int
 		go func(lo, hi int) {
 			defer wg.Done()
 			for r := lo; r < hi; r++ {
-				x := keys[r*d : (r+1)*d]
+				x, px := keys[r*d:(r+1)*d], pkeys[r*d:(r+1)*d]
 				best, bestD := 0, 0.0
 				if p := int(prev[r]); p >= 0 {
 					best = p
@@ -179,6 +189,9 @@ func kmeansAssign(keys []float64, n, d int, centroids []float64, prev, out []int
 				bestD = sqDist(x, centroids[best*d:(best+1)*d], -1)
 				for j := 0; j < c; j++ {
 					if j == best {
+						continue
+					}
+					if bound := bestD * (1 + 1e-12); sqDist(px, pcentroids[j*d:(j+1)*d], bound) > bound {
 						continue
 					}
 					dj := sqDist(x, centroids[j*d:(j+1)*d], bestD)
@@ -193,19 +206,64 @@ func kmeansAssign(keys []float64, n, d int, centroids []float64, prev, out []int
 	wg.Wait()
 }
 
+// kmeansPruneOrder returns the dimensions by descending variance over the
+// n rows of keys (ties by index). Partial distances summed in this order
+// grow fastest, so candidates are abandoned early.
+func kmeansPruneOrder(keys []float64, n, d int) []int {
+	mean, variance := make([]float64, d), make([]float64, d)
+	for r := 0; r < n; r++ {
+		for k, x := range keys[r*d : (r+1)*d] {
+			mean[k] += x
+		}
+	}
+	for k := range mean {
+		mean[k] /= float64(n)
+	}
+	for r := 0; r < n; r++ {
+		for k, x := range keys[r*d : (r+1)*d] {
+			variance[k] += (x - mean[k]) * (x - mean[k])
+		}
+	}
+	perm := make([]int, d)
+	for k := range perm {
+		perm[k] = k
+	}
+	sort.SliceStable(perm, func(i, j int) bool { return variance[perm[i]] > variance[perm[j]] })
+	return perm
+}
+
+// permuteRows returns a copy of the rows of m (width d) with column k
+// taken from column perm[k].
+func permuteRows(m []float64, d int, perm []int) []float64 {
+	out := make([]float64, len(m))
+	for r := 0; r < len(m); r += d {
+		for k, p := range perm {
+			out[r+k] = m[r+p]
+		}
+	}
+	return out
+}
+
 // sqDist returns Σ (x−y)² accumulated as documented in KMeansRef. When
 // bound ≥ 0 it may stop early and return any value > bound once the partial
-// sum exceeds bound.
+// sum after a multiple of 16 dimensions exceeds bound. Blocks of 16
+// dimensions go through fixed-size arrays, so that the compiler drops the
+// bounds checks; each partial sum still receives its terms in ascending
+// dimension order.
 func sqDist(x, y []float64, bound float64) float64 {
+	y = y[:len(x)]
 	var s0, s1, s2, s3 float64
 	k := 0
-	for ; k+4 <= len(x); k += 4 {
-		a, b, c, e := x[k]-y[k], x[k+1]-y[k+1], x[k+2]-y[k+2], x[k+3]-y[k+3]
-		s0 += a * a
-		s1 += b * b
-		s2 += c * c
-		s3 += e * e
-		if bound >= 0 && k&15 == 12 {
+	for ; k+16 <= len(x); k += 16 {
+		a, b := (*[16]float64)(x[k:k+16]), (*[16]float64)(y[k:k+16])
+		for j := 0; j < 16; j += 4 {
+			d0, d1, d2, d3 := a[j]-b[j], a[j+1]-b[j+1], a[j+2]-b[j+2], a[j+3]-b[j+3]
+			s0 += d0 * d0
+			s1 += d1 * d1
+			s2 += d2 * d2
+			s3 += d3 * d3
+		}
+		if bound >= 0 {
 			if p := (s0 + s1) + (s2 + s3); p > bound {
 				return p
 			}

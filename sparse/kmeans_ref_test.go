@@ -210,6 +210,53 @@ func TestKMeansRefDeterministic(t *testing.T) {
 	assert.Equal(t, i1, i2)
 }
 
+// TestKMeansAssignPruningIsExact compares the pruned assignment with the
+// definition computed without pruning: every distance in the documented
+// summation order, the least one taken, ties to the lowest cluster. Rows
+// and centroids lie on an integer grid, so distances are exact and ties
+// are common; the previous clusters (the search's starting points) are
+// random.
+func TestKMeansAssignPruningIsExact(t *testing.T) {
+	r := rand.New(rand.NewPCG(13, 14))
+	for _, d := range []int{3, 13, 16, 40, 128} {
+		const n, c = 700, 45
+		keys := blobs(r, n, d, 9)
+		for i := range keys {
+			keys[i] = math.Round(keys[i] / 2)
+		}
+		centroids := make([]float64, 0, c*d)
+		for j := 0; j < c; j++ {
+			row := r.IntN(n)
+			centroids = append(centroids, keys[row*d:(row+1)*d]...)
+		}
+		prev := make([]int32, n)
+		for i := range prev {
+			prev[i] = int32(r.IntN(c+1) - 1)
+		}
+		perm := kmeansPruneOrder(keys, n, d)
+		got := make([]int32, n)
+		kmeansAssign(keys, permuteRows(keys, d, perm), n, d, centroids, permuteRows(centroids, d, perm), prev, got)
+		ties := 0
+		for row := 0; row < n; row++ {
+			x := keys[row*d : (row+1)*d]
+			want, wantD := 0, math.Inf(1)
+			for j := 0; j < c; j++ {
+				dj := sqDist(x, centroids[j*d:(j+1)*d], -1)
+				if dj == wantD {
+					ties++
+				}
+				if dj < wantD {
+					want, wantD = j, dj
+				}
+			}
+			require.Equalf(t, int32(want), got[row], "d=%d row %d", d, row)
+		}
+		if d <= 16 {
+			require.Greater(t, ties, 0, "d=%d: no ties tested", d)
+		}
+	}
+}
+
 func TestKMeansRefErrors(t *testing.T) {
 	keys := []float64{1, 2, 3, 4}
 	for name, f := range map[string]func() error{

@@ -26,23 +26,34 @@ type TacticFit struct {
 	// InitialFrac sets the exact part: the first clusters in score order
 	// whose exp scores are computed exactly, as few as cover at least
 	// ceil(InitialFrac·n) tokens.
-	InitialFrac float64
+	InitialFrac float64 `json:"initial_frac"`
 	// Window1 and Window2 are the centres of the two sampling windows, as
 	// fractions of n (positions in the cluster-ordered token list).
-	Window1, Window2 float64
+	Window1 float64 `json:"window1"`
+	Window2 float64 `json:"window2"`
 	// WindowFrac is the nominal width of each window as a fraction of n.
 	// The sample is the whole clusters overlapping the nominal window.
-	WindowFrac float64
+	WindowFrac float64 `json:"window_frac"`
 }
 
-// DefaultTacticFit returns the parameters tuned on the real traces:
-// InitialFrac 0.02, windows centred at 0.05 and 0.30 of nominal width 0.02.
-// The windows bracket the region where budgets for P ≤ 0.9 land, so the
-// curve interpolates there instead of extrapolating from 0.10 and 0.60; the
-// width (about 20 clusters of 16) keeps a few outlier tokens in a window
-// from inflating the fitted tail in sharply peaked heads.
+// DefaultTacticFit returns InitialFrac 0.02 and windows centred at 0.10
+// and 0.40 of nominal width 0.02, tuned on the real traces and the
+// generator's layer (package workload). The paper places the windows at
+// 0.10 and 0.60; for P ≤ 0.9 the budgets land before 0.60, and in heads
+// whose logits are spread like a Gaussian (the generator's retrieval
+// heads) the cluster-ordered scores keep falling past 0.30 while a/x + b
+// levels off at b, so a second window at 0.60 underestimates the middle
+// and one at 0.30 overestimates the tail (the estimated total came out
+// 1.3× the true one there, doubling those heads' budgets). On a grid of
+// first windows 0.08, 0.10, 0.12 and second windows 0.35, 0.40, 0.45,
+// the real traces and the generator meet the targets of
+// TestTacticRealTraces and TestTacticGeneratedWorkload everywhere but at
+// the corners (0.08, 0.35) and (0.12, 0.45); 0.10/0.40 is its centre.
+// The width (about 20 clusters of 16 at 16k tokens) keeps a few outlier
+// tokens in a window from inflating the fitted tail in sharply peaked
+// heads.
 func DefaultTacticFit() TacticFit {
-	return TacticFit{InitialFrac: 0.02, Window1: 0.05, Window2: 0.30, WindowFrac: 0.02}
+	return TacticFit{InitialFrac: 0.02, Window1: 0.10, Window2: 0.40, WindowFrac: 0.02}
 }
 
 // TacticDefaultSinks is the number of leading sink tokens kept outside the

@@ -113,7 +113,8 @@ func TestTacticBudgetRecoversExactCurve(t *testing.T) {
 
 func TestTacticBudgetWindowPlacement(t *testing.T) {
 	keys, idx := syntheticIndex(t, 1000, 10, 0, 20, 0.5)
-	bud, err := TacticBudgetRef([]float64{1}, 1, keys, idx, nil, 0.5, DefaultTacticFit())
+	fit := TacticFit{InitialFrac: 0.02, Window1: 0.05, Window2: 0.30, WindowFrac: 0.02}
+	bud, err := TacticBudgetRef([]float64{1}, 1, keys, idx, nil, 0.5, fit)
 	require.NoError(t, err)
 	// ceil(0.02·1000) = 20 exact tokens: two clusters.
 	assert.Equal(t, 2, bud.ExactClusters)

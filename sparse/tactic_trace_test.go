@@ -5,13 +5,13 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
-	"github.com/x448/float16"
 
 	"github.com/vksparse/vksparse/trace"
+	"github.com/vksparse/vksparse/workload"
 )
 
 // Evaluation setup on the real traces (see ../shared/traces/README.md from
@@ -19,7 +19,6 @@ import (
 const (
 	traceClusteredEnd = 16320 // keys [0, 16320) are the prefill
 	traceTailQueries  = 32    // the last 32 queries are decode steps
-	traceKMeansSeed   = 0x7AC71C
 )
 
 // tracesDir returns $VKSPARSE_TRACES or ../shared/traces relative to the
@@ -31,197 +30,36 @@ func tracesDir() string {
 	return filepath.Join("..", "..", "shared", "traces")
 }
 
-// traceKVHead is one KV head of a trace in float64 with its cluster index.
-type traceKVHead struct {
-	keys, values []float64
-	idx          *ClusterIndex
-}
-
-type traceLayer struct {
-	name  string
-	tr    *trace.Trace
-	heads []traceKVHead
-}
-
-func halfRows(bits []uint16) []float64 {
-	out := make([]float64, len(bits))
-	for i, h := range bits {
-		out[i] = float64(float16.Frombits(h).Float32())
+// readRealTrace reads the real trace of layer name ("L1", "L4"), skipping
+// the test when it is missing unless VKSPARSE_REQUIRE_TRACES is set.
+func readRealTrace(t *testing.T, name string) *trace.Trace {
+	path := filepath.Join(tracesDir(), "trace-shared_http_serve_test-"+name+".safetensors")
+	if _, err := os.Stat(path); err != nil {
+		if os.Getenv("VKSPARSE_REQUIRE_TRACES") != "" {
+			t.Fatalf("real trace %s missing but VKSPARSE_REQUIRE_TRACES is set: %v", path, err)
+		}
+		t.Skipf("real trace %s not available (set VKSPARSE_TRACES to the traces folder): %v", path, err)
 	}
-	return out
-}
-
-// loadTraceLayer reads a trace and clusters tokens [sinks, traceClusteredEnd)
-// of every KV head (average size 16, 10 iterations, fixed seed).
-func loadTraceLayer(path string, sinks int) (*traceLayer, error) {
 	tr, err := trace.Read(path)
-	if err != nil {
-		return nil, err
-	}
-	l := &traceLayer{name: filepath.Base(path), tr: tr, heads: make([]traceKVHead, tr.KVHeads)}
-	per := tr.Tokens * tr.HeadDim
-	for g := range l.heads {
-		h := &l.heads[g]
-		h.keys = halfRows(tr.K[g*per : (g+1)*per])
-		h.values = halfRows(tr.V[g*per : (g+1)*per])
-		h.idx, err = BuildClusterIndexRef(h.keys, tr.HeadDim, sinks, traceClusteredEnd-sinks,
-			KMeansDefaultAvgClusterSize, KMeansDefaultIters, traceKMeansSeed+uint64(g))
-		if err != nil {
-			return nil, err
-		}
-	}
-	return l, nil
+	require.NoError(t, err)
+	return tr
 }
 
-// tacticTraceStats sums per-query-head figures for one (layer, P).
-type tacticTraceStats struct {
-	heads        int
-	success      int     // own selection reaches P
-	successUnion int     // GQA union reaches P
-	mass         float64 // own selection
-	massUnion    float64
-	selected     float64 // own selection, F included
-	union        float64 // union size (per head, so weighted by heads)
-	clusterOpt   float64 // ClusterTopPCount with F forced
-	clusterOptS  float64 // ClusterTopPCount with F as singleton clusters, nothing forced
-	globalOpt    float64
-	relErr       float64 // union attention vs dense
+// evalRow formats the overall figures of one (source, P): success and mass
+// of the attended union (own selection in brackets), own selection size,
+// cluster-optimal, their ratio, global-optimal, union size, the relative
+// output error of union attention and the worst case of the error bound.
+func evalRow(name string, r TacticEvalResult) string {
+	return fmt.Sprintf("%s P=%.1f  success %5.1f%% (own %5.1f%%)  mass %.3f (own %.3f, min %.3f)  selected %7.1f  cluster-opt %7.1f  ratio %.3f  global-opt %7.1f  union %7.1f  relerr %.4f  bound %.3f",
+		name, r.P, 100*r.SuccessRate, 100*r.OwnSuccessRate, r.Mass, r.OwnMass, r.MinMass,
+		r.Selected, r.ClusterOptimal, r.SelectedOverClusterOptimal, r.GlobalOptimal, r.Union, r.RelErr, r.BoundWorst)
 }
 
-// row formats the means: success and mass of the attended union (own
-// selection in brackets), own selection size, cluster-optimal with F forced,
-// their ratio, global-optimal, union size, cluster-optimal with F as
-// singleton clusters, and the relative output error of union attention.
-func (s tacticTraceStats) row(layer string, p float64) string {
-	n := float64(s.heads)
-	return fmt.Sprintf("%s P=%.1f  success %5.1f%% (own %5.1f%%)  mass %.3f (own %.3f)  selected %7.1f  cluster-opt %7.1f  ratio %.3f  global-opt %7.1f  union %7.1f  cluster-opt/F-singletons %7.1f  relerr %.4f",
-		layer, p, 100*float64(s.successUnion)/n, 100*float64(s.success)/n, s.massUnion/n, s.mass/n,
-		s.selected/n, s.clusterOpt/n, s.selected/s.clusterOpt, s.globalOpt/n, s.union/n, s.clusterOptS/n, s.relErr/n)
-}
-
-// evalTacticTrace runs Tactic on the tail queries of l for every P.
-func evalTacticTrace(l *traceLayer, sinks int, ps []float64, fit TacticFit) ([]tacticTraceStats, error) {
-	tr := l.tr
-	d, group := tr.HeadDim, tr.QHeads/tr.KVHeads
-	stats := make([]tacticTraceStats, len(ps))
-	var mu sync.Mutex
-	var wg sync.WaitGroup
-	errs := make(chan error, tr.Queries())
-	for qi := tr.Queries() - traceTailQueries; qi < tr.Queries(); qi++ {
-		wg.Add(1)
-		go func(qi int) {
-			defer wg.Done()
-			local := make([]tacticTraceStats, len(ps))
-			if err := evalTacticQuery(l, qi, d, group, sinks, ps, fit, local); err != nil {
-				errs <- err
-				return
-			}
-			mu.Lock()
-			for i, s := range local {
-				t := &stats[i]
-				t.heads += s.heads
-				t.success += s.success
-				t.successUnion += s.successUnion
-				t.mass += s.mass
-				t.massUnion += s.massUnion
-				t.selected += s.selected
-				t.union += s.union
-				t.clusterOpt += s.clusterOpt
-				t.clusterOptS += s.clusterOptS
-				t.globalOpt += s.globalOpt
-				t.relErr += s.relErr
-			}
-			mu.Unlock()
-		}(qi)
+// requireBound checks ‖o − ô‖ ≤ 2(1 − p(I))·max‖v_i‖ on every case.
+func requireBound(t *testing.T, name string, ev *TacticEvaluation) {
+	for _, r := range ev.Results {
+		require.LessOrEqualf(t, r.BoundWorst, 1.0, "%s P=%.1f: ‖o − ô‖ exceeds 2(1 − p(I))·max‖v‖", name, r.P)
 	}
-	wg.Wait()
-	close(errs)
-	return stats, <-errs
-}
-
-func evalTacticQuery(l *traceLayer, qi, d, group, sinks int, ps []float64, fit TacticFit, out []tacticTraceStats) error {
-	tr := l.tr
-	pos := int(tr.QPos[qi])
-	if pos < traceClusteredEnd {
-		return fmt.Errorf("query %d at %d is not a decode step", qi, pos)
-	}
-	qrow := tr.Query(qi)
-	fixed, err := TacticFixedTokens(sinks, traceClusteredEnd, pos)
-	if err != nil {
-		return err
-	}
-	for g, h := range l.heads {
-		keys, values := h.keys[:(pos+1)*d], h.values[:(pos+1)*d]
-		singletons := append([][]int32(nil), h.idx.Members...)
-		for _, t := range fixed {
-			singletons = append(singletons, []int32{t})
-		}
-		qs := make([][]float64, group)
-		probs := make([][]float64, group)
-		dense := make([][]float64, group)
-		for j := range qs {
-			qs[j] = make([]float64, d)
-			for k := range qs[j] {
-				qs[j][k] = float64(qrow[(g*group+j)*d+k])
-			}
-			if probs[j], err = SoftmaxRef(qs[j], keys, tr.Scale); err != nil {
-				return err
-			}
-			if dense[j], err = AttendRef(qs[j], keys, values, tr.Scale); err != nil {
-				return err
-			}
-		}
-		for pi, p := range ps {
-			outs, union, budgets, err := TacticDecodeRef(qs, keys, values, tr.Scale, h.idx, fixed, p, fit)
-			if err != nil {
-				return err
-			}
-			s := &out[pi]
-			for j := range qs {
-				own := TacticSelectRef(h.idx, fixed, budgets[j])
-				mOwn, err := SubsetMass(probs[j], own)
-				if err != nil {
-					return err
-				}
-				mUnion, err := SubsetMass(probs[j], union)
-				if err != nil {
-					return err
-				}
-				co, err := ClusterTopPCount(probs[j], h.idx.Members, fixed, p)
-				if err != nil {
-					return err
-				}
-				cs, err := ClusterTopPCount(probs[j], singletons, nil, p)
-				if err != nil {
-					return err
-				}
-				gopt, err := TopPCount(probs[j], p)
-				if err != nil {
-					return err
-				}
-				re, err := RelativeError(outs[j], dense[j])
-				if err != nil {
-					return err
-				}
-				s.heads++
-				if mOwn >= p {
-					s.success++
-				}
-				if mUnion >= p {
-					s.successUnion++
-				}
-				s.mass += mOwn
-				s.massUnion += mUnion
-				s.selected += float64(len(own))
-				s.union += float64(len(union))
-				s.clusterOpt += float64(co)
-				s.clusterOptS += float64(cs)
-				s.globalOpt += float64(gopt)
-				s.relErr += re
-			}
-		}
-	}
-	return nil
 }
 
 // TestTacticRealTraces is the fidelity evaluation on the real traces: for
@@ -232,37 +70,77 @@ func evalTacticQuery(l *traceLayer, qi, d, group, sinks int, ps []float64, fit T
 // sinks and tail included) must stay within 1.3× the mean cluster-optimal
 // count (ClusterTopPCount with the sinks and tail forced).
 func TestTacticRealTraces(t *testing.T) {
-	ps := []float64{0.5, 0.7, 0.9}
-	fit := DefaultTacticFit()
 	var table []string
-	type check struct {
-		name    string
-		p, rate float64
-		ratio   float64
-	}
-	var checks []check
-	for _, name := range []string{"L1", "L4"} {
-		path := filepath.Join(tracesDir(), "trace-shared_http_serve_test-"+name+".safetensors")
-		if _, err := os.Stat(path); err != nil {
-			if os.Getenv("VKSPARSE_REQUIRE_TRACES") != "" {
-				t.Fatalf("real trace %s missing but VKSPARSE_REQUIRE_TRACES is set: %v", path, err)
-			}
-			t.Skipf("real trace %s not available (set VKSPARSE_TRACES to the traces folder): %v", path, err)
+	var evs []*TacticEvaluation
+	names := []string{"L1", "L4"}
+	for _, name := range names {
+		tr := readRealTrace(t, name)
+		opts := DefaultTacticEvalOptions()
+		opts.Prefill = traceClusteredEnd
+		for qi := tr.Queries() - traceTailQueries; qi < tr.Queries(); qi++ {
+			opts.Queries = append(opts.Queries, qi)
 		}
-		l, err := loadTraceLayer(path, TacticDefaultSinks)
+		start := time.Now()
+		ev, err := TacticEvaluate(tr, opts)
 		require.NoError(t, err)
-		stats, err := evalTacticTrace(l, TacticDefaultSinks, ps, fit)
-		require.NoError(t, err)
-		for i, p := range ps {
-			s := stats[i]
-			require.Equal(t, traceTailQueries*l.tr.QHeads, s.heads)
-			table = append(table, s.row(name, p))
-			checks = append(checks, check{name, p, float64(s.successUnion) / float64(s.heads), s.selected / s.clusterOpt})
+		t.Logf("%s evaluated in %v", name, time.Since(start).Round(time.Millisecond))
+		for _, r := range ev.Results {
+			require.Equal(t, traceTailQueries*tr.QHeads, r.Cases)
+			table = append(table, evalRow(name, r))
+		}
+		evs = append(evs, ev)
+	}
+	t.Log("\n" + strings.Join(table, "\n"))
+	for i, ev := range evs {
+		requireBound(t, names[i], ev)
+		for _, r := range ev.Results {
+			require.GreaterOrEqualf(t, r.SuccessRate, 0.85, "%s P=%.1f success rate", names[i], r.P)
+			require.LessOrEqualf(t, r.SelectedOverClusterOptimal, 1.3, "%s P=%.1f tokens selected / cluster-optimal", names[i], r.P)
+		}
+	}
+}
+
+// TestTacticGeneratedWorkload evaluates Tactic on the generator's layer at
+// 32768 tokens (all 32 query heads, its 8 decode queries): for P = 0.5,
+// 0.7, 0.9 the union must reach P in at least 85 % of the cases, the mean
+// union mass must reach P, and the mean own selection must stay within
+// 1.25× the mean cluster-optimal count.
+func TestTacticGeneratedWorkload(t *testing.T) {
+	if testing.Short() {
+		t.Skip("clusters 8 KV heads of 32768 tokens; skipped in -short mode")
+	}
+	tr, err := workload.Generate(workload.DefaultConfig(32768))
+	require.NoError(t, err)
+	start := time.Now()
+	ev, err := TacticEvaluate(tr, DefaultTacticEvalOptions())
+	require.NoError(t, err)
+	t.Logf("evaluated in %v", time.Since(start).Round(time.Millisecond))
+	var table []string
+	for _, r := range ev.Results {
+		require.Equal(t, tr.Queries()*tr.QHeads, r.Cases)
+		table = append(table, evalRow("gen-32768", r))
+		byKind := map[string][]TacticEvalHead{}
+		for _, h := range r.Heads {
+			byKind[h.Kind] = append(byKind[h.Kind], h)
+		}
+		for _, kind := range []string{"streaming", "retrieval", "topic"} {
+			var sel, opt, succ, mass float64
+			for _, h := range byKind[kind] {
+				sel += h.Selected
+				opt += h.ClusterOptimal
+				succ += h.SuccessRate
+				mass += h.Mass
+			}
+			n := float64(len(byKind[kind]))
+			table = append(table, fmt.Sprintf("    %-9s success %5.1f%%  mass %.3f  selected %7.1f  cluster-opt %7.1f  ratio %.3f",
+				kind, 100*succ/n, mass/n, sel/n, opt/n, sel/opt))
 		}
 	}
 	t.Log("\n" + strings.Join(table, "\n"))
-	for _, c := range checks {
-		require.GreaterOrEqualf(t, c.rate, 0.85, "%s P=%.1f success rate", c.name, c.p)
-		require.LessOrEqualf(t, c.ratio, 1.3, "%s P=%.1f tokens selected / cluster-optimal", c.name, c.p)
+	requireBound(t, "gen-32768", ev)
+	for _, r := range ev.Results {
+		require.GreaterOrEqualf(t, r.SuccessRate, 0.85, "P=%.1f success rate", r.P)
+		require.GreaterOrEqualf(t, r.Mass, r.P, "P=%.1f mean union mass", r.P)
+		require.LessOrEqualf(t, r.SelectedOverClusterOptimal, 1.25, "P=%.1f tokens selected / cluster-optimal", r.P)
 	}
 }

@@ -4,7 +4,8 @@
 //	vkbench attn [flags]            time dense decode attention
 //	vkbench probe [flags]           measure read bandwidth
 //	vkbench cluster [flags]         time K-means clustering of a layer
-//	vkbench tactic [flags]          Tactic decode steps: times and fidelity
+//	vkbench tactic [flags]          Tactic decode steps on the GPU: times and fidelity
+//	vkbench fidelity [flags]        Tactic's selection by the float64 reference (CPU)
 //
 // VKSPARSE_DEVICE picks the device (index or name substring) and
 // VKSPARSE_VALIDATE=1 turns on the validation layer.
@@ -22,7 +23,10 @@ commands:
   attn      time dense decode attention (run "vkbench attn -h" for flags)
   probe     measure the device's read bandwidth, the ceiling for attention
   cluster   time K-means clustering of a layer's keys (Tactic's prefill)
-  tactic    run Tactic decode steps beside dense attention: stage times, speed-up, fidelity
+  tactic    run Tactic decode steps on the GPU beside dense attention:
+            stage times, speed-up, fidelity ("vkbench tactic -h" for flags)
+  fidelity  how well Tactic's selection reaches the target mass, by the
+            float64 reference on the CPU ("vkbench fidelity -h" for flags)
 `
 
 func main() {
@@ -42,6 +46,8 @@ func main() {
 		err = cluster(os.Args[2:])
 	case "tactic":
 		err = tactic(os.Args[2:])
+	case "fidelity":
+		err = fidelity(os.Args[2:])
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return

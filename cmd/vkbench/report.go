@@ -63,15 +63,22 @@ func intsFrom(s string, least int) ([]int, error) {
 	return out, nil
 }
 
-// floats parses a comma-separated list of numbers in (0, 1].
+// floats parses a comma-separated list of numbers.
 func floats(s string) ([]float64, error) {
 	var out []float64
 	for _, f := range strings.Split(s, ",") {
-		v, err := strconv.ParseFloat(strings.TrimSpace(f), 64)
-		if err != nil || !(v > 0 && v <= 1) {
-			return nil, fmt.Errorf("%q is not a number in (0, 1]", f)
+		f = strings.TrimSpace(f)
+		if f == "" {
+			continue
+		}
+		v, err := strconv.ParseFloat(f, 64)
+		if err != nil {
+			return nil, fmt.Errorf("%q is not a number", f)
 		}
 		out = append(out, v)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("empty list")
 	}
 	return out, nil
 }

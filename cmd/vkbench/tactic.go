@@ -27,10 +27,16 @@ func tactic(args []string) error {
 	reps := fs.Int("reps", 50, "timed runs per row")
 	seed := fs.Int64("seed", 1, "workload and K-means seed")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
+	plotPath := fs.String("plot", "", "draw speed-up and tokens selected against N into this PNG file")
 	fs.Parse(args)
 	pList, err := floats(*ps)
 	if err != nil {
 		return fmt.Errorf("-p: %v", err)
+	}
+	for _, p := range pList {
+		if !(p > 0 && p <= 1) {
+			return fmt.Errorf("-p: %v is not in (0, 1]", p)
+		}
 	}
 	var traces []*trace.Trace
 	var names []string
@@ -87,6 +93,11 @@ func tactic(args []string) error {
 	for _, r := range results {
 		fmt.Printf("clustering %s: %.1f ms (%d tokens)\n", r.Source, r.ClusterMs, r.Prefill)
 		break
+	}
+	if *plotPath != "" {
+		if err := plotSteps(*plotPath, results); err != nil {
+			return err
+		}
 	}
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "tactic "+fmt.Sprint(args), dev.Info(), results)

@@ -1,0 +1,187 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/vksparse/vksparse/sparse"
+	"github.com/vksparse/vksparse/trace"
+	"github.com/vksparse/vksparse/vk"
+	"github.com/vksparse/vksparse/workload"
+)
+
+// tacticResult is one row of `vkbench tactic`: the fidelity of Tactic's
+// selection on one layer (generated or read from a trace) at one target
+// mass, as sparse.TacticEvaluate measures it, per query head included.
+type tacticResult struct {
+	// Source is "generator" or the trace file's base name.
+	Source  string `json:"source"`
+	Seed    int64  `json:"seed,omitempty"` // generator seed
+	Tokens  int    `json:"tokens"`
+	QHeads  int    `json:"q_heads"`
+	KVHeads int    `json:"kv_heads"`
+	HeadDim int    `json:"head_dim"`
+	Prefill int    `json:"prefill"`
+	// Queries lists the evaluated query indices.
+	Queries []int            `json:"queries"`
+	Sinks   int              `json:"sinks"`
+	Fit     sparse.TacticFit `json:"fit"`
+	sparse.TacticEvalResult
+	// Timing is the GPU time of one decode step by stage; this CPU-only
+	// mode leaves it out.
+	Timing *tacticTiming `json:"timing,omitempty"`
+}
+
+// tacticTiming holds the GPU time of one Tactic decode step by stage (the
+// breakdown of the paper's Fig. 10), in microseconds, with dense attention
+// on the same cache for comparison.
+type tacticTiming struct {
+	ClusterSortUs float64 `json:"cluster_sort_us,omitempty"` // centroid scores and cluster order
+	FitUs         float64 `json:"fit_us,omitempty"`          // exact part, windows, fit, budget
+	UnionUs       float64 `json:"union_us,omitempty"`        // GQA union of the selections
+	AttendUs      float64 `json:"attend_us,omitempty"`       // attention over the union
+	TotalUs       float64 `json:"total_us,omitempty"`
+	DenseUs       float64 `json:"dense_us,omitempty"`
+}
+
+// tacticSource is a layer to evaluate, made when its turn comes.
+type tacticSource struct {
+	name  string
+	seed  int64
+	units int // progress units: KV heads × (1 + queries)
+	load  func() (*trace.Trace, error)
+}
+
+func fidelity(args []string) error {
+	fs := flag.NewFlagSet("fidelity", flag.ExitOnError)
+	ns := fs.String("n", "32768", "context lengths of the generated layers (comma-separated)")
+	ps := fs.String("p", "0.5,0.7,0.9", "target attention masses P (comma-separated)")
+	tracePath := fs.String("trace", "", "evaluate this trace file (see package trace) instead of generated layers (-n and -seed are then unused)")
+	queries := fs.Int("queries", 0, "decode queries: the generator makes this many; of a trace, the last this many of its consecutive tail (0: 8, or the whole tail)")
+	seed := fs.Int64("seed", 1, "seed of the generated layers")
+	heads := fs.Bool("heads", false, "also print the figures of every query head")
+	jsonPath := fs.String("json", "", "write results as JSON to this file")
+	plotPath := fs.String("plot", "", "draw tokens selected and mass reached against P (or against N) into this PNG file")
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), "usage: vkbench tactic [flags]\n\nMeasures how well Tactic's selection (float64 reference, CPU) reaches\nthe target attention mass P, against exact attention.\n\n")
+		fs.PrintDefaults()
+	}
+	fs.Parse(args)
+	if fs.NArg() > 0 {
+		return fmt.Errorf("tactic: unexpected arguments %q", fs.Args())
+	}
+	pList, err := floats(*ps)
+	if err != nil {
+		return fmt.Errorf("-p: %v", err)
+	}
+	if *queries < 0 {
+		return fmt.Errorf("-queries: %d is negative", *queries)
+	}
+	opts := sparse.DefaultTacticEvalOptions()
+	opts.P = pList
+	if err := opts.Validate(); err != nil {
+		return err
+	}
+
+	var sources []tacticSource
+	if *tracePath != "" {
+		tr, err := trace.Read(*tracePath)
+		if err != nil {
+			return err
+		}
+		tail := sparse.TacticTailQueries(tr)
+		if *queries > 0 {
+			if *queries > len(tail) {
+				return fmt.Errorf("-queries: %s has %d consecutive tail queries, not %d", *tracePath, len(tail), *queries)
+			}
+			tail = tail[len(tail)-*queries:]
+		}
+		opts.Queries = tail
+		sources = append(sources, tacticSource{name: filepath.Base(*tracePath), units: tr.KVHeads * (1 + len(tail)),
+			load: func() (*trace.Trace, error) { return tr, nil }})
+	} else {
+		nList, err := ints(*ns)
+		if err != nil {
+			return fmt.Errorf("-n: %v", err)
+		}
+		for _, n := range nList {
+			cfg := workload.DefaultConfig(n)
+			cfg.Seed = *seed
+			if *queries > 0 {
+				cfg.Queries = *queries
+			}
+			sources = append(sources, tacticSource{name: "generator", seed: cfg.Seed, units: cfg.KVHeads * (1 + cfg.Queries),
+				load: func() (*trace.Trace, error) { return workload.Generate(cfg) }})
+		}
+	}
+
+	prog := &progress{}
+	for _, s := range sources {
+		prog.total += s.units
+	}
+	var results []tacticResult
+	for _, s := range sources {
+		tr, err := s.load()
+		if err != nil {
+			prog.finish()
+			return err
+		}
+		what := fmt.Sprintf("tactic %s n=%d", s.name, tr.Tokens)
+		opts.Progress = func(int, int) { prog.step(what) }
+		ev, err := sparse.TacticEvaluate(tr, opts)
+		if err != nil {
+			prog.finish()
+			return err
+		}
+		for _, r := range ev.Results {
+			results = append(results, tacticResult{Source: s.name, Seed: s.seed, Tokens: ev.Tokens, QHeads: ev.QHeads, KVHeads: ev.KVHeads, HeadDim: ev.HeadDim,
+				Prefill: ev.Options.Prefill, Queries: ev.Options.Queries, Sinks: ev.Options.Sinks, Fit: ev.Options.Fit, TacticEvalResult: r})
+		}
+	}
+	prog.finish()
+
+	printTactic(results, *heads)
+	for _, r := range results {
+		if r.BoundWorst > 1 {
+			fmt.Fprintf(os.Stderr, "vkbench: %s n=%d P=%g: output error exceeds the bound 2(1 − p(I))·max‖v‖ (worst ratio %.3g)\n", r.Source, r.Tokens, r.P, r.BoundWorst)
+		}
+	}
+	if *plotPath != "" {
+		if err := plotTactic(*plotPath, results); err != nil {
+			return err
+		}
+	}
+	if *jsonPath != "" {
+		return writeJSON(*jsonPath, "fidelity "+strings.Join(args, " "), vk.Info{}, results)
+	}
+	return nil
+}
+
+// printTactic prints one row per (layer, P) and, with perHead, a table of
+// the query heads of each.
+func printTactic(results []tacticResult, perHead bool) {
+	pct := func(x, n float64) string { return fmt.Sprintf("%.2f%%", 100*x/n) }
+	var rows [][]string
+	for _, r := range results {
+		rows = append(rows, []string{r.Source, fmt.Sprint(r.Tokens), fmt.Sprintf("%d×%d", len(r.Queries), r.QHeads), fmt.Sprint(r.P),
+			fmt.Sprintf("%.1f", r.Selected), pct(r.Selected, r.Attended), pct(r.Union, r.Attended), fmt.Sprintf("%.3f", r.Mass), fmt.Sprintf("%.3f", r.MinMass),
+			fmt.Sprintf("%.1f%%", 100*r.SuccessRate), fmt.Sprintf("%.3f", r.SelectedOverClusterOptimal), pct(r.ClusterOptimal, r.Attended), pct(r.GlobalOptimal, r.Attended),
+			fmt.Sprintf("%.4f", r.RelErr), fmt.Sprintf("%.3f", r.BoundWorst)})
+	}
+	table(os.Stdout, []string{"source", "tokens", "queries", "P", "selected", "sel/N", "union/N", "mass", "min mass", "success", "sel/c-opt", "c-opt/N", "g-opt/N", "rel err", "bound"}, rows)
+	if !perHead {
+		return
+	}
+	for _, r := range results {
+		fmt.Printf("\n%s n=%d P=%g, per query head:\n", r.Source, r.Tokens, r.P)
+		var hr [][]string
+		for _, h := range r.Heads {
+			hr = append(hr, []string{fmt.Sprint(h.Head), fmt.Sprint(h.KVHead), h.Kind, fmt.Sprintf("%.1f", h.Selected), pct(h.Selected, h.Attended), fmt.Sprintf("%.3f", h.Mass),
+				fmt.Sprintf("%.3f", h.OwnMass), fmt.Sprintf("%.1f%%", 100*h.SuccessRate), fmt.Sprintf("%.3f", h.SelectedOverClusterOptimal), pct(h.GlobalOptimal, h.Attended), fmt.Sprintf("%.4f", h.RelErr)})
+		}
+		table(os.Stdout, []string{"head", "kv", "kind", "selected", "sel/N", "mass", "own mass", "success", "sel/c-opt", "g-opt/N", "rel err"}, hr)
+	}
+}
