@@ -1,6 +1,7 @@
 package sparse
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
@@ -32,27 +33,21 @@ type TacticRun struct {
 	RelErr      float64            `json:"mean_rel_err"`
 }
 
-// tailStart returns the index of the first of the consecutive queries that
-// end the trace.
-func tailStart(t *trace.Trace) int {
-	i := t.Queries() - 1
-	for i > 0 && t.QPos[i-1] == t.QPos[i]-1 {
-		i--
-	}
-	return i
-}
-
 // TacticTrace runs Tactic over a trace on the GPU: it prefills a cache with
-// the keys before the trace's decode tail (the consecutive queries that end
-// it), rounded down to a multiple of 64, clusters them (sinks excluded),
+// the keys before the trace's decode tail (TacticTailQueries, prefill
+// TacticDefaultPrefill), clusters them (sinks excluded),
 // then for each P appends the tail tokens one at a time and runs a step for
 // each tail query, measuring fidelity in float64. With reps > 0 it also
 // times the step and dense attention at the final length. progress, if not
 // nil, is told each P before it runs.
 func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, reps int, seed uint64, progress func(p float64)) ([]TacticRun, error) {
 	heads := Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
-	first := tailStart(t)
-	prefill := int(t.QPos[first]) / 64 * 64
+	tail := TacticTailQueries(t)
+	if len(tail) == 0 {
+		return nil, fmt.Errorf("sparse: the trace has no decode queries")
+	}
+	first := tail[0]
+	prefill := TacticDefaultPrefill(t, tail)
 	last := int(t.QPos[t.Queries()-1])
 	d := t.HeadDim
 	rows := func(from, to int) (k, v []uint16) { // tokens [from, to) of every KV head

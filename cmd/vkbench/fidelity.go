@@ -66,7 +66,7 @@ func fidelity(args []string) error {
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	plotPath := fs.String("plot", "", "draw tokens selected and mass reached against P (or against N) into this PNG file")
 	fs.Usage = func() {
-		fmt.Fprint(fs.Output(), "usage: vkbench tactic [flags]\n\nMeasures how well Tactic's selection (float64 reference, CPU) reaches\nthe target attention mass P, against exact attention.\n\n")
+		fmt.Fprint(fs.Output(), "usage: vkbench fidelity [flags]\n\nMeasures how well Tactic's selection (float64 reference, CPU) reaches\nthe target attention mass P, against exact attention.\n\n")
 		fs.PrintDefaults()
 	}
 	fs.Parse(args)
