@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"time"
 
@@ -360,7 +361,7 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 	}
 	c.Barrier()
 	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group())}, uint32(h.Query), uint32(len(p.seqs)), 1)
-	if fmt.Sprint(chunks) == fmt.Sprint(p.lastChunks) {
+	if slices.Equal(chunks, p.lastChunks) {
 		return nil
 	}
 	p.lastChunks = chunks

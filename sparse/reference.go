@@ -1,7 +1,7 @@
 package sparse
 
 import (
-	"math"
+	"fmt"
 
 	"github.com/x448/float16"
 )
@@ -22,36 +22,23 @@ func HalvesToFloat64(h []uint16) []float64 {
 //
 // over tokens t < n, with the softmax shifted by its maximum. q is
 // [Hq][D], k and v are [Hkv][n][D] (already decoded), out is [Hq][D].
-func DenseRef(heads Heads, q []float32, k, v []float64, n int, scale float64) []float64 {
+func DenseRef(heads Heads, q []float32, k, v []float64, n int, scale float64) ([]float64, error) {
 	d := heads.Dim
-	out := make([]float64, heads.Query*d)
-	s := make([]float64, n)
+	if len(q) != heads.Query*d || len(k) != heads.KV*n*d || len(v) != len(k) {
+		return nil, fmt.Errorf("sparse: DenseRef: q has %d, k %d and v %d values for %d query and %d KV heads of %d over %d tokens", len(q), len(k), len(v), heads.Query, heads.KV, d, n)
+	}
+	out := make([]float64, 0, heads.Query*d)
+	qh := make([]float64, d)
 	for h := 0; h < heads.Query; h++ {
 		g := h / heads.Group()
-		qh := q[h*d : (h+1)*d]
-		m := math.Inf(-1)
-		for t := 0; t < n; t++ {
-			row := k[(g*n+t)*d : (g*n+t+1)*d]
-			dot := 0.0
-			for i, x := range row {
-				dot += float64(qh[i]) * x
-			}
-			s[t] = scale * dot
-			m = math.Max(m, s[t])
+		for i := range qh {
+			qh[i] = float64(q[h*d+i])
 		}
-		sum := 0.0
-		o := out[h*d : (h+1)*d]
-		for t := 0; t < n; t++ {
-			p := math.Exp(s[t] - m)
-			sum += p
-			row := v[(g*n+t)*d : (g*n+t+1)*d]
-			for i, x := range row {
-				o[i] += p * x
-			}
+		o, err := AttendRef(qh, k[g*n*d:(g+1)*n*d], v[g*n*d:(g+1)*n*d], scale)
+		if err != nil {
+			return nil, err
 		}
-		for i := range o {
-			o[i] /= sum
-		}
+		out = append(out, o...)
 	}
-	return out
+	return out, nil
 }

@@ -1,13 +1,10 @@
 package sparse
 
 import (
-	"os"
-	"path/filepath"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/vk/vktest"
 )
 
@@ -24,15 +21,7 @@ func TestTacticStepOnRealTraces(t *testing.T) {
 	}
 	dev := vktest.Open(t)
 	for _, name := range []string{"L1", "L4"} {
-		path := filepath.Join(tracesDir(), "trace-shared_http_serve_test-"+name+".safetensors")
-		if _, err := os.Stat(path); err != nil {
-			if os.Getenv("VKSPARSE_REQUIRE_TRACES") != "" {
-				t.Fatalf("real trace %s missing but VKSPARSE_REQUIRE_TRACES is set: %v", path, err)
-			}
-			t.Skipf("real trace %s not available (set VKSPARSE_TRACES to the traces folder): %v", path, err)
-		}
-		tr, err := trace.Read(path)
-		require.NoError(t, err)
+		tr := readRealTrace(t, name)
 		runs, err := TacticTrace(dev, tr, []float64{0.5, 0.7, 0.9}, 0, 1, nil)
 		require.NoError(t, err)
 		for _, r := range runs {

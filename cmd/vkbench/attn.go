@@ -262,7 +262,7 @@ func reference(heads sparse.Heads, q []float32, k0, v0 []uint16, n int, lists []
 	k, v := sparse.HalvesToFloat64(k0), sparse.HalvesToFloat64(v0)
 	scale := 1 / math.Sqrt(float64(heads.Dim))
 	if lists == nil {
-		return sparse.DenseRef(heads, q[:heads.Query*heads.Dim], k, v, n, scale), nil
+		return sparse.DenseRef(heads, q[:heads.Query*heads.Dim], k, v, n, scale)
 	}
 	d := heads.Dim
 	var out []float64
@@ -285,14 +285,12 @@ func reference(heads sparse.Heads, q []float32, k0, v0 []uint16, n int, lists []
 func maxRelErr(want []float64, got []float32, dim int) float64 {
 	worst := 0.0
 	for h := 0; h*dim < len(want); h++ {
-		var num, den float64
-		for i := h * dim; i < (h+1)*dim; i++ {
-			d := float64(got[i]) - want[i]
-			num += d * d
-			den += want[i] * want[i]
+		o := make([]float64, dim)
+		for i := range o {
+			o[i] = float64(got[h*dim+i])
 		}
-		e := math.Sqrt(num / den)
-		if math.IsNaN(e) {
+		e, err := sparse.RelativeError(o, want[h*dim:(h+1)*dim])
+		if err != nil || math.IsNaN(e) {
 			return math.Inf(1)
 		}
 		worst = math.Max(worst, e)

@@ -71,7 +71,7 @@ func fidelity(args []string) error {
 	}
 	fs.Parse(args)
 	if fs.NArg() > 0 {
-		return fmt.Errorf("tactic: unexpected arguments %q", fs.Args())
+		return fmt.Errorf("fidelity: unexpected arguments %q", fs.Args())
 	}
 	pList, err := floats(*ps)
 	if err != nil {

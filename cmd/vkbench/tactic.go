@@ -90,9 +90,10 @@ func tactic(args []string) error {
 			fmt.Sprintf("%.2f", r.RatioToOpt), fmt.Sprintf("%.1e", r.RelErr), st})
 	}
 	table(os.Stdout, []string{"source", "P", "dense µs", "tactic µs", "speed-up", "selected %", "union %", "mass", "success", "sel/cluster-opt", "rel err", "stages µs"}, rows)
-	for _, r := range results {
-		fmt.Printf("clustering %s: %.1f ms (%d tokens)\n", r.Source, r.ClusterMs, r.Prefill)
-		break
+	for i, r := range results {
+		if i == 0 || r.Source != results[i-1].Source {
+			fmt.Printf("clustering %s: %.1f ms (%d tokens)\n", r.Source, r.ClusterMs, r.Prefill)
+		}
 	}
 	if *plotPath != "" {
 		if err := plotSteps(*plotPath, results); err != nil {
