@@ -1,31 +1,30 @@
 #version 450
 // Tactic, distribution fitting (Alg. 1) and budget of one query head per
-// workgroup, over the bins of tactic_plan as ordered groups of tokens:
-// exact sums of the bins [0, j0) and of the fixed tokens, the two windows'
-// means μ and mean 1/x, the curve y = a/x + b through them in the 1/x
-// coordinate, the estimated cumulative sum S at every bin boundary
-// (exact below N', the fitted curve above, clamped at 0), and the cut: the
-// least bin boundary j with S(j) ≥ P·S(n). The head selects the clusters of
-// bins below the cut.
+// workgroup, over the bins of tactic_plan as ordered groups of tokens, from
+// the exponentials of tactic_sample: exact sums of the bins [0, j0) and of
+// the fixed tokens, the two windows' means μ and mean 1/x, the curve
+// y = a/x + b through them in the 1/x coordinate, the estimated
+// cumulative sum S at every bin boundary (exact below N', the fitted curve
+// above, clamped at 0), and the cut: the least bin boundary j with
+// S(j) ≥ P·S(n). The head selects the clusters of bins below the cut.
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const uint NB = 1024;  // a multiple of 256
 
 layout(std430, binding = 0) readonly buffer TokStart { uint tokStart[]; };   // [Hq][NB+1]
-layout(std430, binding = 1) readonly buffer CluStart { uint cluStart[]; };   // [Hq][NB+1]
-layout(std430, binding = 2) readonly buffer Plan { uint plan[]; };           // [Hq][16]
-layout(std430, binding = 3) readonly buffer ClusterSum { float clusterSum[]; }; // [Hq][C]
-layout(std430, binding = 4) readonly buffer FixedSum { float fixedSum[]; };     // [Hq][fixedChunks]
-layout(std430, binding = 5) writeonly buffer Cut { uint cut[]; };             // [Hq]
+layout(std430, binding = 1) readonly buffer Plan { uint plan[]; };           // [Hq][16]
+layout(std430, binding = 2) readonly buffer Expo { float expo[]; };          // [Hq][clustered]
+layout(std430, binding = 3) readonly buffer ExpoFixed { float expoFixed[]; }; // [Hq][fixedStride]
+layout(std430, binding = 4) writeonly buffer Cut { uint cut[]; };            // [Hq]
 
 layout(push_constant) uniform Push {
-	uint C;
 	uint n;  // clustered tokens
-	uint fixedChunks;
+	uint fixedCount;
+	uint fixedStride;
 	float p;
 } pc;
 
-shared float bs[NB];        // bin sums (exact and window bins)
+shared float bs[NB];        // sums of the exact bins, 0 beyond
 shared float pre[NB + 1];   // S at bin boundaries
 shared float red[256];
 shared uint best;
@@ -85,29 +84,27 @@ void main() {
 	uint j0 = plan[pl + 1];
 	uint exact = plan[pl + 2];
 	bool windows = plan[pl + 3] != 0;
-	uint r1 = plan[pl + 4], r2 = plan[pl + 5], u1 = plan[pl + 6], v1 = plan[pl + 7];
-	uint r3 = plan[pl + 8], r4 = plan[pl + 9], u2 = plan[pl + 10], v2 = plan[pl + 11];
+	uint u1 = plan[pl + 6], v1 = plan[pl + 7];
+	uint u2 = plan[pl + 10], v2 = plan[pl + 11];
 	uint ob = h * (NB + 1);
+	uint eb = h * pc.n;
 
-	// Bin sums where sampled, each in rank order.
+	// Sums of the exact bins, each over its positions in order.
 	for (uint b = tid; b < NB; b += 256) {
-		bool sampled = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
 		float sum = 0.0;
-		if (sampled) {
-			for (uint r = cluStart[ob + b]; r < cluStart[ob + b + 1]; r++) sum += clusterSum[h * pc.C + r];
+		if (b < j0) {
+			for (uint x = tokStart[ob + b]; x < tokStart[ob + b + 1]; x++) sum += expo[eb + x];
 		}
 		bs[b] = sum;
 	}
 	float f = 0.0;
-	for (uint i = tid; i < pc.fixedChunks; i += 256) f += fixedSum[h * pc.fixedChunks + i];
+	for (uint i = tid; i < pc.fixedCount; i += 256) f += expoFixed[h * pc.fixedStride + i];
 	float fixedTotal = reduceSum(f);
-	float e = 0.0, w1 = 0.0, w2 = 0.0;
-	for (uint b = tid; b < NB; b += 256) {
-		if (b < j0) e += bs[b];
-		if (windows && b >= r1 && b <= r2) w1 += bs[b];
-		if (windows && b >= r3 && b <= r4) w2 += bs[b];
+	float w1 = 0.0, w2 = 0.0;
+	if (windows) {
+		for (uint x = u1 + tid; x < v1; x += 256) w1 += expo[eb + x];
+		for (uint x = u2 + tid; x < v2; x += 256) w2 += expo[eb + x];
 	}
-	float exactTotal = reduceSum(e);
 	float win1 = reduceSum(w1);
 	float win2 = reduceSum(w2);
 
@@ -124,15 +121,29 @@ void main() {
 		}
 	}
 
-	// S at every bin boundary: exact prefix sums up to j0, the curve beyond.
-	if (tid == 0) {
-		float run = fixedTotal;
-		for (uint j = 0; j <= j0 && j <= NB; j++) {
-			pre[j] = run;
-			if (j < j0) run += bs[j];
-		}
-		best = NB;
+	// S at every bin boundary: exact prefix sums up to j0 (a scan of the
+	// bin sums), the curve beyond.
+	const uint PER = NB / 256;
+	float sum = 0.0;
+	for (uint i = 0; i < PER; i++) sum += bs[tid * PER + i];
+	red[tid] = sum;
+	barrier();
+	for (uint k = 1; k < 256; k <<= 1) {
+		float x = tid >= k ? red[tid - k] : 0.0;
+		barrier();
+		red[tid] += x;
+		barrier();
 	}
+	float run = fixedTotal + (tid == 0 ? 0.0 : red[tid - 1]);
+	for (uint i = 0; i < PER; i++) {
+		uint j = tid * PER + i;
+		pre[j] = run;
+		run += bs[j];
+	}
+	if (tid == 255) pre[NB] = run;
+	if (tid == 0) best = NB;
+	barrier();
+	float exactTotal = pre[min(j0, NB)] - fixedTotal;
 	barrier();
 	for (uint j = tid; j <= NB; j += 256) {
 		if (j > j0) pre[j] = fixedTotal + exactTotal + curve(a, bb, exact + 1, tokStart[ob + j]);
