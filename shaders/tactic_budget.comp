@@ -24,9 +24,8 @@ layout(push_constant) uniform Push {
 	float p;
 } pc;
 
-shared float bs[NB];        // sums of the exact bins, 0 beyond
 shared float pre[NB + 1];   // S at bin boundaries
-shared float red[256];
+shared vec4 red[256];       // scan of (exact segment, fixed, window 1, window 2) sums
 shared uint best;
 
 const float GAMMA = 0.5772156649;
@@ -63,20 +62,6 @@ float curve(float a, float b, uint lo, uint hi) {
 	return max(0.0, a * (harmonic(hi) - harmonic(lo - 1)) + b * float(hi - lo + 1));
 }
 
-float reduceSum(float x) {
-	uint tid = gl_LocalInvocationID.x;
-	barrier();
-	red[tid] = x;
-	barrier();
-	for (uint k = 128; k > 0; k >>= 1) {
-		if (tid < k) red[tid] += red[tid + k];
-		barrier();
-	}
-	float r = red[0];
-	barrier();
-	return r;
-}
-
 void main() {
 	uint tid = gl_LocalInvocationID.x;
 	uint h = gl_WorkGroupID.x;
@@ -89,24 +74,25 @@ void main() {
 	uint ob = h * (NB + 1);
 	uint eb = h * pc.n;
 
-	// Sums of the exact bins, each over its positions in order.
-	for (uint b = tid; b < NB; b += 256) {
-		float sum = 0.0;
-		if (b < j0) {
-			for (uint x = tokStart[ob + b]; x < tokStart[ob + b + 1]; x++) sum += expo[eb + x];
-		}
-		bs[b] = sum;
-	}
-	float f = 0.0;
-	for (uint i = tid; i < pc.fixedCount; i += 256) f += expoFixed[h * pc.fixedStride + i];
-	float fixedTotal = reduceSum(f);
-	float w1 = 0.0, w2 = 0.0;
+	// Thread tid sums the exact positions [tid·per, (tid+1)·per) and a
+	// share of the fixed tokens and windows; an inclusive scan follows.
+	uint per = (exact + 255) / 256;
+	vec4 acc = vec4(0.0);
+	for (uint x = tid * per; x < min(exact, tid * per + per); x++) acc.x += expo[eb + x];
+	for (uint i = tid; i < pc.fixedCount; i += 256) acc.y += expoFixed[h * pc.fixedStride + i];
 	if (windows) {
-		for (uint x = u1 + tid; x < v1; x += 256) w1 += expo[eb + x];
-		for (uint x = u2 + tid; x < v2; x += 256) w2 += expo[eb + x];
+		for (uint x = u1 + tid; x < v1; x += 256) acc.z += expo[eb + x];
+		for (uint x = u2 + tid; x < v2; x += 256) acc.w += expo[eb + x];
 	}
-	float win1 = reduceSum(w1);
-	float win2 = reduceSum(w2);
+	red[tid] = acc;
+	barrier();
+	for (uint k = 1; k < 256; k <<= 1) {
+		vec4 x = tid >= k ? red[tid - k] : vec4(0.0);
+		barrier();
+		red[tid] += x;
+		barrier();
+	}
+	float exactTotal = red[255].x, fixedTotal = red[255].y, win1 = red[255].z, win2 = red[255].w;
 
 	float a = 0.0, bb = 0.0;
 	if (windows) {
@@ -121,32 +107,21 @@ void main() {
 		}
 	}
 
-	// S at every bin boundary: exact prefix sums up to j0 (a scan of the
-	// bin sums), the curve beyond.
-	const uint PER = NB / 256;
-	float sum = 0.0;
-	for (uint i = 0; i < PER; i++) sum += bs[tid * PER + i];
-	red[tid] = sum;
-	barrier();
-	for (uint k = 1; k < 256; k <<= 1) {
-		float x = tid >= k ? red[tid - k] : 0.0;
-		barrier();
-		red[tid] += x;
-		barrier();
-	}
-	float run = fixedTotal + (tid == 0 ? 0.0 : red[tid - 1]);
-	for (uint i = 0; i < PER; i++) {
-		uint j = tid * PER + i;
-		pre[j] = run;
-		run += bs[j];
-	}
-	if (tid == 255) pre[NB] = run;
+	// S at every bin boundary: the exact prefix sum up to j0 (from the
+	// scan, the owning thread's part summed again), the curve beyond.
 	if (tid == 0) best = NB;
-	barrier();
-	float exactTotal = pre[min(j0, NB)] - fixedTotal;
-	barrier();
 	for (uint j = tid; j <= NB; j += 256) {
-		if (j > j0) pre[j] = fixedTotal + exactTotal + curve(a, bb, exact + 1, tokStart[ob + j]);
+		uint x = tokStart[ob + j];
+		if (j > j0) {
+			pre[j] = fixedTotal + exactTotal + curve(a, bb, exact + 1, x);
+		} else if (x >= exact) {
+			pre[j] = fixedTotal + exactTotal;
+		} else {
+			uint owner = x / per;
+			float sum = owner == 0 ? 0.0 : red[owner - 1].x;
+			for (uint y = owner * per; y < x; y++) sum += expo[eb + y];
+			pre[j] = fixedTotal + sum;
+		}
 	}
 	barrier();
 	float total = fixedTotal + exactTotal + curve(a, bb, exact + 1, pc.n);

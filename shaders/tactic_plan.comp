@@ -10,9 +10,9 @@
 // It writes each cluster's bin, the token offset of every bin, the plan of
 // Alg. 1 (the exact bins [0, j0) covering at least `need` tokens; the bins
 // holding the two sampling windows' ends, and the windows' token ranges),
-// and, for every position of the order inside the exact bins or a window,
-// the token there (posTok), so that the next pass reads one token per
-// thread. The first head of every group also opens its KV head's token
+// and the list of sampled clusters (those in the exact bins or a window),
+// each with its first position in the order, so that the next pass reads
+// their members with many threads. The first head of every group also opens its KV head's token
 // list with the fixed tokens: the sinks [0, sinks), then [clusteredEnd, n).
 
 layout(local_size_x = 256) in;
@@ -21,14 +21,12 @@ layout(constant_id = 1) const int LOG2NB = 10;  // log2(NB)
 
 layout(std430, binding = 0) readonly buffer Scores { float s[]; };      // [Hq][C]
 layout(std430, binding = 1) readonly buffer Sizes { uint sizes[]; };    // [Hkv][C]
-layout(std430, binding = 2) readonly buffer Starts { uint starts[]; };  // [Hkv][C] member offsets
-layout(std430, binding = 3) readonly buffer Members { uint members[]; }; // [Hkv][clustered]
-layout(std430, binding = 4) writeonly buffer BinOf { uint binOf[]; };   // [Hq][C]
-layout(std430, binding = 5) writeonly buffer TokStart { uint tokStart[]; };  // [Hq][NB+1]
-layout(std430, binding = 6) writeonly buffer Plan { uint plan[]; };     // [Hq][16]
-layout(std430, binding = 7) writeonly buffer PosTok { uint posTok[]; }; // [Hq][clustered]
-layout(std430, binding = 8) writeonly buffer Tokens { uint tok[]; };    // [Hkv][stride]
-layout(std430, binding = 9) writeonly buffer TokenCounts { uint count[]; }; // [Hkv]
+layout(std430, binding = 2) writeonly buffer BinOf { uint binOf[]; };   // [Hq][C]
+layout(std430, binding = 3) writeonly buffer TokStart { uint tokStart[]; };  // [Hq][NB+1]
+layout(std430, binding = 4) writeonly buffer Plan { uint plan[]; };     // [Hq][16]
+layout(std430, binding = 5) writeonly buffer Sampled { uvec2 sampled[]; }; // [Hq][C]: (cluster, position)
+layout(std430, binding = 6) writeonly buffer Tokens { uint tok[]; };    // [Hkv][stride]
+layout(std430, binding = 7) writeonly buffer TokenCounts { uint count[]; }; // [Hkv]
 
 layout(push_constant) uniform Push {
 	uint C;
@@ -47,6 +45,7 @@ shared uint cnt[NB];
 shared uint stT[NB + 1];
 shared uint part[256];
 shared uint found[5];
+shared uint nSampled;
 
 uint binOfScore(float m, float u, float x) {
 	return min(NB - 1, uint(floor((m - x) * u)));
@@ -74,6 +73,7 @@ void main() {
 	red[tid] = m;
 	for (uint i = tid; i < NB; i += 256) cnt[i] = 0;
 	if (tid < 5) found[tid] = tid == 0 ? NB : NB - 1;
+	if (tid == 0) nSampled = 0;
 	barrier();
 	for (uint k = 128; k > 0; k >>= 1) {
 		if (tid < k) red[tid] = max(red[tid], red[tid + k]);
@@ -162,14 +162,12 @@ void main() {
 		}
 	}
 
-	// The tokens at the sampled positions, cluster by cluster.
+	// The sampled clusters and their first positions.
 	for (uint c = tid; c < pc.C; c += 256) {
 		uint b = binOfScore(m, u, s[sb + c]);
-		bool sampled = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
-		if (!sampled) continue;
-		uint size = sizes[g * pc.C + c];
-		uint at = h * pc.n + stT[b] + atomicAdd(cnt[b], size);
-		uint from = g * pc.n + starts[g * pc.C + c];
-		for (uint j = 0; j < size; j++) posTok[at + j] = members[from + j];
+		bool take = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
+		if (take) sampled[sb + atomicAdd(nSampled, 1)] = uvec2(c, stT[b] + atomicAdd(cnt[b], sizes[g * pc.C + c]));
 	}
+	barrier();
+	if (tid == 0) plan[h * 16 + 13] = nSampled;
 }

@@ -1,12 +1,12 @@
 #version 450
 // Tactic, exact exponentials the fit needs, for query head h =
 // gl_WorkGroupID.y, with e(t) = exp(scale·q_h·k_t − m), m the head's best
-// centroid score, one token per thread (the workgroups of a head stride
-// over its work):
-//   expo[h][x] = e(posTok[h][x]) for every position x of the head's order
-//                in the exact part [0, exact) or a window [u, v);
+// centroid score (the workgroups of a head stride over its work):
+//   expo[h][x + j] = e(member j of cluster c) for every sampled cluster
+//                (c, x) of tactic_plan (those of the exact part and the
+//                windows), a team of 16 threads per cluster;
 //   expoFixed[h][f] = e(fixed token f), the sinks [0, sinks) then the
-//                tail [clusteredEnd, n).
+//                tail [clusteredEnd, n), a thread per token.
 #extension GL_EXT_control_flow_attributes : enable
 
 layout(local_size_x = 256) in;
@@ -17,9 +17,12 @@ const uint DV = D / 8;
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };       // [Hq][D/4]
 layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };         // [Hkv][headStride]
 layout(std430, binding = 2) readonly buffer Plan { uint plan[]; };       // [Hq][16]
-layout(std430, binding = 3) readonly buffer PosTok { uint posTok[]; };   // [Hq][clustered]
-layout(std430, binding = 4) writeonly buffer Expo { float expo[]; };     // [Hq][clustered]
-layout(std430, binding = 5) writeonly buffer ExpoFixed { float expoFixed[]; }; // [Hq][fixedStride]
+layout(std430, binding = 3) readonly buffer Sampled { uvec2 sampled[]; }; // [Hq][C]: (cluster, position)
+layout(std430, binding = 4) readonly buffer Starts { uint starts[]; };   // [Hkv][C] member offsets
+layout(std430, binding = 5) readonly buffer Sizes { uint sizes[]; };     // [Hkv][C]
+layout(std430, binding = 6) readonly buffer Members { uint members[]; }; // [Hkv][clustered]
+layout(std430, binding = 7) writeonly buffer Expo { float expo[]; };     // [Hq][clustered]
+layout(std430, binding = 8) writeonly buffer ExpoFixed { float expoFixed[]; }; // [Hq][fixedStride]
 
 layout(push_constant) uniform Push {
 	uint groupSize;
@@ -30,7 +33,10 @@ layout(push_constant) uniform Push {
 	uint n;             // tokens stored
 	uint fixedStride;
 	float scale;
+	uint C;
 } pc;
+
+const uint TEAM = 16;  // threads per cluster
 
 shared vec4 qs[D / 4];
 
@@ -52,24 +58,17 @@ void main() {
 	barrier();
 	uint p = h * 16;
 	float m = uintBitsToFloat(plan[p]);
-	uint exact = plan[p + 2];
-	bool windows = plan[p + 3] != 0;
-	uint u1 = windows ? plan[p + 6] : 0, w1 = windows ? plan[p + 7] - u1 : 0;
-	uint u2 = windows ? plan[p + 10] : 0, w2 = windows ? plan[p + 11] - u2 : 0;
+	uint tid = gl_LocalInvocationID.x;
+	uint list = plan[p + 13];
+	uint team = tid / TEAM, lane = tid % TEAM;
+	for (uint i = gl_WorkGroupID.x * (256 / TEAM) + team; i < list; i += gl_NumWorkGroups.x * (256 / TEAM)) {
+		uvec2 cx = sampled[h * pc.C + i];
+		uint from = g * pc.clustered + starts[g * pc.C + cx.x];
+		uint size = sizes[g * pc.C + cx.x];
+		for (uint j = lane; j < size; j += TEAM) expo[h * pc.clustered + cx.y + j] = e(g, members[from + j], m);
+	}
 	uint fixedCount = pc.sinks + pc.n - pc.clusteredEnd;
-	uint total = exact + w1 + w2 + fixedCount;
-	for (uint i = gl_WorkGroupID.x * 256 + gl_LocalInvocationID.x; i < total; i += gl_NumWorkGroups.x * 256) {
-		uint x = i;
-		if (x < exact) {
-		} else if (x < exact + w1) {
-			x = u1 + (x - exact);
-		} else if (x < exact + w1 + w2) {
-			x = u2 + (x - exact - w1);
-		} else {
-			uint f = x - exact - w1 - w2;
-			expoFixed[h * pc.fixedStride + f] = e(g, f < pc.sinks ? f : pc.clusteredEnd + (f - pc.sinks), m);
-			continue;
-		}
-		expo[h * pc.clustered + x] = e(g, posTok[h * pc.clustered + x], m);
+	for (uint f = gl_WorkGroupID.x * 256 + tid; f < fixedCount; f += gl_NumWorkGroups.x * 256) {
+		expoFixed[h * pc.fixedStride + f] = e(g, f < pc.sinks ? f : pc.clusteredEnd + (f - pc.sinks), m);
 	}
 }

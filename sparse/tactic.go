@@ -36,13 +36,16 @@ type TacticStep struct {
 	binOf    *vk.Buffer // uint32 [Hq][C]
 	tokStart *vk.Buffer // uint32 [Hq][TacticBins+1]
 	planBuf  *vk.Buffer // uint32 [Hq][16]
-	posTok   *vk.Buffer // uint32 [Hq][clustered]: the token at each sampled position
+	sampled  *vk.Buffer // uint32 [Hq][C][2]: sampled clusters, each with its first position
 	expo     *vk.Buffer // float32 [Hq][clustered]: e(t) at each sampled position
 	expoFix  *vk.Buffer // float32 [Hq][fixedStride]: e(t) of the fixed tokens
 	cut      *vk.Buffer // uint32 [Hq]
 	fixedCap int        // fixedStride: the most fixed tokens the cache can hold
 	clock    stopwatch
 }
+
+// tacticSelectClusters is the clusters per workgroup of the union pass.
+const tacticSelectClusters = 64
 
 // TacticBins is the number of bins of the GPU's cluster order (TacticBin).
 const TacticBins = 1024
@@ -106,10 +109,10 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	}
 	k := &t.kernels
 	k.score = build("tactic_score", 3, 3, uint32(h.Dim))
-	k.order = build("tactic_plan", 10, 12, TacticBins, 10)
-	k.sample = build("tactic_sample", 6, 8, uint32(h.Dim))
+	k.order = build("tactic_plan", 8, 12, TacticBins, 10)
+	k.sample = build("tactic_sample", 9, 9, uint32(h.Dim))
 	k.budget = build("tactic_budget", 5, 4, TacticBins)
-	k.sel = build("tactic_select", 7, 4, 256)
+	k.sel = build("tactic_select", 7, 4, 256, tacticSelectClusters)
 	alloc := func(words int) *vk.Buffer {
 		if err != nil {
 			return nil
@@ -123,7 +126,7 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	t.fixedCap = max(1, layer.Capacity()-n)
 	t.scores, t.binOf = alloc(hq*c), alloc(hq*c)
 	t.tokStart, t.planBuf, t.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
-	t.posTok, t.expo, t.expoFix = alloc(hq*n), alloc(hq*n), alloc(hq*t.fixedCap)
+	t.sampled, t.expo, t.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*t.fixedCap)
 	bind := func(pipe *vk.Pipeline, r ...vk.Range) *vk.Binding {
 		if err != nil {
 			return nil
@@ -136,8 +139,8 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	b := &t.binds
 	lists, counts := t.plan.Tokens().All(), t.plan.TokenCounts().All()
 	b.score = bind(k.score, t.plan.query.All(), x.Centroids.All(), t.scores.All())
-	b.order = bind(k.order, t.scores.All(), x.Counts.All(), x.Starts.All(), x.Members.All(), t.binOf.All(), t.tokStart.All(), t.planBuf.All(), t.posTok.All(), lists, counts)
-	b.sample = bind(k.sample, t.plan.query.All(), layer.Keys().All(), t.planBuf.All(), t.posTok.All(), t.expo.All(), t.expoFix.All())
+	b.order = bind(k.order, t.scores.All(), x.Counts.All(), t.binOf.All(), t.tokStart.All(), t.planBuf.All(), t.sampled.All(), lists, counts)
+	b.sample = bind(k.sample, t.plan.query.All(), layer.Keys().All(), t.planBuf.All(), t.sampled.All(), x.Starts.All(), x.Counts.All(), x.Members.All(), t.expo.All(), t.expoFix.All())
 	b.budget = bind(k.budget, t.tokStart.All(), t.planBuf.All(), t.expo.All(), t.expoFix.All(), t.cut.All())
 	b.sel = bind(k.sel, t.binOf.All(), t.cut.All(), x.Starts.All(), x.Counts.All(), x.Members.All(), lists, counts)
 	if err != nil {
@@ -217,14 +220,14 @@ func (t *TacticStep) record(c *vk.Commands, mark func(stage int)) error {
 	c.Barrier()
 	// Workgroups per head for the expected samples; they stride over more.
 	work := need + (win[1] - win[0] + 1) + (win[3] - win[2] + 1) + fixed
-	c.Dispatch(k.sample, b.sample, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale},
-		uint32(min(64, ceilDiv(2*work, 256))), hq, 1)
+	c.Dispatch(k.sample, b.sample, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc},
+		uint32(min(64, ceilDiv(work, 256))), hq, 1)
 	mark(2)
 	c.Barrier()
 	c.Dispatch(k.budget, b.budget, []uint32{uint32(x.Count), uint32(fixed), uint32(t.fixedCap), math.Float32bits(float32(t.p))}, hq, 1, 1)
 	mark(3)
 	c.Barrier()
-	c.Dispatch(k.sel, b.sel, []uint32{cc, group, uint32(t.plan.gatherStride), uint32(x.Count)}, uint32(ceilDiv(x.C, 256)), kv, 1)
+	c.Dispatch(k.sel, b.sel, []uint32{cc, group, uint32(t.plan.gatherStride), uint32(x.Count)}, uint32(ceilDiv(x.C, tacticSelectClusters)), kv, 1)
 	mark(4)
 	c.Barrier()
 	if err := t.plan.Record(c); err != nil {
