@@ -62,6 +62,7 @@ const (
 	scoreBudget      = 4096 // default shared floats for scores: group × tile
 	defaultMaxChunk  = 512  // chunk slots per (sequence, head)
 	targetWorkgroups = 512
+	gatherChunkMax   = 512 // tokens per chunk of gathered attention
 )
 
 // NewDense compiles the dense attention kernels for heads.
@@ -503,9 +504,9 @@ func (d *Dense) PlanGather(layer *kvcache.Layer, stride int) (*DensePlan, error)
 		return nil, fmt.Errorf("sparse: the cache has %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), d.heads.KV, d.heads.Dim)
 	}
 	blocks := d.heads.KV * (d.heads.Group() / d.group)
-	// Chunks for a list a quarter full to fill targetWorkgroups; fuller
-	// lists take more, and workgroups past a list's end exit at once.
-	chunk := max(64, ceilDiv(ceilDiv(stride*blocks, 4*targetWorkgroups), 64)*64)
+	// Chunks of at most gatherChunkMax tokens; workgroups past a list's
+	// end exit at once.
+	chunk := min(gatherChunkMax, max(64, ceilDiv(ceilDiv(stride*blocks, targetWorkgroups), 64)*64))
 	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: ceilDiv(stride, chunk), gatherStride: stride, gatherChunk: chunk}
 	if err := p.allocate(); err != nil {
 		p.Release()
