@@ -4,8 +4,7 @@
 // centroid score (the workgroups of a head stride over its work):
 //   expo[h][x + j] = e(member j of cluster c) for every sampled cluster
 //                (c, x) of tactic_plan (those of the exact part and the
-//                windows), 16 members at a time per workgroup, each row
-//                read by 16 threads together (one uvec4 each);
+//                windows), a team of 16 threads per cluster;
 //   expoFixed[h][f] = e(fixed token f), the sinks [0, sinks) then the
 //                tail [clusteredEnd, n), a thread per token.
 #extension GL_EXT_control_flow_attributes : enable
@@ -37,11 +36,9 @@ layout(push_constant) uniform Push {
 	uint C;
 } pc;
 
-const uint ROWS = 16;  // members per workgroup pass; 256 / ROWS threads per row
-const uint LANES = 256 / ROWS;
+const uint TEAM = 16;  // threads per cluster
 
 shared vec4 qs[D / 4];
-shared float part[ROWS][LANES];
 
 float e(uint g, uint t, float m) {
 	uint row = g * pc.headStride + t * DV;
@@ -63,31 +60,12 @@ void main() {
 	float m = uintBitsToFloat(plan[p]);
 	uint tid = gl_LocalInvocationID.x;
 	uint list = plan[p + 13];
-	uint r = tid / LANES, lane = tid % LANES;
-	for (uint i = gl_WorkGroupID.x; i < list; i += gl_NumWorkGroups.x) {
+	uint team = tid / TEAM, lane = tid % TEAM;
+	for (uint i = gl_WorkGroupID.x * (256 / TEAM) + team; i < list; i += gl_NumWorkGroups.x * (256 / TEAM)) {
 		uvec2 cx = sampled[h * pc.C + i];
 		uint from = g * pc.clustered + starts[g * pc.C + cx.x];
 		uint size = sizes[g * pc.C + cx.x];
-		for (uint j0 = 0; j0 < size; j0 += ROWS) {
-			uint j = j0 + r;
-			float acc = 0.0;
-			if (j < size) {
-				uint row = g * pc.headStride + members[from + j] * DV;
-				for (uint v = lane; v < DV; v += LANES) {
-					uvec4 w = k[row + v];
-					acc += dot(vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y)), qs[2 * v]);
-					acc += dot(vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w)), qs[2 * v + 1]);
-				}
-			}
-			part[r][lane] = acc;
-			barrier();
-			if (lane == 0 && j < size) {
-				float sum = 0.0;
-				for (uint l = 0; l < LANES; l++) sum += part[r][l];
-				expo[h * pc.clustered + cx.y + j] = exp(sum - m);
-			}
-			barrier();
-		}
+		for (uint j = lane; j < size; j += TEAM) expo[h * pc.clustered + cx.y + j] = e(g, members[from + j], m);
 	}
 	uint fixedCount = pc.sinks + pc.n - pc.clusteredEnd;
 	for (uint f = gl_WorkGroupID.x * 256 + tid; f < fixedCount; f += gl_NumWorkGroups.x * 256) {

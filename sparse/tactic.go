@@ -221,7 +221,7 @@ func (t *TacticStep) record(c *vk.Commands, mark func(stage int)) error {
 	// Workgroups per head for the expected samples; they stride over more.
 	work := need + (win[1] - win[0] + 1) + (win[3] - win[2] + 1) + fixed
 	c.Dispatch(k.sample, b.sample, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc},
-		uint32(min(128, ceilDiv(work, 32))), hq, 1)
+		uint32(min(64, ceilDiv(work, 256))), hq, 1)
 	mark(2)
 	c.Barrier()
 	c.Dispatch(k.budget, b.budget, []uint32{uint32(x.Count), uint32(fixed), uint32(t.fixedCap), math.Float32bits(float32(t.p))}, hq, 1, 1)
