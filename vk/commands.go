@@ -139,6 +139,22 @@ func (c *Commands) Fill(r Range, value uint32) {
 	vk.CmdFillBuffer(c.cb, r.Buffer.buffer, vk.DeviceSize(r.Offset), vk.DeviceSize(r.Size), value)
 }
 
+// Update records writing words into r from its offset: small uploads
+// carried in the command buffer itself (64 KiB per command), with no
+// staging copy or submission of their own.
+func (c *Commands) Update(r Range, words []uint32) {
+	size := uint64(4 * len(words))
+	if r.Offset%4 != 0 || size > r.Size || r.Offset+size > r.Buffer.size {
+		c.fail(fmt.Errorf("vk: Update of %d bytes at %d into a range of %d bytes of a buffer of %d", size, r.Offset, r.Size, r.Buffer.size))
+		return
+	}
+	const piece = 65536 / 4
+	for done := 0; done < len(words); done += piece {
+		n := min(piece, len(words)-done)
+		vk.CmdUpdateBuffer(c.cb, r.Buffer.buffer, vk.DeviceSize(r.Offset+uint64(4*done)), vk.DeviceSize(4*n), &words[done])
+	}
+}
+
 // Copy records a copy of src into dst (same sizes).
 func (c *Commands) Copy(src, dst Range) {
 	if src.Size != dst.Size || src.Offset+src.Size > src.Buffer.size || dst.Offset+dst.Size > dst.Buffer.size {

@@ -54,10 +54,14 @@ type Info struct {
 	Storage16Bit            bool // 16-bit storage buffer access
 	Float16                 bool // float16 arithmetic in shaders
 	Int64                   bool
-	DeviceLocalBytes        uint64
-	TimestampPeriodNs       float64 // nanoseconds per timestamp tick
-	TimestampValidBits      uint32  // 0: the compute queue has no timestamps
-	queueFamily             uint32
+	// CooperativeMatrixNV: VK_NV_cooperative_matrix (with the Vulkan memory
+	// model) multiplies 16×16×16 fp16 matrices into fp32 per subgroup; the
+	// device is opened with both enabled.
+	CooperativeMatrixNV bool
+	DeviceLocalBytes    uint64
+	TimestampPeriodNs   float64 // nanoseconds per timestamp tick
+	TimestampValidBits  uint32  // 0: the compute queue has no timestamps
+	queueFamily         uint32
 }
 
 // Options chooses and configures the device that Open creates.
@@ -192,6 +196,7 @@ func describe(inst vk.Instance, pd vk.PhysicalDevice, index int) Info {
 		Storage16Bit:            f.storage_16bit != 0,
 		Float16:                 f.float16 != 0,
 		Int64:                   f.int64 != 0,
+		CooperativeMatrixNV:     f.coopmat_nv != 0,
 		DeviceLocalBytes:        uint64(f.device_local_bytes),
 		TimestampPeriodNs:       float64(f.timestamp_period),
 	}
@@ -345,7 +350,7 @@ func Open(opts Options) (*Device, error) {
 		d.memory.MemoryTypes[i].Deref()
 	}
 
-	features := C.vks_features(boolInt(d.info.Storage16Bit), boolInt(d.info.Float16), boolInt(d.info.Int64))
+	features := C.vks_features(boolInt(d.info.Storage16Bit), boolInt(d.info.Float16), boolInt(d.info.Int64), boolInt(d.info.CooperativeMatrixNV))
 	if features == nil {
 		return fail(ErrOutOfMemory)
 	}
@@ -361,6 +366,14 @@ func Open(opts Options) (*Device, error) {
 			QueueCount:       1,
 			PQueuePriorities: []float32{1},
 		}},
+	}
+	if d.info.CooperativeMatrixNV {
+		var n C.uint32_t
+		names := unsafe.Slice(C.vks_coopmat_extensions(&n), int(n))
+		for _, name := range names {
+			ci.PpEnabledExtensionNames = append(ci.PpEnabledExtensionNames, C.GoString(name)+"\x00")
+		}
+		ci.EnabledExtensionCount = uint32(len(ci.PpEnabledExtensionNames))
 	}
 	if err := check("vkCreateDevice", vk.CreateDevice(d.physical, &ci, nil, &dev)); err != nil {
 		return fail(err)

@@ -34,14 +34,19 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
 	PFN_vkEnumerateDeviceExtensionProperties exts =
 		(PFN_vkEnumerateDeviceExtensionProperties)gipa(instance, "vkEnumerateDeviceExtensionProperties");
 
-	int has_driver_props = 0;
+	int has_driver_props = 0, has_coopmat = 0, has_memory_model = 0;
 	uint32_t n = 0;
 	if (exts && exts(pd, NULL, &n, NULL) == VK_SUCCESS && n > 0) {
 		VkExtensionProperties *e = calloc(n, sizeof *e);
 		if (e && exts(pd, NULL, &n, e) == VK_SUCCESS) {
-			for (uint32_t i = 0; i < n; i++)
+			for (uint32_t i = 0; i < n; i++) {
 				if (strcmp(e[i].extensionName, VK_KHR_DRIVER_PROPERTIES_EXTENSION_NAME) == 0)
 					has_driver_props = 1;
+				if (strcmp(e[i].extensionName, VK_NV_COOPERATIVE_MATRIX_EXTENSION_NAME) == 0)
+					has_coopmat = 1;
+				if (strcmp(e[i].extensionName, VK_KHR_VULKAN_MEMORY_MODEL_EXTENSION_NAME) == 0)
+					has_memory_model = 1;
+			}
 		}
 		free(e);
 	}
@@ -82,15 +87,43 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
 
 	VkPhysicalDeviceShaderFloat16Int8Features f16 = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES};
 	VkPhysicalDevice16BitStorageFeatures s16 = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES};
+	VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV};
+	VkPhysicalDeviceVulkanMemoryModelFeaturesKHR mm = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES_KHR};
 	VkPhysicalDeviceFeatures2 ft = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
 	ft.pNext = &s16;
 	s16.pNext = &f16;
+	if (has_coopmat && has_memory_model) {
+		f16.pNext = &cm;
+		cm.pNext = &mm;
+	}
 	feats2(pd, &ft);
 	f->storage_16bit = s16.storageBuffer16BitAccess;
 	f->float16 = f16.shaderFloat16;
 	f->int8 = f16.shaderInt8;
 	f->int64 = ft.features.shaderInt64;
 	f->storage_buffer_array_dynamic = ft.features.shaderStorageBufferArrayDynamicIndexing;
+
+	PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV cmprops =
+		(PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV)gipa(instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesNV");
+	if (has_coopmat && has_memory_model && cm.cooperativeMatrix && mm.vulkanMemoryModel && cmprops) {
+		uint32_t m = 0;
+		if (cmprops(pd, &m, NULL) == VK_SUCCESS && m > 0) {
+			VkCooperativeMatrixPropertiesNV *cp = calloc(m, sizeof *cp);
+			if (cp) {
+				for (uint32_t i = 0; i < m; i++) cp[i].sType = VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_NV;
+				if (cmprops(pd, &m, cp) == VK_SUCCESS) {
+					for (uint32_t i = 0; i < m; i++) {
+						if (cp[i].MSize == 16 && cp[i].NSize == 16 && cp[i].KSize == 16 &&
+							cp[i].AType == VK_COMPONENT_TYPE_FLOAT16_NV && cp[i].BType == VK_COMPONENT_TYPE_FLOAT16_NV &&
+							cp[i].CType == VK_COMPONENT_TYPE_FLOAT32_NV && cp[i].DType == VK_COMPONENT_TYPE_FLOAT32_NV &&
+							cp[i].scope == VK_SCOPE_SUBGROUP_NV)
+							f->coopmat_nv = 1;
+					}
+				}
+				free(cp);
+			}
+		}
+	}
 
 	VkPhysicalDeviceMemoryProperties mp;
 	memprops(pd, &mp);
@@ -103,9 +136,18 @@ typedef struct {
 	VkPhysicalDeviceFeatures2 base;
 	VkPhysicalDevice16BitStorageFeatures s16;
 	VkPhysicalDeviceShaderFloat16Int8Features f16;
+	VkPhysicalDeviceCooperativeMatrixFeaturesNV cm;
+	VkPhysicalDeviceVulkanMemoryModelFeaturesKHR mm;
 } feature_chain;
 
-void *vks_features(int storage_16bit, int float16, int int64) {
+static const char *const coopmat_extensions[] = {VK_NV_COOPERATIVE_MATRIX_EXTENSION_NAME, VK_KHR_VULKAN_MEMORY_MODEL_EXTENSION_NAME};
+
+const char *const *vks_coopmat_extensions(uint32_t *count) {
+	*count = 2;
+	return coopmat_extensions;
+}
+
+void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv) {
 	feature_chain *c = calloc(1, sizeof *c);
 	if (!c) return NULL;
 	c->base.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2;
@@ -116,6 +158,14 @@ void *vks_features(int storage_16bit, int float16, int int64) {
 	c->s16.storageBuffer16BitAccess = storage_16bit ? VK_TRUE : VK_FALSE;
 	c->f16.shaderFloat16 = float16 ? VK_TRUE : VK_FALSE;
 	c->base.features.shaderInt64 = int64 ? VK_TRUE : VK_FALSE;
+	if (coopmat_nv) {
+		c->cm.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV;
+		c->mm.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES_KHR;
+		c->f16.pNext = &c->cm;
+		c->cm.pNext = &c->mm;
+		c->cm.cooperativeMatrix = VK_TRUE;
+		c->mm.vulkanMemoryModel = VK_TRUE;
+	}
 	return c;
 }
 

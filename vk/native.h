@@ -23,6 +23,10 @@ typedef struct {
 	float timestamp_period;
 	uint32_t storage_16bit, float16, int8, int64, storage_buffer_array_dynamic;
 	uint64_t device_local_bytes;
+	// coopmat_nv: VK_NV_cooperative_matrix and VK_KHR_vulkan_memory_model
+	// are present and their features on, and the device multiplies 16×16×16
+	// fp16 matrices into fp32 at subgroup scope.
+	uint32_t coopmat_nv;
 } vks_facts;
 
 // vks_query fills facts for a physical device.
@@ -30,7 +34,12 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *facts);
 
 // vks_features returns a malloc'd VkPhysicalDeviceFeatures2 chain enabling the
 // named optional features; free it with free() after vkCreateDevice.
-void *vks_features(int storage_16bit, int float16, int int64);
+// coopmat_nv adds the cooperative-matrix and Vulkan-memory-model features
+// (the caller enables their extensions, vks_coopmat_extensions).
+void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv);
+
+// vks_coopmat_extensions returns the device extensions that coopmat_nv needs.
+const char *const *vks_coopmat_extensions(uint32_t *count);
 
 // vks_messenger_create installs a debug-utils messenger that records
 // validation messages; vks_messenger_destroy removes it.

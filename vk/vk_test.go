@@ -53,6 +53,28 @@ func TestBufferRoundTrip(t *testing.T) {
 	}
 }
 
+func TestCommandUpdate(t *testing.T) {
+	dev := vktest.Open(t)
+	buf, err := dev.NewBuffer(4*40000, vk.DeviceLocal)
+	require.NoError(t, err)
+	defer buf.Release()
+	in := make([]uint32, 39990) // more than one 64 KiB piece
+	for i := range in {
+		in[i] = rand.Uint32()
+	}
+	require.NoError(t, dev.Run(func(cmd *vk.Commands) {
+		cmd.Fill(buf.All(), 7)
+		cmd.Barrier()
+		cmd.Update(buf.Slice(8, 4*39990), in)
+	}))
+	out := make([]uint32, 40000)
+	require.NoError(t, buf.ReadUint32(0, out))
+	require.Equal(t, []uint32{7, 7}, out[:2])
+	require.Equal(t, in, out[2:39992])
+	require.Equal(t, []uint32{7, 7, 7, 7, 7, 7, 7, 7}, out[39992:])
+	require.Error(t, dev.Run(func(cmd *vk.Commands) { cmd.Update(buf.Slice(0, 4), in[:2]) }), "more words than the range holds")
+}
+
 func TestOversizedBufferIsUnsupported(t *testing.T) {
 	dev := vktest.Open(t)
 	_, err := dev.NewBuffer(dev.Info().MaxAllocation+1, vk.DeviceLocal)

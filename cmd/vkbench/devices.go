@@ -26,10 +26,10 @@ func devices(args []string) error {
 			fmt.Sprint(i.Index), i.Name, i.Type, i.Vendor, i.Driver, i.APIVersion,
 			fmt.Sprint(i.SubgroupSize), fmt.Sprint(i.MaxWorkgroupInvocations), fmt.Sprintf("%d KiB", i.SharedMemoryBytes>>10),
 			mib(i.MaxStorageBufferRange), mib(i.MaxAllocation), yes[i.Storage16Bit] + "/" + yes[i.Float16],
-			fmt.Sprintf("%.3g", i.TimestampPeriodNs),
+			yes[i.CooperativeMatrixNV], fmt.Sprintf("%.3g", i.TimestampPeriodNs),
 		})
 	}
-	table(os.Stdout, []string{"#", "name", "type", "vendor", "driver", "vulkan", "subgroup", "max wg", "shared", "max range", "max alloc", "16-bit storage/fp16", "ns/tick"}, rows)
+	table(os.Stdout, []string{"#", "name", "type", "vendor", "driver", "vulkan", "subgroup", "max wg", "shared", "max range", "max alloc", "16-bit storage/fp16", "coopmat NV", "ns/tick"}, rows)
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "devices", vk.Info{}, infos)
 	}
