@@ -40,7 +40,7 @@ type TacticStep struct {
 	expo     *vk.Buffer // float32 [Hq][clustered]: e(t) at each sampled position
 	expoFix  *vk.Buffer // float32 [Hq][fixedStride]: e(t) of the fixed tokens
 	cut      *vk.Buffer // uint32 [Hq]
-	fixedCap int        // fixedStride: the most fixed tokens the cache can hold
+	fixedCap int        // fixedStride: the most fixed tokens the cache can hold (capacity − clustered)
 	clock    stopwatch
 }
 
@@ -123,7 +123,7 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 		return b
 	}
 	hq, c, n := h.Query, clusters.C, clusters.Count
-	t.fixedCap = max(1, layer.Capacity()-n)
+	t.fixedCap = layer.Capacity() - n // fixed tokens: the stored ones past the clustered
 	t.scores, t.binOf = alloc(hq*c), alloc(hq*c)
 	t.tokStart, t.planBuf, t.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
 	t.sampled, t.expo, t.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*t.fixedCap)
@@ -204,9 +204,6 @@ func (t *TacticStep) record(c *vk.Commands, mark func(stage int)) error {
 	n := t.layer.Len()
 	end := x.First + x.Count
 	fixed := x.First + n - end
-	if fixed > t.fixedCap {
-		return fmt.Errorf("sparse: %d fixed tokens, the step holds %d", fixed, t.fixedCap)
-	}
 	hq, kv, cc, group := uint32(h.Query), uint32(h.KV), uint32(x.C), uint32(h.Group())
 	scale := math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))
 	need, win := windowPositions(t.fit, x.Count)

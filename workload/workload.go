@@ -97,10 +97,7 @@ func DefaultConfig(tokens int) Config {
 // with their KV heads, so that a group's union over its heads is as sparse
 // as its heads.
 func GroupedKinds(qHeads, kvHeads int) []HeadKind {
-	group := 1
-	if kvHeads > 0 && qHeads%kvHeads == 0 {
-		group = qHeads / kvHeads
-	}
+	group := groupSize(qHeads, kvHeads)
 	kinds := make([]HeadKind, qHeads)
 	for h := range kinds {
 		kinds[h] = kindPattern[(h/group)%len(kindPattern)]
@@ -113,10 +110,7 @@ func GroupedKinds(qHeads, kvHeads int) []HeadKind {
 // at least four heads holds all three kinds, in an order that shifts from
 // group to group.
 func DefaultKinds(qHeads, kvHeads int) []HeadKind {
-	group := 1
-	if kvHeads > 0 && qHeads%kvHeads == 0 {
-		group = qHeads / kvHeads
-	}
+	group := groupSize(qHeads, kvHeads)
 	kinds := make([]HeadKind, qHeads)
 	for h := range kinds {
 		shift := h / group // the order shifts from group to group
@@ -126,6 +120,14 @@ func DefaultKinds(qHeads, kvHeads int) []HeadKind {
 		kinds[h] = kindPattern[(h+shift)%len(kindPattern)]
 	}
 	return kinds
+}
+
+// groupSize returns the query heads per KV head, 1 when they do not divide.
+func groupSize(qHeads, kvHeads int) int {
+	if kvHeads > 0 && qHeads%kvHeads == 0 {
+		return qHeads / kvHeads
+	}
+	return 1
 }
 
 // kindPattern is the mix of DefaultKinds and GroupedKinds.
