@@ -62,7 +62,9 @@ type KMeansStages struct {
 // subgroups of 32 invocations, 32 tokens each.
 const kmeansTensorWG = 256
 
-// kmeansSortWG is the member sort's workgroup: one per cluster.
+// kmeansSortWG is the member sort's workgroup: one per cluster, which
+// ranks up to 1024 members in shared memory and lists a larger cluster's
+// members afresh from the assignment, in token order.
 const kmeansSortWG = 64
 
 // NewKMeans compiles the clustering kernels for kvHeads heads of dim.
@@ -82,7 +84,7 @@ func NewKMeans(dev *vk.Device, kvHeads, dim int) (*KMeans, error) {
 		{&km.assign, vk.Kernel{Name: "kmeans_assign", Bindings: 6, PushWords: 5, Specialization: []uint32{uint32(dim), uint32(bk)}}},
 		{&km.scan, vk.Kernel{Name: "kmeans_scan", Bindings: 4, PushWords: 2}},
 		{&km.scatter, vk.Kernel{Name: "kmeans_scatter", Bindings: 4, PushWords: 4}},
-		{&km.sort, vk.Kernel{Name: "kmeans_sort", Bindings: 4, PushWords: 3, Specialization: []uint32{kmeansSortWG}}},
+		{&km.sort, vk.Kernel{Name: "kmeans_sort", Bindings: 5, PushWords: 4, Specialization: []uint32{kmeansSortWG}}},
 		{&km.update, vk.Kernel{Name: "kmeans_update", Bindings: 8, PushWords: 6, Specialization: []uint32{uint32(dim), uint32(dim / 2), 0}}},
 	}
 	info := dev.Info()
@@ -269,7 +271,7 @@ func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, max
 	}
 	bScan := bind(km.scan, x.Counts.All(), x.Starts.All(), cursor.All(), changed.All())
 	bScatter := bind(km.scatter, x.Assign.All(), cursor.All(), x.Members.All(), changed.All())
-	bSort := bind(km.sort, x.Starts.All(), x.Counts.All(), x.Members.All(), changed.All())
+	bSort := bind(km.sort, x.Starts.All(), x.Counts.All(), x.Members.All(), changed.All(), x.Assign.All())
 	bUpdate := bind(update, keys, x.Starts.All(), x.Counts.All(), x.Members.All(), x.Centroids.All(), x.Norms.All(), changed.All(), halves.All())
 	if err != nil {
 		return err
@@ -318,7 +320,7 @@ func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, max
 			cmd.Dispatch(km.scatter, bScatter, []uint32{nn, first, cc, it}, uint32(ceilDiv(n, 256)), hh, 1)
 			cmd.Barrier()
 			record(cmd)
-			cmd.Dispatch(km.sort, bSort, []uint32{nn, cc, it}, sortGroups, hh, 1)
+			cmd.Dispatch(km.sort, bSort, []uint32{nn, cc, it, first}, sortGroups, hh, 1)
 			cmd.Barrier()
 			record(cmd)
 			zero := uint32(0)

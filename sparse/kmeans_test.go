@@ -279,7 +279,8 @@ func clusterCountOrDie(t *testing.T, n int) int {
 
 // TestKMeansLargeCluster gives 1900 tokens the same key, so that one
 // cluster takes them all: its member list is longer than the sort ranks in
-// shared memory and must still come out ascending.
+// shared memory and must still come out ascending, and the same in a
+// second run.
 func TestKMeansLargeCluster(t *testing.T) {
 	dev := vktest.Open(t)
 	const n, dim, same = 2600, 32, 1900
@@ -304,16 +305,81 @@ func TestKMeansLargeCluster(t *testing.T) {
 		if km.SetTensor(tensor) != tensor {
 			continue
 		}
-		x, err := km.Cluster(layer, 0, n, KMeansOptions{MaxIter: 3, Seed: 7})
-		require.NoError(t, err)
-		got, err := x.Read(0)
-		require.NoError(t, err)
-		x.Release()
+		var runs [2]*kvcache.HostClusters
+		for r := range runs {
+			x, err := km.Cluster(layer, 0, n, KMeansOptions{MaxIter: 3, Seed: 7})
+			require.NoError(t, err)
+			runs[r], err = x.Read(0)
+			require.NoError(t, err)
+			x.Release()
+		}
+		got := runs[0]
 		checkIndex(t, got, HalvesToFloat64(k), dim, 0, n)
 		longest := 0
 		for _, m := range got.Members {
 			longest = max(longest, len(m))
 		}
 		require.GreaterOrEqual(t, longest, same, "tensor %v", tensor)
+		require.Equal(t, got, runs[1], "tensor %v: a second run differs", tensor)
+	}
+}
+
+// TestKMeansLargeClustersHeads has clusters longer than the shared-memory
+// sort in two heads, two of them in head 1 (alternate tokens share one of
+// two keys), over a range that starts past token 0.
+func TestKMeansLargeClustersHeads(t *testing.T) {
+	dev := vktest.Open(t)
+	const n, dim, heads, first = 2600, 32, 2, 5
+	rng := rand.New(rand.NewSource(int64(rand.Int63())))
+	k := make([]uint16, heads*n*dim)
+	v := make([]uint16, heads*n*dim)
+	for g := 0; g < heads; g++ {
+		for tok := 0; tok < n; tok++ {
+			for d := 0; d < dim; d++ {
+				x := float32(rng.NormFloat64())
+				switch {
+				case g == 0 && tok < 1900:
+					x = 0.5
+				case g == 1 && tok < 2400:
+					x = float32(1 - 2*(tok%2)) // 1 or -1
+				}
+				k[(g*n+tok)*dim+d] = float16.Fromfloat32(x).Bits()
+			}
+		}
+	}
+	layer, err := kvcache.NewLayer(dev, heads, dim, n)
+	require.NoError(t, err)
+	defer layer.Release()
+	require.NoError(t, layer.Prefill(k, v, n))
+	km, err := NewKMeans(dev, heads, dim)
+	require.NoError(t, err)
+	defer km.Release()
+	for _, tensor := range []bool{false, true} {
+		if km.SetTensor(tensor) != tensor {
+			continue
+		}
+		var runs [2][]*kvcache.HostClusters
+		for r := range runs {
+			x, err := km.Cluster(layer, first, n-first, KMeansOptions{MaxIter: 3, Seed: 7})
+			require.NoError(t, err)
+			for g := 0; g < heads; g++ {
+				got, err := x.Read(g)
+				require.NoError(t, err)
+				runs[r] = append(runs[r], got)
+			}
+			x.Release()
+		}
+		for g := 0; g < heads; g++ {
+			got := runs[0][g]
+			checkIndex(t, got, HalvesToFloat64(k[g*n*dim:(g+1)*n*dim]), dim, first, n-first)
+			long := 0
+			for _, m := range got.Members {
+				if len(m) > 1024 {
+					long++
+				}
+			}
+			require.Equal(t, g+1, long, "tensor %v head %d: clusters of more than 1024 members", tensor, g)
+			require.Equal(t, got, runs[1][g], "tensor %v head %d: a second run differs", tensor, g)
+		}
 	}
 }
