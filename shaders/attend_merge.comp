@@ -15,13 +15,14 @@ const uint CL = WG / D4;
 
 layout(std430, binding = 0) readonly buffer PartialO { vec4 po[]; };   // [B][Hq][maxChunks][D/4]
 layout(std430, binding = 1) readonly buffer PartialML { vec2 pml[]; }; // [B][Hq][maxChunks]
-layout(std430, binding = 2) readonly buffer Chunks { uint chunks[]; };  // [B][KV heads] chunks used
+layout(std430, binding = 2) readonly buffer Chunks { uint chunks[]; };  // [B][KV heads] chunks (or tokens) used
 layout(std430, binding = 3) writeonly buffer Out { vec4 o[]; };        // [B][Hq][D/4]
 
 layout(push_constant) uniform Push {
 	uint maxChunks;
 	uint qHeads;
 	uint groupSize;  // query heads per KV head
+	uint chunkTokens;  // 0: Chunks holds chunk counts; else token counts, chunkTokens per chunk
 } pc;
 
 shared float red[WG];
@@ -32,6 +33,7 @@ void main() {
 	uint h = gl_WorkGroupID.x;
 	uint b = gl_WorkGroupID.y;
 	uint n = chunks[b * (pc.qHeads / pc.groupSize) + h / pc.groupSize];
+	if (pc.chunkTokens > 0) n = (n + pc.chunkTokens - 1) / pc.chunkTokens;
 	uint base = (b * pc.qHeads + h) * pc.maxChunks;
 
 	float m = -1.0 / 0.0;

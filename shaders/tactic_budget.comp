@@ -1,33 +1,31 @@
 #version 450
 // Tactic, distribution fitting (Alg. 1) and budget of one query head per
-// workgroup, over the bins of tactic_plan as ordered groups of tokens:
-// exact sums of the bins [0, j0) and of the fixed tokens, the two windows'
-// means μ and mean 1/x, the curve y = a/x + b through them in the 1/x
-// coordinate, the estimated cumulative sum S at every bin boundary
-// (exact below N', the fitted curve above, clamped at 0), and the cut: the
-// least bin boundary j with S(j) ≥ P·S(n). The head selects the clusters of
-// bins below the cut.
+// workgroup, over the bins of tactic_plan as ordered groups of tokens, from
+// the exponentials of tactic_sample: exact sums of the bins [0, j0) and of
+// the fixed tokens, the two windows' means μ and mean 1/x, the curve
+// y = a/x + b through them in the 1/x coordinate, the estimated
+// cumulative sum S at every bin boundary (exact below N', the fitted curve
+// above, clamped at 0), and the cut: the least bin boundary j with
+// S(j) ≥ P·S(n). The head selects the clusters of bins below the cut.
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const uint NB = 1024;  // a multiple of 256
 
 layout(std430, binding = 0) readonly buffer TokStart { uint tokStart[]; };   // [Hq][NB+1]
-layout(std430, binding = 1) readonly buffer CluStart { uint cluStart[]; };   // [Hq][NB+1]
-layout(std430, binding = 2) readonly buffer Plan { uint plan[]; };           // [Hq][16]
-layout(std430, binding = 3) readonly buffer ClusterSum { float clusterSum[]; }; // [Hq][C]
-layout(std430, binding = 4) readonly buffer FixedSum { float fixedSum[]; };     // [Hq][fixedChunks]
-layout(std430, binding = 5) writeonly buffer Cut { uint cut[]; };             // [Hq]
+layout(std430, binding = 1) readonly buffer Plan { uint plan[]; };           // [Hq][16]
+layout(std430, binding = 2) readonly buffer Expo { float expo[]; };          // [Hq][clustered]
+layout(std430, binding = 3) readonly buffer ExpoFixed { float expoFixed[]; }; // [Hq][fixedStride]
+layout(std430, binding = 4) writeonly buffer Cut { uint cut[]; };            // [Hq]
 
 layout(push_constant) uniform Push {
-	uint C;
 	uint n;  // clustered tokens
-	uint fixedChunks;
+	uint fixedCount;
+	uint fixedStride;
 	float p;
 } pc;
 
-shared float bs[NB];        // bin sums (exact and window bins)
 shared float pre[NB + 1];   // S at bin boundaries
-shared float red[256];
+shared vec4 red[256];       // scan of (exact segment, fixed, window 1, window 2) sums
 shared uint best;
 
 const float GAMMA = 0.5772156649;
@@ -64,20 +62,6 @@ float curve(float a, float b, uint lo, uint hi) {
 	return max(0.0, a * (harmonic(hi) - harmonic(lo - 1)) + b * float(hi - lo + 1));
 }
 
-float reduceSum(float x) {
-	uint tid = gl_LocalInvocationID.x;
-	barrier();
-	red[tid] = x;
-	barrier();
-	for (uint k = 128; k > 0; k >>= 1) {
-		if (tid < k) red[tid] += red[tid + k];
-		barrier();
-	}
-	float r = red[0];
-	barrier();
-	return r;
-}
-
 void main() {
 	uint tid = gl_LocalInvocationID.x;
 	uint h = gl_WorkGroupID.x;
@@ -85,31 +69,30 @@ void main() {
 	uint j0 = plan[pl + 1];
 	uint exact = plan[pl + 2];
 	bool windows = plan[pl + 3] != 0;
-	uint r1 = plan[pl + 4], r2 = plan[pl + 5], u1 = plan[pl + 6], v1 = plan[pl + 7];
-	uint r3 = plan[pl + 8], r4 = plan[pl + 9], u2 = plan[pl + 10], v2 = plan[pl + 11];
+	uint u1 = plan[pl + 6], v1 = plan[pl + 7];
+	uint u2 = plan[pl + 10], v2 = plan[pl + 11];
 	uint ob = h * (NB + 1);
+	uint eb = h * pc.n;
 
-	// Bin sums where sampled, each in rank order.
-	for (uint b = tid; b < NB; b += 256) {
-		bool sampled = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
-		float sum = 0.0;
-		if (sampled) {
-			for (uint r = cluStart[ob + b]; r < cluStart[ob + b + 1]; r++) sum += clusterSum[h * pc.C + r];
-		}
-		bs[b] = sum;
+	// Thread tid sums the exact positions [tid·per, (tid+1)·per) and a
+	// share of the fixed tokens and windows; an inclusive scan follows.
+	uint per = (exact + 255) / 256;
+	vec4 acc = vec4(0.0);
+	for (uint x = tid * per; x < min(exact, tid * per + per); x++) acc.x += expo[eb + x];
+	for (uint i = tid; i < pc.fixedCount; i += 256) acc.y += expoFixed[h * pc.fixedStride + i];
+	if (windows) {
+		for (uint x = u1 + tid; x < v1; x += 256) acc.z += expo[eb + x];
+		for (uint x = u2 + tid; x < v2; x += 256) acc.w += expo[eb + x];
 	}
-	float f = 0.0;
-	for (uint i = tid; i < pc.fixedChunks; i += 256) f += fixedSum[h * pc.fixedChunks + i];
-	float fixedTotal = reduceSum(f);
-	float e = 0.0, w1 = 0.0, w2 = 0.0;
-	for (uint b = tid; b < NB; b += 256) {
-		if (b < j0) e += bs[b];
-		if (windows && b >= r1 && b <= r2) w1 += bs[b];
-		if (windows && b >= r3 && b <= r4) w2 += bs[b];
+	red[tid] = acc;
+	barrier();
+	for (uint k = 1; k < 256; k <<= 1) {
+		vec4 x = tid >= k ? red[tid - k] : vec4(0.0);
+		barrier();
+		red[tid] += x;
+		barrier();
 	}
-	float exactTotal = reduceSum(e);
-	float win1 = reduceSum(w1);
-	float win2 = reduceSum(w2);
+	float exactTotal = red[255].x, fixedTotal = red[255].y, win1 = red[255].z, win2 = red[255].w;
 
 	float a = 0.0, bb = 0.0;
 	if (windows) {
@@ -124,18 +107,21 @@ void main() {
 		}
 	}
 
-	// S at every bin boundary: exact prefix sums up to j0, the curve beyond.
-	if (tid == 0) {
-		float run = fixedTotal;
-		for (uint j = 0; j <= j0 && j <= NB; j++) {
-			pre[j] = run;
-			if (j < j0) run += bs[j];
-		}
-		best = NB;
-	}
-	barrier();
+	// S at every bin boundary: the exact prefix sum up to j0 (from the
+	// scan, the owning thread's part summed again), the curve beyond.
+	if (tid == 0) best = NB;
 	for (uint j = tid; j <= NB; j += 256) {
-		if (j > j0) pre[j] = fixedTotal + exactTotal + curve(a, bb, exact + 1, tokStart[ob + j]);
+		uint x = tokStart[ob + j];
+		if (j > j0) {
+			pre[j] = fixedTotal + exactTotal + curve(a, bb, exact + 1, x);
+		} else if (x >= exact) {
+			pre[j] = fixedTotal + exactTotal;
+		} else {
+			uint owner = x / per;
+			float sum = owner == 0 ? 0.0 : red[owner - 1].x;
+			for (uint y = owner * per; y < x; y++) sum += expo[eb + y];
+			pre[j] = fixedTotal + sum;
+		}
 	}
 	barrier();
 	float total = fixedTotal + exactTotal + curve(a, bb, exact + 1, pc.n);

@@ -4,11 +4,16 @@
 // head's best and worst centroid scores and u = 2^(log2 NB − e) for
 // m − m0 = f·2^e, f in [0.5, 1): a power of two, so the bin is exact, and
 // the bins span between half and all of [m0, m]. Bins ascend as scores
-// descend; the clusters of a bin form one group (the fit works on groups).
-// It writes each cluster's bin, the clusters ordered by bin (in no
-// particular order within a bin), the token and cluster offsets of the
-// bins, and the plan of Alg. 1: the exact bins [0, j0) covering at least
-// `need` tokens, and the bins holding the two sampling windows' ends.
+// descend; the clusters of a bin form one group (the fit works on groups),
+// and the order of the head's clustered tokens is bin by bin (in no
+// particular order within a bin).
+// It writes each cluster's bin, the token offset of every bin, the plan of
+// Alg. 1 (the exact bins [0, j0) covering at least `need` tokens; the bins
+// holding the two sampling windows' ends, and the windows' token ranges),
+// and the list of sampled clusters (those in the exact bins or a window),
+// each with its first position in the order, so that the next pass reads
+// their members with many threads. The first head of every group also opens its KV head's token
+// list with the fixed tokens: the sinks [0, sinks), then [clusteredEnd, n).
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const uint NB = 1024;   // bins, a multiple of 256
@@ -17,10 +22,11 @@ layout(constant_id = 1) const int LOG2NB = 10;  // log2(NB)
 layout(std430, binding = 0) readonly buffer Scores { float s[]; };      // [Hq][C]
 layout(std430, binding = 1) readonly buffer Sizes { uint sizes[]; };    // [Hkv][C]
 layout(std430, binding = 2) writeonly buffer BinOf { uint binOf[]; };   // [Hq][C]
-layout(std430, binding = 3) writeonly buffer Order { uint order[]; };   // [Hq][C]
-layout(std430, binding = 4) writeonly buffer TokStart { uint tokStart[]; };  // [Hq][NB+1]
-layout(std430, binding = 5) writeonly buffer CluStart { uint cluStart[]; };  // [Hq][NB+1]
-layout(std430, binding = 6) writeonly buffer Plan { uint plan[]; };     // [Hq][16]
+layout(std430, binding = 3) writeonly buffer TokStart { uint tokStart[]; };  // [Hq][NB+1]
+layout(std430, binding = 4) writeonly buffer Plan { uint plan[]; };     // [Hq][16]
+layout(std430, binding = 5) writeonly buffer Sampled { uvec2 sampled[]; }; // [Hq][C]: (cluster, position)
+layout(std430, binding = 6) writeonly buffer Tokens { uint tok[]; };    // [Hkv][stride]
+layout(std430, binding = 7) writeonly buffer TokenCounts { uint count[]; }; // [Hkv]
 
 layout(push_constant) uniform Push {
 	uint C;
@@ -28,24 +34,21 @@ layout(push_constant) uniform Push {
 	uint n;      // clustered tokens
 	uint need;   // tokens the exact part covers at least
 	uint lo1, hi1, lo2, hi2;  // window positions (1-based, inclusive)
+	uint sinks;
+	uint clusteredEnd;
+	uint stored;  // tokens stored
+	uint stride;  // list entries per KV head
 } pc;
 
 shared float red[256];
-shared uint cntT[NB];
-shared uint cntC[NB];
+shared uint cnt[NB];
 shared uint stT[NB + 1];
-shared uint stC[NB + 1];
-shared uint part[2][256];
+shared uint part[256];
+shared uint found[5];
+shared uint nSampled;
 
 uint binOfScore(float m, float u, float x) {
 	return min(NB - 1, uint(floor((m - x) * u)));
-}
-
-// rank returns the least bin j with stT[j+1] >= x (the bin holding position x).
-uint rank(uint x) {
-	uint j = 0;
-	while (j + 1 < NB && stT[j + 1] < x) j++;
-	return j;
 }
 
 void main() {
@@ -54,16 +57,23 @@ void main() {
 	uint g = h / pc.groupSize;
 	uint sb = h * pc.C;
 
+	if (h % pc.groupSize == 0) {
+		uint fixedCount = pc.sinks + pc.stored - pc.clusteredEnd;
+		for (uint i = tid; i < fixedCount; i += 256) {
+			tok[g * pc.stride + i] = i < pc.sinks ? i : pc.clusteredEnd + (i - pc.sinks);
+		}
+		if (tid == 0) count[g] = fixedCount;
+	}
+
 	float m = -1.0 / 0.0, m0 = 1.0 / 0.0;
 	for (uint c = tid; c < pc.C; c += 256) {
 		m = max(m, s[sb + c]);
 		m0 = min(m0, s[sb + c]);
 	}
 	red[tid] = m;
-	for (uint i = tid; i < NB; i += 256) {
-		cntT[i] = 0;
-		cntC[i] = 0;
-	}
+	for (uint i = tid; i < NB; i += 256) cnt[i] = 0;
+	if (tid < 5) found[tid] = tid == 0 ? NB : NB - 1;
+	if (tid == 0) nSampled = 0;
 	barrier();
 	for (uint k = 128; k > 0; k >>= 1) {
 		if (tid < k) red[tid] = max(red[tid], red[tid + k]);
@@ -88,71 +98,59 @@ void main() {
 	for (uint c = tid; c < pc.C; c += 256) {
 		uint b = binOfScore(m, u, s[sb + c]);
 		binOf[sb + c] = b;
-		atomicAdd(cntT[b], sizes[g * pc.C + c]);
-		atomicAdd(cntC[b], 1);
+		atomicAdd(cnt[b], sizes[g * pc.C + c]);
 	}
 	barrier();
 
-	// Exclusive scans of the bins' token and cluster counts.
+	// Exclusive scan of the bins' token counts.
 	const uint PER = NB / 256;
-	uint sumT = 0, sumC = 0;
-	for (uint i = 0; i < PER; i++) {
-		sumT += cntT[tid * PER + i];
-		sumC += cntC[tid * PER + i];
-	}
-	part[0][tid] = sumT;
-	part[1][tid] = sumC;
+	uint sum = 0;
+	for (uint i = 0; i < PER; i++) sum += cnt[tid * PER + i];
+	part[tid] = sum;
 	barrier();
 	for (uint k = 1; k < 256; k <<= 1) {
-		uint xT = tid >= k ? part[0][tid - k] : 0;
-		uint xC = tid >= k ? part[1][tid - k] : 0;
+		uint x = tid >= k ? part[tid - k] : 0;
 		barrier();
-		part[0][tid] += xT;
-		part[1][tid] += xC;
+		part[tid] += x;
 		barrier();
 	}
-	uint runT = tid == 0 ? 0 : part[0][tid - 1];
-	uint runC = tid == 0 ? 0 : part[1][tid - 1];
+	uint run = tid == 0 ? 0 : part[tid - 1];
 	for (uint i = 0; i < PER; i++) {
 		uint b = tid * PER + i;
-		stT[b] = runT;
-		stC[b] = runC;
-		runT += cntT[b];
-		runC += cntC[b];
+		stT[b] = run;
+		run += cnt[b];
 	}
-	if (tid == 255) {
-		stT[NB] = runT;
-		stC[NB] = runC;
-	}
+	if (tid == 255) stT[NB] = run;
 	barrier();
 	uint ob = h * (NB + 1);
+	for (uint b = tid; b <= NB; b += 256) tokStart[ob + b] = stT[b];
+
+	// j0: the least boundary with stT[j0] >= need (NB if none); the window
+	// ends: the least bin j with stT[j+1] >= x (NB − 1 if none).
 	for (uint b = tid; b <= NB; b += 256) {
-		tokStart[ob + b] = stT[b];
-		cluStart[ob + b] = stC[b];
+		if (stT[b] >= pc.need) atomicMin(found[0], b);
+		if (b < NB) {
+			uint next = stT[b + 1];
+			if (next >= pc.lo1) atomicMin(found[1], b);
+			if (next >= pc.hi1) atomicMin(found[2], b);
+			if (next >= pc.lo2) atomicMin(found[3], b);
+			if (next >= pc.hi2) atomicMin(found[4], b);
+		}
 	}
-
-	// Clusters grouped by bin (counting sort).
-	for (uint b = tid; b < NB; b += 256) cntC[b] = stC[b];  // cursors
+	for (uint b = tid; b < NB; b += 256) cnt[b] = 0;  // cursors
 	barrier();
-	for (uint c = tid; c < pc.C; c += 256) {
-		uint b = binOfScore(m, u, s[sb + c]);
-		order[sb + atomicAdd(cntC[b], 1)] = c;
-	}
-
+	uint j0 = found[0];
+	uint exact = stT[j0];
+	bool windows = exact < pc.n;
+	uint r1 = found[1], r2 = found[2], r3 = found[3], r4 = found[4];
 	if (tid == 0) {
-		uint j0 = 0;
-		while (j0 < NB && stT[j0] < pc.need) j0++;
-		uint exact = stT[j0];
 		uint p = h * 16;
 		plan[p + 0] = floatBitsToUint(m);
 		plan[p + 12] = floatBitsToUint(u);
 		plan[p + 1] = j0;
 		plan[p + 2] = exact;
-		uint windows = exact < pc.n ? 1 : 0;
-		plan[p + 3] = windows;
-		if (windows != 0) {
-			uint r1 = rank(pc.lo1), r2 = rank(pc.hi1);
-			uint r3 = rank(pc.lo2), r4 = rank(pc.hi2);
+		plan[p + 3] = windows ? 1 : 0;
+		if (windows) {
 			plan[p + 4] = r1;
 			plan[p + 5] = r2;
 			plan[p + 6] = stT[r1];
@@ -163,4 +161,13 @@ void main() {
 			plan[p + 11] = stT[r4 + 1];
 		}
 	}
+
+	// The sampled clusters and their first positions.
+	for (uint c = tid; c < pc.C; c += 256) {
+		uint b = binOfScore(m, u, s[sb + c]);
+		bool take = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
+		if (take) sampled[sb + atomicAdd(nSampled, 1)] = uvec2(c, stT[b] + atomicAdd(cnt[b], sizes[g * pc.C + c]));
+	}
+	barrier();
+	if (tid == 0) plan[h * 16 + 13] = nSampled;
 }

@@ -1,43 +1,42 @@
 #version 450
 // Tactic, exact exponentials the fit needs, for query head h =
 // gl_WorkGroupID.y, with e(t) = exp(scale·q_h·k_t − m), m the head's best
-// centroid score:
-//  pass 0: for every cluster rank r (position in the bin order) that lies
-//          in the exact bins or in a sampling window's bins,
-//          clusterSum[h][r] = Σ e(t) over the cluster's members;
-//  pass 1: fixedSum[h][i] = Σ e(t) over fixed tokens 16i .. 16i+15 (the
-//          sinks [0, sinks), then the tail [clusteredEnd, n)).
+// centroid score (the workgroups of a head stride over its work):
+//   expo[h][x + j] = e(member j of cluster c) for every sampled cluster
+//                (c, x) of tactic_plan (those of the exact part and the
+//                windows), a team of 16 threads per cluster;
+//   expoFixed[h][f] = e(fixed token f), the sinks [0, sinks) then the
+//                tail [clusteredEnd, n), a thread per token.
 #extension GL_EXT_control_flow_attributes : enable
 
-layout(local_size_x = 64) in;
+layout(local_size_x = 256) in;
 layout(constant_id = 0) const uint D = 128;
-layout(constant_id = 1) const uint NB = 1024;
 
 const uint DV = D / 8;
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };       // [Hq][D/4]
 layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };         // [Hkv][headStride]
-layout(std430, binding = 2) readonly buffer Order { uint order[]; };     // [Hq][C]
-layout(std430, binding = 3) readonly buffer CluStart { uint cluStart[]; }; // [Hq][NB+1]
-layout(std430, binding = 4) readonly buffer Plan { uint plan[]; };       // [Hq][16]
-layout(std430, binding = 5) readonly buffer Starts { uint starts[]; };   // [Hkv][C] member offsets
-layout(std430, binding = 6) readonly buffer Sizes { uint sizes[]; };     // [Hkv][C]
-layout(std430, binding = 7) readonly buffer Members { uint members[]; }; // [Hkv][clustered]
-layout(std430, binding = 8) writeonly buffer ClusterSum { float clusterSum[]; }; // [Hq][C]
-layout(std430, binding = 9) writeonly buffer FixedSum { float fixedSum[]; };     // [Hq][fixedChunks]
+layout(std430, binding = 2) readonly buffer Plan { uint plan[]; };       // [Hq][16]
+layout(std430, binding = 3) readonly buffer Sampled { uvec2 sampled[]; }; // [Hq][C]: (cluster, position)
+layout(std430, binding = 4) readonly buffer Starts { uint starts[]; };   // [Hkv][C] member offsets
+layout(std430, binding = 5) readonly buffer Sizes { uint sizes[]; };     // [Hkv][C]
+layout(std430, binding = 6) readonly buffer Members { uint members[]; }; // [Hkv][clustered]
+layout(std430, binding = 7) writeonly buffer Expo { float expo[]; };     // [Hq][clustered]
+layout(std430, binding = 8) writeonly buffer ExpoFixed { float expoFixed[]; }; // [Hq][fixedStride]
 
 layout(push_constant) uniform Push {
-	uint pass;
-	uint C;
 	uint groupSize;
 	uint headStride;    // uvec4 words between KV heads in Keys
-	uint clustered;     // clustered tokens per head (Members stride)
+	uint clustered;     // clustered tokens per head
 	uint sinks;
 	uint clusteredEnd;
 	uint n;             // tokens stored
-	uint fixedChunks;   // ceil((sinks + n − clusteredEnd) / 16)
+	uint fixedStride;
 	float scale;
+	uint C;
 } pc;
+
+const uint TEAM = 16;  // threads per cluster
 
 shared vec4 qs[D / 4];
 
@@ -55,33 +54,21 @@ float e(uint g, uint t, float m) {
 void main() {
 	uint h = gl_WorkGroupID.y;
 	uint g = h / pc.groupSize;
-	for (uint i = gl_LocalInvocationID.x; i < D / 4; i += 64) qs[i] = q[h * (D / 4) + i] * pc.scale;
+	for (uint i = gl_LocalInvocationID.x; i < D / 4; i += 256) qs[i] = q[h * (D / 4) + i] * pc.scale;
 	barrier();
 	uint p = h * 16;
 	float m = uintBitsToFloat(plan[p]);
-	uint i = gl_GlobalInvocationID.x;
-	if (pc.pass == 1) {
-		uint fixedCount = pc.sinks + pc.n - pc.clusteredEnd;
-		if (i >= pc.fixedChunks) return;
-		float sum = 0.0;
-		for (uint f = 16 * i; f < min(16 * i + 16, fixedCount); f++) {
-			sum += e(g, f < pc.sinks ? f : pc.clusteredEnd + (f - pc.sinks), m);
-		}
-		fixedSum[h * pc.fixedChunks + i] = sum;
-		return;
+	uint tid = gl_LocalInvocationID.x;
+	uint list = plan[p + 13];
+	uint team = tid / TEAM, lane = tid % TEAM;
+	for (uint i = gl_WorkGroupID.x * (256 / TEAM) + team; i < list; i += gl_NumWorkGroups.x * (256 / TEAM)) {
+		uvec2 cx = sampled[h * pc.C + i];
+		uint from = g * pc.clustered + starts[g * pc.C + cx.x];
+		uint size = sizes[g * pc.C + cx.x];
+		for (uint j = lane; j < size; j += TEAM) expo[h * pc.clustered + cx.y + j] = e(g, members[from + j], m);
 	}
-	if (i >= pc.C) return;
-	uint cb = h * (NB + 1);
-	bool take = i < cluStart[cb + plan[p + 1]];
-	if (plan[p + 3] != 0) {
-		take = take || (i >= cluStart[cb + plan[p + 4]] && i < cluStart[cb + plan[p + 5] + 1]);
-		take = take || (i >= cluStart[cb + plan[p + 8]] && i < cluStart[cb + plan[p + 9] + 1]);
+	uint fixedCount = pc.sinks + pc.n - pc.clusteredEnd;
+	for (uint f = gl_WorkGroupID.x * 256 + tid; f < fixedCount; f += gl_NumWorkGroups.x * 256) {
+		expoFixed[h * pc.fixedStride + f] = e(g, f < pc.sinks ? f : pc.clusteredEnd + (f - pc.sinks), m);
 	}
-	if (!take) return;
-	uint c = order[h * pc.C + i];
-	uint from = g * pc.clustered + starts[g * pc.C + c];
-	uint size = sizes[g * pc.C + c];
-	float sum = 0.0;
-	for (uint j = 0; j < size; j++) sum += e(g, members[from + j], m);
-	clusterSum[h * pc.C + i] = sum;
 }

@@ -1,12 +1,21 @@
 #version 450
 // Tactic, centroid scoring: s[h][c] = scale · q_h · centroid_c for every
-// query head h and every cluster c of its KV head h / groupSize. One thread
-// per cluster; the workgroup shares q_h.
+// query head h and every cluster c of its KV head h / groupSize.
+// A workgroup scores 32 centroids of KV head gl_WorkGroupID.y for up to 8
+// query heads of its group (block gl_WorkGroupID.z): 8 lanes share a
+// centroid row, lane l reading its vec4s l, l+8, ..., so that each row is
+// read once, in whole 128-byte runs, for all the block's heads.
+#extension GL_EXT_control_flow_attributes : enable
 
-layout(local_size_x = 64) in;
+layout(local_size_x = 256) in;
 layout(constant_id = 0) const uint D = 128;
 
-layout(std430, binding = 0) readonly buffer Queries { float q[]; };      // [Hq][D]
+const uint D4 = D / 4;
+const uint LANES = 8;     // threads per centroid
+const uint ROWS = 32;     // centroids per workgroup
+const uint HB = 8;        // query heads per block
+
+layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };       // [Hq][D/4]
 layout(std430, binding = 1) readonly buffer Centroids { vec4 cent[]; };  // [Hkv][C][D/4]
 layout(std430, binding = 2) writeonly buffer Scores { float s[]; };      // [Hq][C]
 
@@ -16,19 +25,32 @@ layout(push_constant) uniform Push {
 	float scale;
 } pc;
 
-shared vec4 qs[D / 4];
+shared vec4 qs[HB][D4];
+shared float part[HB][ROWS][LANES];
 
 void main() {
-	uint h = gl_WorkGroupID.y;
-	uint c = gl_GlobalInvocationID.x;
-	for (uint i = gl_LocalInvocationID.x; i < D / 4; i += 64) {
-		uint b = h * D + 4 * i;
-		qs[i] = vec4(q[b], q[b + 1], q[b + 2], q[b + 3]) * pc.scale;
-	}
+	uint tid = gl_LocalInvocationID.x;
+	uint g = gl_WorkGroupID.y;
+	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
+	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
+	for (uint i = tid; i < heads * D4; i += 256) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
 	barrier();
-	if (c >= pc.C) return;
-	uint row = ((h / pc.groupSize) * pc.C + c) * (D / 4);
-	float acc = 0.0;
-	for (uint i = 0; i < D / 4; i++) acc += dot(qs[i], cent[row + i]);
-	s[h * pc.C + c] = acc;
+	uint r = tid / LANES, lane = tid % LANES;
+	uint c = gl_WorkGroupID.x * ROWS + r;
+	float acc[HB];
+	[[unroll]] for (uint k = 0; k < HB; k++) acc[k] = 0.0;
+	if (c < pc.C) {
+		uint row = (g * pc.C + c) * D4;
+		for (uint i = lane; i < D4; i += LANES) {
+			vec4 x = cent[row + i];
+			[[unroll]] for (uint k = 0; k < HB; k++) acc[k] += dot(x, qs[k][i]);
+		}
+	}
+	[[unroll]] for (uint k = 0; k < HB; k++) part[k][r][lane] = acc[k];
+	barrier();
+	if (c < pc.C && lane < heads) {
+		float sum = 0.0;
+		[[unroll]] for (uint j = 0; j < LANES; j++) sum += part[lane][r][j];
+		s[(h0 + lane) * pc.C + c] = sum;
+	}
 }

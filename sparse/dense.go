@@ -62,6 +62,7 @@ const (
 	scoreBudget      = 4096 // default shared floats for scores: group × tile
 	defaultMaxChunk  = 512  // chunk slots per (sequence, head)
 	targetWorkgroups = 512
+	gatherChunkMax   = 512 // tokens per chunk of gathered attention
 )
 
 // NewDense compiles the dense attention kernels for heads.
@@ -146,7 +147,7 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 		return nil, err
 	}
 	mwg := wg
-	d.merge, err = dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 3,
+	d.merge, err = dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 4,
 		Specialization: []uint32{uint32(mwg), uint32(heads.Dim)}})
 	if err != nil {
 		d.partial.Release()
@@ -279,7 +280,11 @@ func (p *DensePlan) allocate() error {
 		}
 		p.segments = append(p.segments, segs)
 	}
-	p.mergeBind, err = d.merge.Bind(p.partO.All(), p.partML.All(), p.chunks.All(), p.out.All())
+	counts := p.chunks // chunk counts; a gather plan's merge divides token counts
+	if p.gatherStride > 0 {
+		counts = p.tokCounts
+	}
+	p.mergeBind, err = d.merge.Bind(p.partO.All(), p.partML.All(), counts.All(), p.out.All())
 	return err
 }
 
@@ -360,7 +365,7 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 		}
 	}
 	c.Barrier()
-	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group())}, uint32(h.Query), uint32(len(p.seqs)), 1)
+	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group()), 0}, uint32(h.Query), uint32(len(p.seqs)), 1)
 	if slices.Equal(chunks, p.lastChunks) {
 		return nil
 	}
@@ -489,8 +494,8 @@ func ceilDiv(a, b int) int { return (a + b - 1) / b }
 // PlanGather prepares attention of one sequence over a list of tokens per
 // KV head (at most stride each): every query head of KV head g attends
 // exactly the tokens of list g. The lists live on the device (Tokens,
-// TokenCounts) so that GPU kernels can fill them; the chunk counts of the
-// merge (ChunkCounts, ceil(count / GatherChunk) per head) too.
+// TokenCounts) so that GPU kernels can fill them; the merge derives each
+// head's chunks, ceil(count / GatherChunk), from the counts.
 func (d *Dense) PlanGather(layer *kvcache.Layer, stride int) (*DensePlan, error) {
 	if stride <= 0 || stride > layer.Capacity() {
 		return nil, fmt.Errorf("sparse: token lists of %d entries for a cache of capacity %d", stride, layer.Capacity())
@@ -499,7 +504,9 @@ func (d *Dense) PlanGather(layer *kvcache.Layer, stride int) (*DensePlan, error)
 		return nil, fmt.Errorf("sparse: the cache has %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), d.heads.KV, d.heads.Dim)
 	}
 	blocks := d.heads.KV * (d.heads.Group() / d.group)
-	chunk := max(64, ceilDiv(ceilDiv(stride*blocks, targetWorkgroups), 64)*64)
+	// Chunks of at most gatherChunkMax tokens; workgroups past a list's
+	// end exit at once.
+	chunk := min(gatherChunkMax, max(64, ceilDiv(ceilDiv(stride*blocks, targetWorkgroups), 64)*64))
 	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: ceilDiv(stride, chunk), gatherStride: stride, gatherChunk: chunk}
 	if err := p.allocate(); err != nil {
 		p.Release()
@@ -513,9 +520,6 @@ func (p *DensePlan) Tokens() *vk.Buffer { return p.tokens }
 
 // TokenCounts returns the list lengths, uint32 [KVHeads] (PlanGather).
 func (p *DensePlan) TokenCounts() *vk.Buffer { return p.tokCounts }
-
-// ChunkCounts returns the merge's chunk counts, uint32 [KVHeads].
-func (p *DensePlan) ChunkCounts() *vk.Buffer { return p.chunks }
 
 // GatherChunk returns the tokens per chunk of a PlanGather plan.
 func (p *DensePlan) GatherChunk() int { return p.gatherChunk }
@@ -532,7 +536,6 @@ func (p *DensePlan) SetTokens(lists [][]int32) error {
 	}
 	flat := make([]uint32, h.KV*p.gatherStride)
 	counts := make([]uint32, h.KV)
-	chunks := make([]uint32, h.KV)
 	n := p.seqs[0].Len()
 	for g, l := range lists {
 		if len(l) == 0 || len(l) > p.gatherStride {
@@ -545,9 +548,8 @@ func (p *DensePlan) SetTokens(lists [][]int32) error {
 			flat[g*p.gatherStride+i] = uint32(t)
 		}
 		counts[g] = uint32(len(l))
-		chunks[g] = uint32(ceilDiv(len(l), p.gatherChunk))
 	}
-	return errors.Join(p.tokens.WriteUint32(0, flat), p.tokCounts.WriteUint32(0, counts), p.chunks.WriteUint32(0, chunks))
+	return errors.Join(p.tokens.WriteUint32(0, flat), p.tokCounts.WriteUint32(0, counts))
 }
 
 // recordGather records attention over the token lists: a fixed grid of
@@ -561,6 +563,6 @@ func (p *DensePlan) recordGather(c *vk.Commands) error {
 		c.Dispatch(d.gather, seg.bind, push, uint32(p.maxChunks), uint32(seg.kvCount*blocks), 1)
 	}
 	c.Barrier()
-	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group())}, uint32(h.Query), 1, 1)
+	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group()), uint32(p.gatherChunk)}, uint32(h.Query), 1, 1)
 	return nil
 }

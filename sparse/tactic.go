@@ -34,15 +34,18 @@ type TacticStep struct {
 	bufs     []*vk.Buffer
 	scores   *vk.Buffer // float32 [Hq][C]
 	binOf    *vk.Buffer // uint32 [Hq][C]
-	order    *vk.Buffer // uint32 [Hq][C]
 	tokStart *vk.Buffer // uint32 [Hq][TacticBins+1]
-	cluStart *vk.Buffer // uint32 [Hq][TacticBins+1]
 	planBuf  *vk.Buffer // uint32 [Hq][16]
-	cluSum   *vk.Buffer // float32 [Hq][C]
-	fixSum   *vk.Buffer // float32 [Hq][fixed chunks]
+	sampled  *vk.Buffer // uint32 [Hq][C][2]: sampled clusters, each with its first position
+	expo     *vk.Buffer // float32 [Hq][clustered]: e(t) at each sampled position
+	expoFix  *vk.Buffer // float32 [Hq][fixedStride]: e(t) of the fixed tokens
 	cut      *vk.Buffer // uint32 [Hq]
+	fixedCap int        // fixedStride: the most fixed tokens the cache can hold (capacity − clustered)
 	clock    stopwatch
 }
+
+// tacticSelectClusters is the clusters per workgroup of the union pass.
+const tacticSelectClusters = 64
 
 // TacticBins is the number of bins of the GPU's cluster order (TacticBin).
 const TacticBins = 1024
@@ -106,24 +109,24 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	}
 	k := &t.kernels
 	k.score = build("tactic_score", 3, 3, uint32(h.Dim))
-	k.order = build("tactic_plan", 7, 8, TacticBins, 10)
-	k.sample = build("tactic_sample", 10, 10, uint32(h.Dim), TacticBins)
-	k.budget = build("tactic_budget", 6, 4, TacticBins)
-	k.sel = build("tactic_select", 8, 9)
+	k.order = build("tactic_plan", 8, 12, TacticBins, 10)
+	k.sample = build("tactic_sample", 9, 9, uint32(h.Dim))
+	k.budget = build("tactic_budget", 5, 4, TacticBins)
+	k.sel = build("tactic_select", 7, 4, 256, tacticSelectClusters)
 	alloc := func(words int) *vk.Buffer {
 		if err != nil {
 			return nil
 		}
 		var b *vk.Buffer
-		b, err = dev.NewBuffer(uint64(words)*4, vk.DeviceLocal)
+		b, err = dev.NewBuffer(uint64(max(words, 1))*4, vk.DeviceLocal)
 		t.bufs = append(t.bufs, b)
 		return b
 	}
-	hq, c := h.Query, clusters.C
-	t.scores, t.binOf, t.order = alloc(hq*c), alloc(hq*c), alloc(hq*c)
-	t.tokStart, t.cluStart = alloc(hq*(TacticBins+1)), alloc(hq*(TacticBins+1))
-	t.planBuf, t.cluSum = alloc(hq*16), alloc(hq*c)
-	t.fixSum, t.cut = alloc(hq*ceilDiv(layer.Capacity(), 16)), alloc(hq)
+	hq, c, n := h.Query, clusters.C, clusters.Count
+	t.fixedCap = layer.Capacity() - n // fixed tokens: the stored ones past the clustered
+	t.scores, t.binOf = alloc(hq*c), alloc(hq*c)
+	t.tokStart, t.planBuf, t.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
+	t.sampled, t.expo, t.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*t.fixedCap)
 	bind := func(pipe *vk.Pipeline, r ...vk.Range) *vk.Binding {
 		if err != nil {
 			return nil
@@ -134,11 +137,12 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	}
 	x := clusters
 	b := &t.binds
+	lists, counts := t.plan.Tokens().All(), t.plan.TokenCounts().All()
 	b.score = bind(k.score, t.plan.query.All(), x.Centroids.All(), t.scores.All())
-	b.order = bind(k.order, t.scores.All(), x.Counts.All(), t.binOf.All(), t.order.All(), t.tokStart.All(), t.cluStart.All(), t.planBuf.All())
-	b.sample = bind(k.sample, t.plan.query.All(), layer.Keys().All(), t.order.All(), t.cluStart.All(), t.planBuf.All(), x.Starts.All(), x.Counts.All(), x.Members.All(), t.cluSum.All(), t.fixSum.All())
-	b.budget = bind(k.budget, t.tokStart.All(), t.cluStart.All(), t.planBuf.All(), t.cluSum.All(), t.fixSum.All(), t.cut.All())
-	b.sel = bind(k.sel, t.binOf.All(), t.cut.All(), x.Starts.All(), x.Counts.All(), x.Members.All(), t.plan.Tokens().All(), t.plan.TokenCounts().All(), t.plan.ChunkCounts().All())
+	b.order = bind(k.order, t.scores.All(), x.Counts.All(), t.binOf.All(), t.tokStart.All(), t.planBuf.All(), t.sampled.All(), lists, counts)
+	b.sample = bind(k.sample, t.plan.query.All(), layer.Keys().All(), t.planBuf.All(), t.sampled.All(), x.Starts.All(), x.Counts.All(), x.Members.All(), t.expo.All(), t.expoFix.All())
+	b.budget = bind(k.budget, t.tokStart.All(), t.planBuf.All(), t.expo.All(), t.expoFix.All(), t.cut.All())
+	b.sel = bind(k.sel, t.binOf.All(), t.cut.All(), x.Starts.All(), x.Counts.All(), x.Members.All(), lists, counts)
 	if err != nil {
 		t.Release()
 		return nil, err
@@ -200,35 +204,27 @@ func (t *TacticStep) record(c *vk.Commands, mark func(stage int)) error {
 	n := t.layer.Len()
 	end := x.First + x.Count
 	fixed := x.First + n - end
-	hq, kv, cc := uint32(h.Query), uint32(h.KV), uint32(x.C)
+	hq, kv, cc, group := uint32(h.Query), uint32(h.KV), uint32(x.C), uint32(h.Group())
 	scale := math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))
 	need, win := windowPositions(t.fit, x.Count)
-	chunks := uint32(ceilDiv(max(fixed, 1), 16))
 	k, b := &t.kernels, &t.binds
-	c.Dispatch(k.score, b.score, []uint32{cc, uint32(h.Group()), scale}, uint32(ceilDiv(x.C, 64)), hq, 1)
+	c.Dispatch(k.score, b.score, []uint32{cc, group, scale}, uint32(ceilDiv(x.C, 32)), kv, uint32(ceilDiv(h.Group(), 8)))
 	mark(0)
 	c.Barrier()
-	c.Dispatch(k.order, b.order, []uint32{cc, uint32(h.Group()), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])}, hq, 1, 1)
+	c.Dispatch(k.order, b.order, []uint32{cc, group, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3]),
+		uint32(x.First), uint32(end), uint32(n), uint32(t.plan.gatherStride)}, hq, 1, 1)
 	mark(1)
 	c.Barrier()
-	sample := func(pass uint32) []uint32 {
-		return []uint32{pass, cc, uint32(h.Group()), uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), chunks, scale}
-	}
-	c.Dispatch(k.sample, b.sample, sample(0), uint32(ceilDiv(x.C, 64)), hq, 1)
-	c.Dispatch(k.sample, b.sample, sample(1), uint32(ceilDiv(int(chunks), 64)), hq, 1)
+	// Workgroups per head for the expected samples; they stride over more.
+	work := need + (win[1] - win[0] + 1) + (win[3] - win[2] + 1) + fixed
+	c.Dispatch(k.sample, b.sample, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc},
+		uint32(min(64, ceilDiv(work, 256))), hq, 1)
 	mark(2)
 	c.Barrier()
-	c.Dispatch(k.budget, b.budget, []uint32{cc, uint32(x.Count), chunks, math.Float32bits(float32(t.p))}, hq, 1, 1)
+	c.Dispatch(k.budget, b.budget, []uint32{uint32(x.Count), uint32(fixed), uint32(t.fixedCap), math.Float32bits(float32(t.p))}, hq, 1, 1)
 	mark(3)
 	c.Barrier()
-	sel := func(pass uint32) []uint32 {
-		return []uint32{pass, cc, uint32(h.Group()), uint32(x.First), uint32(end), uint32(n), uint32(t.plan.gatherStride), uint32(t.plan.GatherChunk()), uint32(x.Count)}
-	}
-	c.Dispatch(k.sel, b.sel, sel(0), uint32(ceilDiv(max(1, fixed), 64)), kv, 1)
-	c.Barrier()
-	c.Dispatch(k.sel, b.sel, sel(1), uint32(ceilDiv(x.C, 64)), kv, 1)
-	c.Barrier()
-	c.Dispatch(k.sel, b.sel, sel(2), 1, kv, 1)
+	c.Dispatch(k.sel, b.sel, []uint32{cc, group, uint32(t.plan.gatherStride), uint32(x.Count)}, uint32(ceilDiv(x.C, tacticSelectClusters)), kv, 1)
 	mark(4)
 	c.Barrier()
 	if err := t.plan.Record(c); err != nil {

@@ -179,7 +179,7 @@ func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters,
 	}
 	// Timing at the final length: the step's stages and dense attention,
 	// after keeping the GPU busy a while so its clocks have risen.
-	for spin := time.Now(); time.Since(spin) < 300*time.Millisecond; {
+	for spin := time.Now(); time.Since(spin) < time.Second; {
 		if _, err := step.Time(0, 20); err != nil {
 			return r, err
 		}

@@ -105,7 +105,7 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
 
 	PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV cmprops =
 		(PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesNV)gipa(instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesNV");
-	if (has_coopmat && has_memory_model && cm.cooperativeMatrix && mm.vulkanMemoryModel && cmprops) {
+	if (has_coopmat && has_memory_model && cm.cooperativeMatrix && mm.vulkanMemoryModel && mm.vulkanMemoryModelDeviceScope && cmprops) {
 		uint32_t m = 0;
 		if (cmprops(pd, &m, NULL) == VK_SUCCESS && m > 0) {
 			VkCooperativeMatrixPropertiesNV *cp = calloc(m, sizeof *cp);
@@ -165,6 +165,7 @@ void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv) {
 		c->cm.pNext = &c->mm;
 		c->cm.cooperativeMatrix = VK_TRUE;
 		c->mm.vulkanMemoryModel = VK_TRUE;
+		c->mm.vulkanMemoryModelDeviceScope = VK_TRUE; // device-scope atomics of the other kernels
 	}
 	return c;
 }

@@ -88,7 +88,7 @@ func TestDispatchAndTimestamps(t *testing.T) {
 	code, err := shaders.SPIRV("attend_merge")
 	require.NoError(t, err)
 	const d = 8
-	pipe, err := dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 3, Specialization: []uint32{32, d}})
+	pipe, err := dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 4, Specialization: []uint32{32, d}})
 	require.NoError(t, err)
 	defer pipe.Release()
 	po, _ := dev.NewBuffer(4*d, vk.DeviceLocal)
@@ -113,7 +113,7 @@ func TestDispatchAndTimestamps(t *testing.T) {
 		c.Fill(out.All(), math.Float32bits(float32(math.NaN())))
 		c.Barrier()
 		c.Timestamp(ts, 0)
-		c.Dispatch(pipe, bind, []uint32{1, 1, 1}, 1, 1, 1)
+		c.Dispatch(pipe, bind, []uint32{1, 1, 1, 0}, 1, 1, 1)
 		c.Timestamp(ts, 1)
 	}))
 	got := make([]float32, d)

@@ -91,22 +91,47 @@ func DefaultConfig(tokens int) Config {
 	}
 }
 
+// GroupedKinds returns the mix of DefaultKinds (half streaming, a quarter
+// retrieval, a quarter topic) by KV group instead of by head: all query
+// heads of a group share its kind, as in models whose retrieval heads come
+// with their KV heads, so that a group's union over its heads is as sparse
+// as its heads.
+func GroupedKinds(qHeads, kvHeads int) []HeadKind {
+	group := groupSize(qHeads, kvHeads)
+	kinds := make([]HeadKind, qHeads)
+	for h := range kinds {
+		kinds[h] = kindPattern[(h/group)%len(kindPattern)]
+	}
+	return kinds
+}
+
 // DefaultKinds returns the default head kinds: half streaming, a quarter
 // retrieval and a quarter topic heads, arranged so that every KV group of
 // at least four heads holds all three kinds, in an order that shifts from
 // group to group.
 func DefaultKinds(qHeads, kvHeads int) []HeadKind {
-	pattern := [...]HeadKind{Streaming, Retrieval, Streaming, Topic}
-	group := 1
-	if kvHeads > 0 && qHeads%kvHeads == 0 {
-		group = qHeads / kvHeads
-	}
+	group := groupSize(qHeads, kvHeads)
 	kinds := make([]HeadKind, qHeads)
 	for h := range kinds {
-		kinds[h] = pattern[(h+h/group)%len(pattern)]
+		shift := h / group // the order shifts from group to group
+		if group == 1 {
+			shift = 0
+		}
+		kinds[h] = kindPattern[(h+shift)%len(kindPattern)]
 	}
 	return kinds
 }
+
+// groupSize returns the query heads per KV head, 1 when they do not divide.
+func groupSize(qHeads, kvHeads int) int {
+	if kvHeads > 0 && qHeads%kvHeads == 0 {
+		return qHeads / kvHeads
+	}
+	return 1
+}
+
+// kindPattern is the mix of DefaultKinds and GroupedKinds.
+var kindPattern = [...]HeadKind{Streaming, Retrieval, Streaming, Topic}
 
 // Limits that keep the arithmetic of Generate sound.
 const (

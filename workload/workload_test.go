@@ -130,6 +130,25 @@ func TestDefaultKindsMixEveryGroup(t *testing.T) {
 	}
 	assert.Equal(t, map[HeadKind]int{Streaming: 16, Retrieval: 8, Topic: 8}, count)
 	assert.NotEqual(t, kinds[0:4], kinds[4:8], "the order shifts from group to group")
+	assert.Equal(t, []HeadKind{Streaming, Retrieval, Streaming, Topic}, DefaultKinds(4, 4), "without GQA too")
+}
+
+func TestGroupedKindsShareAKindPerGroup(t *testing.T) {
+	for _, c := range []struct{ q, kv int }{{32, 8}, {8, 2}, {12, 4}, {8, 8}} {
+		kinds := GroupedKinds(c.q, c.kv)
+		require.Len(t, kinds, c.q)
+		count := map[HeadKind]int{}
+		group := c.q / c.kv
+		for h, k := range kinds {
+			assert.Equal(t, kinds[h/group*group], k, "%d/%d: head %d differs from its group's first", c.q, c.kv, h)
+			count[k]++
+		}
+		if c.kv%4 == 0 {
+			assert.Equal(t, c.q/2, count[Streaming], "%d/%d: half streaming", c.q, c.kv)
+			assert.Positive(t, count[Retrieval], "%d/%d: some retrieval", c.q, c.kv)
+			assert.Positive(t, count[Topic], "%d/%d: some topic", c.q, c.kv)
+		}
+	}
 }
 
 func TestHeadKindNames(t *testing.T) {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -32,7 +33,11 @@ type report struct {
 	Results any     `json:"results"`
 }
 
+// writeJSON writes a report of results to path; its command names the file
+// by its base name only, so that results carry no directories of the
+// machine they ran on.
 func writeJSON(path, command string, info vk.Info, results any) error {
+	command = strings.ReplaceAll(command, path, filepath.Base(path))
 	b, err := json.MarshalIndent(report{Tool: "vkbench", Command: command, Date: time.Now().UTC().Format(time.RFC3339), Device: info, Results: results}, "", "  ")
 	if err != nil {
 		return err

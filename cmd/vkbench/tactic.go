@@ -24,6 +24,7 @@ func tactic(args []string) error {
 	qHeads := fs.Int("heads", 32, "query heads (generated workload)")
 	kvHeads := fs.Int("kv-heads", 8, "KV heads (generated workload)")
 	dim := fs.Int("dim", 128, "head dimension (generated workload)")
+	kindsName := fs.String("kinds", "mixed", "head kinds of the generated workload: mixed (every KV group holds every kind) or grouped (one kind per KV group)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	seed := fs.Int64("seed", 1, "workload and K-means seed")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
@@ -37,6 +38,15 @@ func tactic(args []string) error {
 		if !(p > 0 && p <= 1) {
 			return fmt.Errorf("-p: %v is not in (0, 1]", p)
 		}
+	}
+	var kinds func(q, kv int) []workload.HeadKind
+	switch *kindsName {
+	case "mixed":
+		kinds = workload.DefaultKinds
+	case "grouped":
+		kinds = workload.GroupedKinds
+	default:
+		return fmt.Errorf("-kinds: %q is neither mixed nor grouped", *kindsName)
 	}
 	var traces []*trace.Trace
 	var names []string
@@ -53,12 +63,12 @@ func tactic(args []string) error {
 		}
 		for _, n := range nList {
 			cfg := workload.DefaultConfig(n)
-			cfg.QHeads, cfg.KVHeads, cfg.HeadDim, cfg.Seed, cfg.Kinds = *qHeads, *kvHeads, *dim, *seed, nil
+			cfg.QHeads, cfg.KVHeads, cfg.HeadDim, cfg.Seed, cfg.Kinds = *qHeads, *kvHeads, *dim, *seed, kinds(*qHeads, *kvHeads)
 			t, err := workload.Generate(cfg)
 			if err != nil {
 				return err
 			}
-			traces, names = append(traces, t), append(names, fmt.Sprintf("workload n=%d", n))
+			traces, names = append(traces, t), append(names, fmt.Sprintf("workload n=%d %s", n, *kindsName))
 		}
 	}
 	dev, err := openDevice()
