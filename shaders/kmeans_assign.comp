@@ -2,7 +2,10 @@
 // K-means assignment step. For every clustered token t of KV head g:
 // a[t] = argmin_c (|c|² − 2 k_t·c), ties to the lower c, which is the
 // nearest centroid in squared Euclidean distance. It also counts each
-// cluster's members and how many tokens changed cluster.
+// cluster's members (into counts, zeroed by the update step before) and
+// how many tokens changed cluster (changed[iter][g]). A head whose previous
+// step changed nothing has converged and is skipped.
+// kmeans_assign_nv is the same step on NVIDIA's cooperative matrices.
 // A workgroup takes 128 tokens and walks all centroids in tiles of 128, as
 // a 128×128 matrix product over the dimension in steps of BK; each thread
 // holds an 8×8 block in named registers: written out, not as arrays, since
@@ -19,19 +22,21 @@ layout(std430, binding = 1) readonly buffer Centroids { float cent[]; }; // [hea
 layout(std430, binding = 2) readonly buffer Norms { float cnorm[]; };    // [heads][C]
 layout(std430, binding = 3) buffer Assign { uint assign[]; };            // [heads][n]
 layout(std430, binding = 4) buffer Counts { uint counts[]; };            // [heads][C]
-layout(std430, binding = 5) buffer Changed { uint changed[]; };          // [heads]
+layout(std430, binding = 5) buffer Changed { uint changed[]; };          // [iterations][heads]
 
 layout(push_constant) uniform Push {
 	uint n;           // clustered tokens per head
 	uint first;       // first clustered token
 	uint headStride;  // uint words between KV heads in Keys
 	uint C;           // clusters per head
+	uint iter;        // this step's row of changed
 } pc;
 
 // ks[d][i]: dimension d of tokens 4i..4i+3 of the tile; cs likewise for
 // centroids. At the end they hold each thread's best distances and indices.
 shared vec4 ks[16][T / 4];  // BK <= 16 rows in use while multiplying
 shared vec4 cs[16][T / 4];
+shared uint moved;  // tokens of this workgroup that changed cluster
 
 // consider keeps (dist, c) if it beats (bd, bi): smaller, or equal and lower.
 void consider(float dist, uint c, inout float bd, inout uint bi) {
@@ -45,6 +50,9 @@ void main() {
 	uint tid = gl_LocalInvocationID.x;
 	uint g = gl_WorkGroupID.y;
 	uint t0 = gl_WorkGroupID.x * T;
+	uint heads = gl_NumWorkGroups.y;
+	if (pc.iter > 0 && changed[(pc.iter - 1) * heads + g] == 0) return;
+	if (tid == 0) moved = 0;
 	uint tx = tid % 16;  // centroids 4tx..4tx+3 and 64+4tx..64+4tx+3 of a tile
 	uint ty = tid / 16;  // tokens 4ty..4ty+3 and 64+4ty..64+4ty+3
 	const float INF = 1.0 / 0.0;
@@ -268,8 +276,10 @@ void main() {
 			}
 		}
 		uint t = g * pc.n + t0 + tid;
-		if (assign[t] != c) atomicAdd(changed[g], 1);
+		if (assign[t] != c) atomicAdd(moved, 1);
 		assign[t] = c;
 		atomicAdd(counts[g * pc.C + c], 1);
 	}
+	barrier();
+	if (tid == 0 && moved > 0) atomicAdd(changed[pc.iter * heads + g], moved);
 }

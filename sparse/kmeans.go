@@ -3,6 +3,7 @@ package sparse
 import (
 	"fmt"
 	"math"
+	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/shaders"
@@ -14,10 +15,25 @@ import (
 // squared distance (computed as |c|² − 2k·c in float32, so near ties may
 // break differently), means of members summed in ascending token order,
 // empty clusters kept, at most MaxIter assignment steps.
+//
+// Where the device has NVIDIA's cooperative matrices (vk.Info's
+// CooperativeMatrixNV, a subgroup of 32, 16-bit storage) and the head
+// dimension is a multiple of 16 up to 128, the assignment's dot products run
+// on them: fp16 keys times each centroid's two fp16 parts (hi and the
+// remainder lo), accumulated in fp32, as accurate as the float32 path.
+// SetTensor(false) keeps to the float32 path, which every device runs.
+// A KMeans keeps scratch buffers between clusterings; it is not safe for
+// concurrent use.
 type KMeans struct {
 	dev                                 *vk.Device
 	kvHeads, dim                        int
 	assign, scan, scatter, sort, update *vk.Pipeline
+	assignNV, updateNV                  *vk.Pipeline // nil without cooperative matrices
+	tensor                              bool
+	// Scratch kept from one clustering to the next (grown as needed):
+	// changed counts per step and head, scatter cursors, the centroids as
+	// fp16 parts, and host memory that changed is copied to.
+	changed, cursor, halves, readback *vk.Buffer
 }
 
 // KMeansOptions configure a clustering.
@@ -25,7 +41,31 @@ type KMeansOptions struct {
 	AvgClusterSize int    // tokens per cluster on average; 0 = 16
 	MaxIter        int    // at most this many assignment steps; 0 = 10
 	Seed           uint64 // seeds KMeansInit
+	// Stages, when not nil, receives the GPU time of each kind of step
+	// (timestamp queries around every dispatch), summed over the steps.
+	Stages *KMeansStages
 }
+
+// KMeansStages is the time a clustering spent in each kind of step.
+type KMeansStages struct {
+	Setup   time.Duration // host: buffers, bindings, recording (wall time)
+	Init    time.Duration // initial centroids
+	Assign  time.Duration // assignment steps
+	Scan    time.Duration // prefix sums of the cluster sizes
+	Scatter time.Duration // member lists
+	Sort    time.Duration // member lists ordered
+	Update  time.Duration // centroid updates
+	GPU     time.Duration // the whole submission, first to last timestamp
+}
+
+// kmeansTensorWG is the cooperative-matrix assignment's workgroup: 8
+// subgroups of 32 invocations, 32 tokens each.
+const kmeansTensorWG = 256
+
+// kmeansSortWG is the member sort's workgroup: one per cluster, which
+// ranks up to 1024 members in shared memory and lists a larger cluster's
+// members afresh from the assignment, in token order.
+const kmeansSortWG = 64
 
 // NewKMeans compiles the clustering kernels for kvHeads heads of dim.
 func NewKMeans(dev *vk.Device, kvHeads, dim int) (*KMeans, error) {
@@ -41,40 +81,105 @@ func NewKMeans(dev *vk.Device, kvHeads, dim int) (*KMeans, error) {
 		p **vk.Pipeline
 		k vk.Kernel
 	}{
-		{&km.assign, vk.Kernel{Name: "kmeans_assign", Bindings: 6, PushWords: 4, Specialization: []uint32{uint32(dim), uint32(bk)}}},
-		{&km.scan, vk.Kernel{Name: "kmeans_scan", Bindings: 3, PushWords: 1}},
-		{&km.scatter, vk.Kernel{Name: "kmeans_scatter", Bindings: 3, PushWords: 3}},
-		{&km.sort, vk.Kernel{Name: "kmeans_sort", Bindings: 3, PushWords: 2}},
-		{&km.update, vk.Kernel{Name: "kmeans_update", Bindings: 6, PushWords: 3, Specialization: []uint32{uint32(dim), uint32(dim / 2)}}},
+		{&km.assign, vk.Kernel{Name: "kmeans_assign", Bindings: 6, PushWords: 5, Specialization: []uint32{uint32(dim), uint32(bk)}}},
+		{&km.scan, vk.Kernel{Name: "kmeans_scan", Bindings: 4, PushWords: 2}},
+		{&km.scatter, vk.Kernel{Name: "kmeans_scatter", Bindings: 4, PushWords: 4}},
+		{&km.sort, vk.Kernel{Name: "kmeans_sort", Bindings: 5, PushWords: 4, Specialization: []uint32{kmeansSortWG}}},
+		{&km.update, vk.Kernel{Name: "kmeans_update", Bindings: 8, PushWords: 6, Specialization: []uint32{uint32(dim), uint32(dim / 2), 0}}},
 	}
-	for _, x := range kernels {
+	info := dev.Info()
+	if info.CooperativeMatrixNV && info.SubgroupSize == 32 && info.SubgroupShuffle && info.Storage16Bit && info.Float16 &&
+		dim%16 == 0 && dim <= 128 && info.MaxWorkgroupInvocations >= kmeansTensorWG {
+		kernels = append(kernels,
+			struct {
+				p **vk.Pipeline
+				k vk.Kernel
+			}{&km.assignNV, vk.Kernel{Name: "kmeans_assign_nv", Bindings: 6, PushWords: 5, Specialization: []uint32{uint32(dim), kmeansTensorWG}}},
+			struct {
+				p **vk.Pipeline
+				k vk.Kernel
+			}{&km.updateNV, vk.Kernel{Name: "kmeans_update", Bindings: 8, PushWords: 6, Specialization: []uint32{uint32(dim), uint32(dim / 2), 1}}})
+	}
+	for i, x := range kernels {
 		code, err := shaders.SPIRV(x.k.Name)
 		if err == nil {
 			x.k.SPIRV = code
 			*x.p, err = dev.NewPipeline(x.k)
+		}
+		if err != nil && i >= 5 {
+			// The tensor path is an option: without it, the float32 path.
+			km.releaseTensor()
+			break
 		}
 		if err != nil {
 			km.Release()
 			return nil, err
 		}
 	}
+	km.tensor = km.assignNV != nil && km.updateNV != nil
 	return km, nil
 }
 
-// Release destroys the kernels.
+func (km *KMeans) releaseTensor() {
+	for _, p := range []**vk.Pipeline{&km.assignNV, &km.updateNV} {
+		if *p != nil {
+			(*p).Release()
+			*p = nil
+		}
+	}
+}
+
+// Tensor reports whether assignment steps run on cooperative matrices.
+func (km *KMeans) Tensor() bool { return km.tensor }
+
+// SetTensor chooses the cooperative-matrix assignment (where the device has
+// it) or the float32 one; it reports the choice in effect.
+func (km *KMeans) SetTensor(on bool) bool {
+	km.tensor = on && km.assignNV != nil && km.updateNV != nil
+	return km.tensor
+}
+
+// Release destroys the kernels and the scratch buffers.
 func (km *KMeans) Release() error {
 	for _, p := range []*vk.Pipeline{km.assign, km.scan, km.scatter, km.sort, km.update} {
 		if p != nil {
 			p.Release()
 		}
 	}
+	km.releaseTensor()
+	for _, b := range []**vk.Buffer{&km.changed, &km.cursor, &km.halves, &km.readback} {
+		if *b != nil {
+			(*b).Release()
+			*b = nil
+		}
+	}
 	return nil
 }
 
+// scratch returns *b, replaced by a new buffer when smaller than size.
+func (km *KMeans) scratch(b **vk.Buffer, size uint64, kind vk.Memory) (*vk.Buffer, error) {
+	if *b != nil && (*b).Size() >= size {
+		return *b, nil
+	}
+	if *b != nil {
+		(*b).Release()
+		*b = nil
+	}
+	nb, err := km.dev.NewBuffer(size, kind)
+	if err != nil {
+		return nil, err
+	}
+	*b = nb
+	return nb, nil
+}
+
 // Cluster clusters tokens [first, first+count) of every KV head of layer
-// into KMeansClusterCount(count, AvgClusterSize) clusters. The host waits
-// for each assignment step to learn whether any token moved.
+// into KMeansClusterCount(count, AvgClusterSize) clusters. All steps run in
+// one submission; a head whose assignment changed nothing skips the rest
+// (its result stays what it would be), and the host learns the number of
+// steps at the end.
 func (km *KMeans) Cluster(layer *kvcache.Layer, first, count int, opts KMeansOptions) (*kvcache.Clusters, error) {
+	start := time.Now()
 	if opts.AvgClusterSize == 0 {
 		opts.AvgClusterSize = KMeansDefaultAvgClusterSize
 	}
@@ -101,42 +206,42 @@ func (km *KMeans) Cluster(layer *kvcache.Layer, first, count int, opts KMeansOpt
 	if err != nil {
 		return nil, err
 	}
-	if err := km.run(layer, x, init, opts.MaxIter); err != nil {
+	if err := km.run(layer, x, init, opts.MaxIter, start, opts.Stages); err != nil {
 		x.Release()
 		return nil, err
 	}
 	return x, nil
 }
 
-func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, maxIter int) error {
+func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, maxIter int, start time.Time, stages *KMeansStages) error {
 	dev, h, c, n := km.dev, km.kvHeads, x.C, x.Count
+	tensor := km.tensor && n >= 16
 	headWords := uint32(layer.HeadBytes() / 4)
-	// The initial centroids are the update of one-member clusters.
-	members := make([]uint32, h*n)
-	starts := make([]uint32, h*c)
-	ones := make([]uint32, h*c)
-	for g := 0; g < h; g++ {
-		for j, r := range init {
-			members[g*n+j] = uint32(x.First + r)
-			starts[g*c+j] = uint32(j)
-			ones[g*c+j] = 1
-		}
+	// The initial centroids are the update of one-member clusters: cluster
+	// j's member is token First+init[j], listed at the start of Members.
+	rows := make([]uint32, c)
+	for j, r := range init {
+		rows[j] = uint32(x.First + r)
 	}
-	for _, err := range []error{x.Members.WriteUint32(0, members), x.Starts.WriteUint32(0, starts), x.Counts.WriteUint32(0, ones)} {
-		if err != nil {
+	changedBytes := uint64(4 * h * maxIter)
+	changed, err := km.scratch(&km.changed, changedBytes, vk.DeviceLocal)
+	if err != nil {
+		return err
+	}
+	readback, err := km.scratch(&km.readback, changedBytes, vk.HostVisible)
+	if err != nil {
+		return err
+	}
+	cursor, err := km.scratch(&km.cursor, uint64(4*h*c), vk.DeviceLocal)
+	if err != nil {
+		return err
+	}
+	halves := x.Norms // bound but unused by the float32 path
+	if tensor {
+		if halves, err = km.scratch(&km.halves, uint64(4*h*c*km.dim), vk.DeviceLocal); err != nil {
 			return err
 		}
 	}
-	changed, err := dev.NewBuffer(uint64(4*h), vk.HostVisible)
-	if err != nil {
-		return err
-	}
-	defer changed.Release()
-	cursor, err := dev.NewBuffer(uint64(4*h*c), vk.DeviceLocal)
-	if err != nil {
-		return err
-	}
-	defer cursor.Release()
 
 	var binds []*vk.Binding
 	bind := func(p *vk.Pipeline, r ...vk.Range) *vk.Binding {
@@ -156,58 +261,118 @@ func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, max
 		}
 	}()
 	keys := layer.Keys().All()
-	bAssign := bind(km.assign, keys, x.Centroids.All(), x.Norms.All(), x.Assign.All(), x.Counts.All(), changed.All())
-	bScan := bind(km.scan, x.Counts.All(), x.Starts.All(), cursor.All())
-	bScatter := bind(km.scatter, x.Assign.All(), cursor.All(), x.Members.All())
-	bSort := bind(km.sort, x.Starts.All(), x.Counts.All(), x.Members.All())
-	bUpdate := bind(km.update, keys, x.Starts.All(), x.Counts.All(), x.Members.All(), x.Centroids.All(), x.Norms.All())
+	assign, update := km.assign, km.update
+	var bAssign *vk.Binding
+	if tensor {
+		assign, update = km.assignNV, km.updateNV
+		bAssign = bind(assign, keys, halves.All(), x.Norms.All(), x.Assign.All(), x.Counts.All(), changed.All())
+	} else {
+		bAssign = bind(assign, keys, x.Centroids.All(), x.Norms.All(), x.Assign.All(), x.Counts.All(), changed.All())
+	}
+	bScan := bind(km.scan, x.Counts.All(), x.Starts.All(), cursor.All(), changed.All())
+	bScatter := bind(km.scatter, x.Assign.All(), cursor.All(), x.Members.All(), changed.All())
+	bSort := bind(km.sort, x.Starts.All(), x.Counts.All(), x.Members.All(), changed.All(), x.Assign.All())
+	bUpdate := bind(update, keys, x.Starts.All(), x.Counts.All(), x.Members.All(), x.Centroids.All(), x.Norms.All(), changed.All(), halves.All())
 	if err != nil {
 		return err
 	}
-	hh, cc, nn := uint32(h), uint32(c), uint32(n)
-	update := func(cmd *vk.Commands) {
-		cmd.Dispatch(km.update, bUpdate, []uint32{nn, headWords, cc}, cc, hh, 1)
-		cmd.Barrier()
-	}
-	if err := dev.Run(func(cmd *vk.Commands) {
-		cmd.Fill(x.Assign.All(), math.MaxUint32)
-		update(cmd)
-	}); err != nil {
-		return err
-	}
-	got := make([]uint32, h)
-	for x.Iterations = 1; x.Iterations <= maxIter; x.Iterations++ {
-		err := dev.Run(func(cmd *vk.Commands) {
-			cmd.Fill(x.Counts.All(), 0)
-			cmd.Fill(changed.All(), 0)
-			cmd.Barrier()
-			cmd.Dispatch(km.assign, bAssign, []uint32{nn, uint32(x.First), headWords, cc}, uint32(ceilDiv(n, 128)), hh, 1)
-		})
-		if err == nil {
-			err = changed.ReadUint32(0, got)
-		}
-		if err != nil {
+	var ts *vk.Timestamps
+	if stages != nil {
+		if ts, err = dev.NewTimestamps(2 + 5*maxIter); err != nil {
 			return err
 		}
+		defer ts.Release()
+	}
+	hh, cc, nn, first := uint32(h), uint32(c), uint32(n), uint32(x.First)
+	assignGroups := uint32(ceilDiv(n, 128))
+	if tensor {
+		assignGroups = uint32(ceilDiv(n, kmeansTensorWG))
+	}
+	sortGroups := uint32(min(c, 65535)) // one workgroup per cluster, striding beyond
+	stamp := 0
+	record := func(cmd *vk.Commands) {
+		if ts == nil {
+			return
+		}
+		cmd.Timestamp(ts, stamp)
+		stamp++
+	}
+	err = dev.Run(func(cmd *vk.Commands) {
+		if ts != nil {
+			cmd.Reset(ts)
+		}
+		cmd.Update(x.Members.All(), rows)
+		cmd.Fill(x.Assign.All(), math.MaxUint32)
+		cmd.Fill(x.Counts.All(), 0)
+		cmd.Fill(changed.All(), 0)
+		cmd.Barrier()
+		record(cmd)
+		cmd.Dispatch(update, bUpdate, []uint32{nn, headWords, cc, 0, 1, 0}, cc, hh, 1)
+		cmd.Barrier()
+		record(cmd)
+		for it := uint32(0); it < uint32(maxIter); it++ {
+			cmd.Dispatch(assign, bAssign, []uint32{nn, first, headWords, cc, it}, assignGroups, hh, 1)
+			cmd.Barrier()
+			record(cmd)
+			cmd.Dispatch(km.scan, bScan, []uint32{cc, it}, hh, 1, 1)
+			cmd.Barrier()
+			record(cmd)
+			cmd.Dispatch(km.scatter, bScatter, []uint32{nn, first, cc, it}, uint32(ceilDiv(n, 256)), hh, 1)
+			cmd.Barrier()
+			record(cmd)
+			cmd.Dispatch(km.sort, bSort, []uint32{nn, cc, it, first}, sortGroups, hh, 1)
+			cmd.Barrier()
+			record(cmd)
+			zero := uint32(0)
+			if int(it) < maxIter-1 {
+				zero = 1 // the next assignment counts afresh
+			}
+			cmd.Dispatch(update, bUpdate, []uint32{nn, headWords, cc, it, 0, zero}, cc, hh, 1)
+			cmd.Barrier()
+			record(cmd)
+		}
+		cmd.Copy(changed.Slice(0, changedBytes), readback.Slice(0, changedBytes))
+		if stages != nil {
+			stages.Setup = time.Since(start)
+		}
+	})
+	if err != nil {
+		return err
+	}
+	got := make([]uint32, h*maxIter)
+	if err := readback.ReadUint32(0, got); err != nil {
+		return err
+	}
+	// Steps run: up to the first in which no head's assignment changed.
+	x.Iterations = maxIter
+	for it := 0; it < maxIter; it++ {
 		moved := false
-		for _, m := range got {
+		for _, m := range got[it*h : (it+1)*h] {
 			moved = moved || m > 0
 		}
 		if !moved {
+			x.Iterations = it + 1
 			break
 		}
-		if err := dev.Run(func(cmd *vk.Commands) {
-			cmd.Dispatch(km.scan, bScan, []uint32{cc}, hh, 1, 1)
-			cmd.Barrier()
-			cmd.Dispatch(km.scatter, bScatter, []uint32{nn, uint32(x.First), cc}, uint32(ceilDiv(n, 256)), hh, 1)
-			cmd.Barrier()
-			cmd.Dispatch(km.sort, bSort, []uint32{nn, cc}, uint32(ceilDiv(c, 64)), hh, 1)
-			cmd.Barrier()
-			update(cmd)
-		}); err != nil {
+	}
+	if ts != nil {
+		d, err := ts.Durations(stamp)
+		if err != nil {
+			return err
+		}
+		stages.Init = d[1]
+		for it := 0; it < maxIter; it++ {
+			b := 1 + 5*it
+			stages.Assign += d[b+1]
+			stages.Scan += d[b+2]
+			stages.Scatter += d[b+3]
+			stages.Sort += d[b+4]
+			stages.Update += d[b+5]
+		}
+		stages.GPU, err = ts.Elapsed(0, stamp-1)
+		if err != nil {
 			return err
 		}
 	}
-	x.Iterations = min(x.Iterations, maxIter)
 	return nil
 }

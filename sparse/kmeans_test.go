@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"github.com/x448/float16"
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/vk"
@@ -204,4 +205,181 @@ func TestKMeansOddDimension(t *testing.T) {
 	got, err := x.Read(0)
 	require.NoError(t, err)
 	checkIndex(t, got, keys[0], dim, first, n)
+}
+
+// TestKMeansTensorMatchesFloat32 compares, where the device has the
+// cooperative-matrix assignment, its first step with the float32 path's:
+// from the same initial centroids, a token may go elsewhere only in a near
+// tie. Both must be deterministic.
+func TestKMeansTensorMatchesFloat32(t *testing.T) {
+	dev := vktest.Open(t)
+	for _, dim := range []int{128, 64} {
+		km, err := NewKMeans(dev, 2, dim)
+		require.NoError(t, err)
+		defer km.Release()
+		if !km.Tensor() {
+			t.Skip("no cooperative-matrix assignment on this device")
+		}
+		const n, heads, first = 3001, 2, 3
+		seed := uint64(rand.Int63())
+		layer, keys := clusteredLayer(t, dev, n, heads, dim, int64(seed))
+		count := n - first
+		run := func(tensor bool, iters int) []*kvcache.HostClusters {
+			require.Equal(t, tensor, km.SetTensor(tensor))
+			x, err := km.Cluster(layer, first, count, KMeansOptions{MaxIter: iters, Seed: seed})
+			require.NoError(t, err)
+			defer x.Release()
+			var out []*kvcache.HostClusters
+			for g := 0; g < heads; g++ {
+				h, err := x.Read(g)
+				require.NoError(t, err)
+				checkIndex(t, h, keys[g], dim, first, count)
+				out = append(out, h)
+			}
+			return out
+		}
+		tc, sc := run(true, 1), run(false, 1)
+		init, err := KMeansInit(count, clusterCountOrDie(t, count), seed)
+		require.NoError(t, err)
+		for g := 0; g < heads; g++ {
+			rows := keys[g][first*dim : n*dim]
+			diff := 0
+			for r := range tc[g].Assign {
+				a, b := tc[g].Assign[r], sc[g].Assign[r]
+				if a == b {
+					continue
+				}
+				k := rows[r*dim : (r+1)*dim]
+				da, db := 0.0, 0.0
+				for d := range k {
+					ea, eb := k[d]-rows[init[a]*dim+d], k[d]-rows[init[b]*dim+d]
+					da, db = da+ea*ea, db+eb*eb
+				}
+				require.InDelta(t, db, da, 1e-4*(1+db), "dim %d head %d token %d: tensor cluster %d (d² %g), float32 %d (d² %g)", dim, g, r, a, da, b, db)
+				diff++
+			}
+			require.Less(t, diff, count/1000+2, "dim %d head %d: too many near ties", dim, g)
+		}
+		// Converged runs: deterministic, and as good as the float32 path.
+		a, b := run(true, 0), run(true, 0)
+		for g := range a {
+			require.Equal(t, a[g].Assign, b[g].Assign)
+			require.Equal(t, a[g].Centroids, b[g].Centroids)
+		}
+		km.SetTensor(true)
+	}
+}
+
+func clusterCountOrDie(t *testing.T, n int) int {
+	t.Helper()
+	c, err := KMeansClusterCount(n, KMeansDefaultAvgClusterSize)
+	require.NoError(t, err)
+	return c
+}
+
+// TestKMeansLargeCluster gives 1900 tokens the same key, so that one
+// cluster takes them all: its member list is longer than the sort ranks in
+// shared memory and must still come out ascending, and the same in a
+// second run.
+func TestKMeansLargeCluster(t *testing.T) {
+	dev := vktest.Open(t)
+	const n, dim, same = 2600, 32, 1900
+	rng := rand.New(rand.NewSource(int64(rand.Int63())))
+	k := make([]uint16, n*dim)
+	v := make([]uint16, n*dim)
+	for i := range k {
+		x := float32(0.5)
+		if i >= same*dim {
+			x = float32(rng.NormFloat64())
+		}
+		k[i] = float16.Fromfloat32(x).Bits()
+	}
+	layer, err := kvcache.NewLayer(dev, 1, dim, n)
+	require.NoError(t, err)
+	defer layer.Release()
+	require.NoError(t, layer.Prefill(k, v, n))
+	km, err := NewKMeans(dev, 1, dim)
+	require.NoError(t, err)
+	defer km.Release()
+	for _, tensor := range []bool{false, true} {
+		if km.SetTensor(tensor) != tensor {
+			continue
+		}
+		var runs [2]*kvcache.HostClusters
+		for r := range runs {
+			x, err := km.Cluster(layer, 0, n, KMeansOptions{MaxIter: 3, Seed: 7})
+			require.NoError(t, err)
+			runs[r], err = x.Read(0)
+			require.NoError(t, err)
+			x.Release()
+		}
+		got := runs[0]
+		checkIndex(t, got, HalvesToFloat64(k), dim, 0, n)
+		longest := 0
+		for _, m := range got.Members {
+			longest = max(longest, len(m))
+		}
+		require.GreaterOrEqual(t, longest, same, "tensor %v", tensor)
+		require.Equal(t, got, runs[1], "tensor %v: a second run differs", tensor)
+	}
+}
+
+// TestKMeansLargeClustersHeads has clusters longer than the shared-memory
+// sort in two heads, two of them in head 1 (alternate tokens share one of
+// two keys), over a range that starts past token 0.
+func TestKMeansLargeClustersHeads(t *testing.T) {
+	dev := vktest.Open(t)
+	const n, dim, heads, first = 2600, 32, 2, 5
+	rng := rand.New(rand.NewSource(int64(rand.Int63())))
+	k := make([]uint16, heads*n*dim)
+	v := make([]uint16, heads*n*dim)
+	for g := 0; g < heads; g++ {
+		for tok := 0; tok < n; tok++ {
+			for d := 0; d < dim; d++ {
+				x := float32(rng.NormFloat64())
+				switch {
+				case g == 0 && tok < 1900:
+					x = 0.5
+				case g == 1 && tok < 2400:
+					x = float32(1 - 2*(tok%2)) // 1 or -1
+				}
+				k[(g*n+tok)*dim+d] = float16.Fromfloat32(x).Bits()
+			}
+		}
+	}
+	layer, err := kvcache.NewLayer(dev, heads, dim, n)
+	require.NoError(t, err)
+	defer layer.Release()
+	require.NoError(t, layer.Prefill(k, v, n))
+	km, err := NewKMeans(dev, heads, dim)
+	require.NoError(t, err)
+	defer km.Release()
+	for _, tensor := range []bool{false, true} {
+		if km.SetTensor(tensor) != tensor {
+			continue
+		}
+		var runs [2][]*kvcache.HostClusters
+		for r := range runs {
+			x, err := km.Cluster(layer, first, n-first, KMeansOptions{MaxIter: 3, Seed: 7})
+			require.NoError(t, err)
+			for g := 0; g < heads; g++ {
+				got, err := x.Read(g)
+				require.NoError(t, err)
+				runs[r] = append(runs[r], got)
+			}
+			x.Release()
+		}
+		for g := 0; g < heads; g++ {
+			got := runs[0][g]
+			checkIndex(t, got, HalvesToFloat64(k[g*n*dim:(g+1)*n*dim]), dim, first, n-first)
+			long := 0
+			for _, m := range got.Members {
+				if len(m) > 1024 {
+					long++
+				}
+			}
+			require.Equal(t, g+1, long, "tensor %v head %d: clusters of more than 1024 members", tensor, g)
+			require.Equal(t, got, runs[1][g], "tensor %v head %d: a second run differs", tensor, g)
+		}
+	}
 }

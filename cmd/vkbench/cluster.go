@@ -20,8 +20,18 @@ type clusterResult struct {
 	Clusters   int     `json:"clusters_per_head"`
 	Iterations int     `json:"iterations"`
 	Reps       int     `json:"reps"`
+	Assign     string  `json:"assign"`    // "tensor-nv" (cooperative matrices) or "float32"
 	MedianMs   float64 `json:"median_ms"` // wall time of one layer's clustering, host waits included
 	MinMs      float64 `json:"min_ms"`
+	// With -stages: per kind of step, the median over the timed runs of
+	// its GPU time summed over the steps (ms); setup is host wall time.
+	Stages map[string]float64 `json:"stages_ms,omitempty"`
+}
+
+var clusterStages = []string{"setup", "init", "assign", "scan", "scatter", "sort", "update", "gpu"}
+
+func stageList(s *sparse.KMeansStages) []time.Duration {
+	return []time.Duration{s.Setup, s.Init, s.Assign, s.Scan, s.Scatter, s.Sort, s.Update, s.GPU}
 }
 
 func cluster(args []string) error {
@@ -33,6 +43,8 @@ func cluster(args []string) error {
 	iters := fs.Int("iters", 10, "at most this many K-means steps")
 	reps := fs.Int("reps", 5, "timed clusterings per row")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
+	stages := fs.Bool("stages", false, "time each kind of step with timestamp queries")
+	float32Only := fs.Bool("float32", false, "assign with the float32 kernel even where cooperative matrices exist")
 	fs.Parse(args)
 	nList, err := ints(*ns)
 	if err != nil {
@@ -49,6 +61,13 @@ func cluster(args []string) error {
 		return err
 	}
 	defer km.Release()
+	if *float32Only {
+		km.SetTensor(false)
+	}
+	path := "float32"
+	if km.Tensor() {
+		path = "tensor-nv"
+	}
 	prog := &progress{total: len(nList) * (*reps + 1)}
 	var results []clusterResult
 	for _, n := range nList {
@@ -62,8 +81,9 @@ func cluster(args []string) error {
 		if err != nil {
 			return err
 		}
-		r := clusterResult{Tokens: n, KVHeads: *kvHeads, HeadDim: *dim, Reps: *reps}
+		r := clusterResult{Tokens: n, KVHeads: *kvHeads, HeadDim: *dim, Reps: *reps, Assign: path}
 		var times []float64
+		stageTimes := make([][]float64, len(clusterStages))
 		for i := 0; i <= *reps && err == nil; i++ {
 			prog.step(fmt.Sprintf("cluster n=%d", n))
 			if err = layer.Prefill(tr.K, tr.V, n); err != nil {
@@ -71,7 +91,12 @@ func cluster(args []string) error {
 			}
 			start := time.Now()
 			var x *kvcache.Clusters
-			x, err = km.Cluster(layer, sparse.TacticDefaultSinks, n-sparse.TacticDefaultSinks, sparse.KMeansOptions{AvgClusterSize: *size, MaxIter: *iters, Seed: uint64(i + 1)})
+			opts := sparse.KMeansOptions{AvgClusterSize: *size, MaxIter: *iters, Seed: uint64(i + 1)}
+			var st sparse.KMeansStages
+			if *stages {
+				opts.Stages = &st
+			}
+			x, err = km.Cluster(layer, sparse.TacticDefaultSinks, n-sparse.TacticDefaultSinks, opts)
 			if err != nil {
 				break
 			}
@@ -80,6 +105,9 @@ func cluster(args []string) error {
 			x.Release()
 			if i > 0 { // the first run warms up
 				times = append(times, float64(el.Microseconds())/1e3)
+				for j, d := range stageList(&st) {
+					stageTimes[j] = append(stageTimes[j], float64(d.Microseconds())/1e3)
+				}
 			}
 		}
 		layer.Release()
@@ -89,14 +117,33 @@ func cluster(args []string) error {
 		}
 		sort.Float64s(times)
 		r.MedianMs, r.MinMs = times[len(times)/2], times[0]
+		if *stages {
+			r.Stages = map[string]float64{}
+			for j, name := range clusterStages {
+				sort.Float64s(stageTimes[j])
+				r.Stages[name] = stageTimes[j][len(stageTimes[j])/2]
+			}
+		}
 		results = append(results, r)
 	}
 	prog.finish()
 	var rows [][]string
-	for _, r := range results {
-		rows = append(rows, []string{fmt.Sprint(r.Tokens), fmt.Sprint(r.KVHeads), fmt.Sprint(r.HeadDim), fmt.Sprint(r.Clusters), fmt.Sprint(r.Iterations), fmt.Sprintf("%.1f", r.MedianMs), fmt.Sprintf("%.1f", r.MinMs)})
+	head := []string{"tokens", "kv heads", "dim", "clusters/head", "iterations", "assign", "median ms", "min ms"}
+	if *stages {
+		for _, name := range clusterStages {
+			head = append(head, name+" ms")
+		}
 	}
-	table(os.Stdout, []string{"tokens", "kv heads", "dim", "clusters/head", "iterations", "median ms", "min ms"}, rows)
+	for _, r := range results {
+		row := []string{fmt.Sprint(r.Tokens), fmt.Sprint(r.KVHeads), fmt.Sprint(r.HeadDim), fmt.Sprint(r.Clusters), fmt.Sprint(r.Iterations), r.Assign, fmt.Sprintf("%.1f", r.MedianMs), fmt.Sprintf("%.1f", r.MinMs)}
+		if *stages {
+			for _, name := range clusterStages {
+				row = append(row, fmt.Sprintf("%.2f", r.Stages[name]))
+			}
+		}
+		rows = append(rows, row)
+	}
+	table(os.Stdout, head, rows)
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "cluster "+fmt.Sprint(args), info, results)
 	}
