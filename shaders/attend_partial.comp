@@ -32,15 +32,6 @@ layout(constant_id = 8) const uint REDUCE_SLOTS = 1024;
 // GATHER = 1 attends, for KV head g, the tokens tok[g*listStride + i],
 // i < tokCount[g], instead of tokens 0 .. n-1 (n is then listStride).
 layout(constant_id = 9) const uint GATHER = 0;
-// PREFETCH = 1 loads a tile's first UNROLL value rows of each thread before
-// the max reduction, so that their latency overlaps it.
-layout(constant_id = 10) const uint PREFETCH = 0;
-// KU passes of the score loop load their K rows together.
-layout(constant_id = 11) const uint KU = 1;
-// MODE 0 scores and weighs in one kernel. MODE 1 only scores, writing
-// s_t = scale q·k_t to Scores; MODE 2 reads the scores from there and
-// weighs the values (two passes that each stream one of K and V).
-layout(constant_id = 12) const uint MODE = 0;
 
 const uint DV = D / 8;  // uvec4 words per row
 const uint D4 = D / 4;  // vec4 per query row
@@ -52,7 +43,6 @@ layout(std430, binding = 3) restrict writeonly buffer PartialO { float po[]; }; 
 layout(std430, binding = 4) restrict writeonly buffer PartialML { vec2 pml[]; }; // [B][Hq][maxChunks]
 layout(std430, binding = 5) restrict readonly buffer Tokens { uint tok[]; };       // [heads][listStride], GATHER only
 layout(std430, binding = 6) restrict readonly buffer TokenCounts { uint tokCount[]; }; // [heads], GATHER only
-layout(std430, binding = 7) restrict buffer Scores { float gs[]; };  // [B][Hq][scoreStride], MODE 1 and 2
 
 layout(push_constant) uniform Push {
 	uint n;           // tokens of this sequence (GATHER: token-list stride)
@@ -64,7 +54,6 @@ layout(push_constant) uniform Push {
 	float scale;      // multiplies q·k
 	uint qHeads;      // query heads per sequence
 	uint groupSize;   // query heads per KV head
-	uint scoreStride; // MODE 1 and 2: floats between query heads' rows in Scores
 } pc;
 
 shared vec4 qs[GROUP * D4];
@@ -105,20 +94,6 @@ uint rowOf(uint headBase, uint rowBase, uint listBase, uint t0, uint t) {
 	return GATHER != 0 ? headBase + tok[listBase + t0 + t] * DV : rowBase + t * DV;
 }
 
-// WEIGH adds to acc, for each head g, p_g(row) times the eight dimensions
-// of each of the UNROLL value words w, rows t, t+LANES, ... (a macro: a
-// function taking arrays sized by specialization constants miscompiles).
-#define WEIGH(t) \
-	[[unroll]] for (uint r = 0; r < UNROLL; r++) { \
-		vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y)); \
-		vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w)); \
-		[[unroll]] for (uint g = 0; g < GROUP; g++) { \
-			float p = sc[g * TILE + (t) + r * LANES]; \
-			acc[2 * g] += p * a; \
-			acc[2 * g + 1] += p * b; \
-		} \
-	}
-
 void main() {
 	uint tid = gl_LocalInvocationID.x;
 	uint c = gl_WorkGroupID.x;
@@ -131,7 +106,6 @@ void main() {
 	uint chunkEnd = min(chunkStart + pc.chunk, n);
 	if (chunkStart >= chunkEnd) return;  // GATHER: past this head's tokens
 
-	uint scoreRow = (pc.seq * pc.qHeads + h0) * pc.scoreStride;
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
 	}
@@ -162,15 +136,7 @@ void main() {
 		// so a load instruction covers whole 16-byte runs of rows.
 		float mt[GROUP];
 		[[unroll]] for (uint g = 0; g < GROUP; g++) mt[g] = m[g];
-		if (MODE == 2) {
-			for (uint t = tid; t < len; t += WG) {
-				[[unroll]] for (uint g = 0; g < GROUP; g++) {
-					float x = gs[scoreRow + g * pc.scoreStride + t0 + t];
-					sc[g * TILE + t] = x;
-					mt[g] = max(mt[g], x);
-				}
-			}
-		} else if (KU == 1) for (uint pass = 0; pass < len; pass += ROWS) {
+		for (uint pass = 0; pass < len; pass += ROWS) {
 			uint t = pass + tid / TPR;
 			float s[GROUP];
 			[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] = 0.0;
@@ -193,55 +159,10 @@ void main() {
 			}
 			if (t < len && sub == 0) {
 				[[unroll]] for (uint g = 0; g < GROUP; g++) {
-					if (MODE == 1) gs[scoreRow + g * pc.scoreStride + t0 + t] = s[g];
-					else sc[g * TILE + t] = s[g];
+					sc[g * TILE + t] = s[g];
 					mt[g] = max(mt[g], s[g]);
 				}
 			}
-		} else for (uint pass = 0; pass < len; pass += ROWS * KU) {
-			uvec4 w[VPT * KU];
-			[[unroll]] for (uint u = 0; u < KU; u++) {
-				uint t = pass + u * ROWS + tid / TPR;
-				if (t < len) {
-					uint row = GATHER != 0 ? headBase + tok[listBase + t0 + t] * DV : rowBase + t * DV;
-					[[unroll]] for (uint j = 0; j < VPT; j++) w[u * VPT + j] = k[row + j * TPR + sub];
-				}
-			}
-			[[unroll]] for (uint u = 0; u < KU; u++) {
-				uint t = pass + u * ROWS + tid / TPR;
-				float s[GROUP];
-				[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] = 0.0;
-				if (t < len) {
-					[[unroll]] for (uint j = 0; j < VPT; j++) {
-						uint x = j * TPR + sub;
-						uvec4 wj = w[u * VPT + j];
-						vec4 a = vec4(unpackHalf2x16(wj.x), unpackHalf2x16(wj.y));
-						vec4 b = vec4(unpackHalf2x16(wj.z), unpackHalf2x16(wj.w));
-						[[unroll]] for (uint g = 0; g < GROUP; g++)
-							s[g] += dot(a, qs[g * D4 + 2 * x]) + dot(b, qs[g * D4 + 2 * x + 1]);
-					}
-				}
-				if (TPR > 1) {
-					[[unroll]] for (uint o = TPR / 2; o > 0; o >>= 1) {
-						[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] += subgroupShuffleXor(s[g], o);
-					}
-				}
-				if (t < len && sub == 0) {
-					[[unroll]] for (uint g = 0; g < GROUP; g++) {
-						if (MODE == 1) gs[scoreRow + g * pc.scoreStride + t0 + t] = s[g];
-						else sc[g * TILE + t] = s[g];
-						mt[g] = max(mt[g], s[g]);
-					}
-				}
-			}
-		}
-		if (MODE == 1) continue;  // scores only
-
-		// The first value rows of this thread, loaded before the reductions.
-		bool pre = PREFETCH != 0 && lane < LANES && lane + (UNROLL - 1) * LANES < len;
-		uvec4 w[UNROLL];
-		if (pre) {
-			[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowOf(headBase, rowBase, listBase, t0, lane + r * LANES) + dg];
 		}
 		combine(mt, 0);  // the new running max
 
@@ -268,18 +189,23 @@ void main() {
 		// eight dimensions, so DV adjacent threads read a whole row.
 		if (lane < LANES) {
 			uint t = lane;
-			if (pre) {
-				WEIGH(t);
-				t += UNROLL * LANES;
-			}
 			for (; t + (UNROLL - 1) * LANES < len; t += UNROLL * LANES) {
+				uvec4 w[UNROLL];
 				[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowOf(headBase, rowBase, listBase, t0, t + r * LANES) + dg];
-				WEIGH(t);
+				[[unroll]] for (uint r = 0; r < UNROLL; r++) {
+					vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
+					vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
+					[[unroll]] for (uint g = 0; g < GROUP; g++) {
+						float p = sc[g * TILE + t + r * LANES];
+						acc[2 * g] += p * a;
+						acc[2 * g + 1] += p * b;
+					}
+				}
 			}
 			for (; t < len; t += LANES) {
-				uvec4 x = v[rowOf(headBase, rowBase, listBase, t0, t) + dg];
-				vec4 a = vec4(unpackHalf2x16(x.x), unpackHalf2x16(x.y));
-				vec4 b = vec4(unpackHalf2x16(x.z), unpackHalf2x16(x.w));
+				uvec4 w = v[rowOf(headBase, rowBase, listBase, t0, t) + dg];
+				vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+				vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
 				[[unroll]] for (uint g = 0; g < GROUP; g++) {
 					float p = sc[g * TILE + t];
 					acc[2 * g] += p * a;
@@ -290,7 +216,6 @@ void main() {
 		barrier();  // the next tile overwrites the scores
 	}
 
-	if (MODE == 1) return;
 	combine(l, 1);
 
 	// Sum the lanes, one head at a time: the score slots, no longer needed,

@@ -23,8 +23,6 @@ type Dense struct {
 	tile      int
 	partial   *vk.Pipeline
 	gather    *vk.Pipeline // attend_partial reading rows through token lists
-	scorer    *vk.Pipeline // two-pass: scores of every token (nil: one pass)
-	weigher   *vk.Pipeline // two-pass: values weighed by the stored scores
 	merge     *vk.Pipeline
 	workgroup int
 	tpr       int  // threads sharing a K row in the score pass
@@ -49,16 +47,6 @@ type DenseOptions struct {
 	Tile int
 	// Unroll is how many value rows a thread loads at once; 0 = 8.
 	Unroll int
-	// Prefetch loads a tile's first value rows during the max reduction
-	// (more registers; slower on the NVIDIA H200).
-	Prefetch bool
-	// TwoPass scores every token in a kernel of its own, storing the
-	// scores, before a second kernel weighs the values: each kernel then
-	// streams one of K and V with fewer barriers.
-	TwoPass bool
-	// KUnroll is how many passes of the score loop load their rows
-	// together; 0 = 1.
-	KUnroll int
 }
 
 func boolWord(b bool) uint32 {
@@ -82,10 +70,11 @@ func NewDense(dev *vk.Device, heads Heads) (*Dense, error) {
 	return NewDenseWith(dev, heads, DenseOptions{})
 }
 
-// threadsPerRow picks how many threads share a K row: up to 4 where the
-// subgroup can sum their partial products with shuffles.
+// threadsPerRow picks how many threads share a K row: 2 where the subgroup
+// can sum their partial products with shuffles (on the NVIDIA H200, 2 beat
+// 1 and 4 by 6 to 10 % at 131 072 tokens), else 1.
 func threadsPerRow(info vk.Info, dim int) int {
-	tpr := 4
+	tpr := 2
 	for tpr > 1 && ((dim/8)%tpr != 0 || !info.SubgroupShuffle || info.SubgroupSize%uint32(tpr) != 0) {
 		tpr /= 2
 	}
@@ -142,37 +131,28 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	if err != nil {
 		return nil, err
 	}
-	spec := []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, boolWord(opts.Prefetch), uint32(max(opts.KUnroll, 1)), 0}
-	kernel := func(name string, gather, mode uint32) (*vk.Pipeline, error) {
-		spec[9], spec[12] = gather, mode
-		return dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: 8, PushWords: 10, Specialization: spec})
-	}
-	if d.partial, err = kernel("attend_partial", 0, 0); err != nil {
+	spec := []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0}
+	d.partial, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial", SPIRV: code, Bindings: 7, PushWords: 9, Specialization: spec})
+	if err != nil {
 		return nil, err
 	}
-	if d.gather, err = kernel("attend_partial (gather)", 1, 0); err != nil {
-		d.Release()
+	spec = append(spec[:len(spec)-1], 1) // GATHER
+	d.gather, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial (gather)", SPIRV: code, Bindings: 7, PushWords: 9, Specialization: spec})
+	if err != nil {
+		d.partial.Release()
 		return nil, err
-	}
-	if opts.TwoPass {
-		if d.scorer, err = kernel("attend_partial (scores)", 0, 1); err != nil {
-			d.Release()
-			return nil, err
-		}
-		if d.weigher, err = kernel("attend_partial (values)", 0, 2); err != nil {
-			d.Release()
-			return nil, err
-		}
 	}
 	code, err = shaders.SPIRV("attend_merge")
 	if err != nil {
-		d.Release()
+		d.partial.Release()
 		return nil, err
 	}
+	mwg := wg
 	d.merge, err = dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 4,
-		Specialization: []uint32{uint32(wg), uint32(heads.Dim)}})
+		Specialization: []uint32{uint32(mwg), uint32(heads.Dim)}})
 	if err != nil {
-		d.Release()
+		d.partial.Release()
+		d.gather.Release()
 		return nil, err
 	}
 	return d, nil
@@ -185,7 +165,6 @@ func (d *Dense) ThreadsPerRow() int { return d.tpr }
 func (d *Dense) Options() DenseOptions {
 	o := d.opts
 	o.ThreadsPerRow, o.TreeReduce, o.Workgroup, o.Tile = d.tpr, d.tree, d.workgroup, d.tile
-	o.KUnroll = max(o.KUnroll, 1)
 	if o.Unroll == 0 {
 		o.Unroll = 8
 	}
@@ -200,14 +179,10 @@ func (d *Dense) Heads() Heads { return d.heads }
 
 // Release destroys the kernels.
 func (d *Dense) Release() error {
-	var errs []error
-	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.scorer, d.weigher, d.merge} {
-		if p != nil {
-			errs = append(errs, p.Release())
-		}
-	}
-	d.partial, d.gather, d.scorer, d.weigher, d.merge = nil, nil, nil, nil, nil
-	return errors.Join(errs...)
+	err1 := d.partial.Release()
+	err2 := d.gather.Release()
+	err3 := d.merge.Release()
+	return errors.Join(err1, err2, err3)
 }
 
 // DensePlan holds the buffers and bindings that attend one batch of
@@ -221,13 +196,9 @@ type DensePlan struct {
 	partML    *vk.Buffer
 	chunks    *vk.Buffer
 	out       *vk.Buffer
-	scores    *vk.Buffer // two-pass: [batch][Hq][scoreStride] float32
-	// scoreStride is the floats per query head in scores (the largest
-	// capacity), 0 without two passes.
-	scoreStride int
-	segments    [][]segment // per sequence: KV head ranges bound together
-	mergeBind   *vk.Binding
-	clock       stopwatch
+	segments  [][]segment // per sequence: KV head ranges bound together
+	mergeBind *vk.Binding
+	clock     stopwatch
 	// With token lists (PlanGather): the lists' stride, the tokens per
 	// chunk, and the lists and their lengths per KV head.
 	gatherStride, gatherChunk int
@@ -239,8 +210,6 @@ type DensePlan struct {
 type segment struct {
 	kvBase, kvCount int
 	bind            *vk.Binding
-	scoreBind       *vk.Binding // the scorer's bindings (two-pass)
-	valueBind       *vk.Binding // the weigher's bindings (two-pass)
 }
 
 // Plan prepares attention over the sequences (one query per sequence).
@@ -257,9 +226,6 @@ func (d *Dense) Plan(seqs []*kvcache.Layer) (*DensePlan, error) {
 		maxCap = max(maxCap, s.Capacity())
 	}
 	p := &DensePlan{d: d, seqs: seqs, maxChunks: defaultMaxChunk}
-	if d.scorer != nil {
-		p.scoreStride = maxCap
-	}
 	if err := p.allocate(); err != nil {
 		p.Release()
 		return nil, err
@@ -289,21 +255,10 @@ func (p *DensePlan) allocate() error {
 		p.tokens = alloc(uint64(h.KV*p.gatherStride) * 4)
 		p.tokCounts = alloc(uint64(h.KV) * 4)
 	}
-	maxRange := dev.Info().MaxStorageBufferRange
-	if p.scoreStride > 0 {
-		bytes := b * uint64(h.Query*p.scoreStride) * 4
-		if err == nil && bytes > maxRange {
-			return fmt.Errorf("%w: two-pass scores of %d bytes exceed the device's storage-buffer range %d", vk.ErrUnsupported, bytes, maxRange)
-		}
-		p.scores = alloc(bytes)
-	}
 	if err != nil {
 		return err
 	}
-	scores := p.chunks // binding 7 unused in one pass
-	if p.scores != nil {
-		scores = p.scores
-	}
+	maxRange := dev.Info().MaxStorageBufferRange
 	for _, s := range p.seqs {
 		headBytes := s.HeadBytes()
 		perBinding := int(maxRange / headBytes)
@@ -318,26 +273,11 @@ func (p *DensePlan) allocate() error {
 			if p.gatherStride > 0 {
 				pipe, lists, counts = d.gather, p.tokens, p.tokCounts
 			}
-			bind := func(pipe *vk.Pipeline) (*vk.Binding, error) {
-				return pipe.Bind(p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists.All(), counts.All(), scores.All())
-			}
-			seg := segment{kvBase: base, kvCount: count}
-			var err error
-			if seg.bind, err = bind(pipe); err != nil {
+			bind, err := pipe.Bind(p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists.All(), counts.All())
+			if err != nil {
 				return err
 			}
-			if p.scores != nil {
-				seg.scoreBind, err = bind(d.scorer)
-				if err == nil {
-					seg.valueBind, err = bind(d.weigher)
-				}
-				if err != nil {
-					seg.bind.Release()
-					seg.scoreBind.Release()
-					return err
-				}
-			}
-			segs = append(segs, seg)
+			segs = append(segs, segment{kvBase: base, kvCount: count, bind: bind})
 		}
 		p.segments = append(p.segments, segs)
 	}
@@ -353,14 +293,12 @@ func (p *DensePlan) allocate() error {
 func (p *DensePlan) Release() error {
 	for _, segs := range p.segments {
 		for _, s := range segs {
-			for _, b := range []*vk.Binding{s.bind, s.scoreBind, s.valueBind} {
-				b.Release() // tolerates a nil receiver
-			}
+			s.bind.Release()
 		}
 	}
 	p.segments = nil
 	p.clock.release()
-	for _, r := range []interface{ Release() error }{p.mergeBind, p.query, p.partO, p.partML, p.chunks, p.out, p.tokens, p.tokCounts, p.scores} {
+	for _, r := range []interface{ Release() error }{p.mergeBind, p.query, p.partO, p.partML, p.chunks, p.out, p.tokens, p.tokCounts} {
 		r.Release() // each tolerates a nil receiver
 	}
 	return nil
@@ -407,12 +345,6 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 		return p.recordGather(c)
 	}
 	chunks := make([]uint32, len(p.seqs)*h.KV)
-	type dispatch struct {
-		seg    segment
-		push   []uint32
-		groups uint32
-	}
-	var work []dispatch
 	for b, s := range p.seqs {
 		n := s.Len()
 		if n == 0 {
@@ -426,24 +358,11 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 		for g := 0; g < h.KV; g++ {
 			chunks[b*h.KV+g] = uint32(nc)
 		}
+		blocks := h.Group() / d.group
 		for _, seg := range p.segments[b] {
 			push := []uint32{uint32(n), uint32(s.HeadBytes() / 16), uint32(seg.kvBase), uint32(b), uint32(chunk), uint32(p.maxChunks),
-				math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), uint32(p.scoreStride)}
-			work = append(work, dispatch{seg, push, uint32(nc)})
-		}
-	}
-	blocks := uint32(h.Group() / d.group)
-	if p.scores == nil {
-		for _, w := range work {
-			c.Dispatch(d.partial, w.seg.bind, w.push, w.groups, uint32(w.seg.kvCount)*blocks, 1)
-		}
-	} else {
-		for _, w := range work {
-			c.Dispatch(d.scorer, w.seg.scoreBind, w.push, w.groups, uint32(w.seg.kvCount)*blocks, 1)
-		}
-		c.Barrier()
-		for _, w := range work {
-			c.Dispatch(d.weigher, w.seg.valueBind, w.push, w.groups, uint32(w.seg.kvCount)*blocks, 1)
+				math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group())}
+			c.Dispatch(d.partial, seg.bind, push, uint32(nc), uint32(seg.kvCount*blocks), 1)
 		}
 	}
 	c.Barrier()
@@ -641,7 +560,7 @@ func (p *DensePlan) recordGather(c *vk.Commands) error {
 	blocks := h.Group() / d.group
 	for _, seg := range p.segments[0] {
 		push := []uint32{uint32(p.gatherStride), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(p.gatherChunk), uint32(p.maxChunks),
-			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), 0}
+			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group())}
 		c.Dispatch(d.gather, seg.bind, push, uint32(p.maxChunks), uint32(seg.kvCount*blocks), 1)
 	}
 	c.Barrier()

@@ -94,10 +94,13 @@ func TestDenseMatchesReference(t *testing.T) {
 		// Both variants: one thread per row with tree reductions, and rows
 		// shared by threads that sum with subgroup operations (where the
 		// device has them).
-		variants := []DenseOptions{{ThreadsPerRow: 1, TreeReduce: true}, {Tile: 64, KUnroll: 2}, {Prefetch: true}, {TwoPass: true}, {TwoPass: true, Tile: 64, ThreadsPerRow: 1, TreeReduce: true}}
+		variants := []DenseOptions{{ThreadsPerRow: 1, TreeReduce: true}, {Tile: 64}}
 		info := dev.Info()
 		if tpr := threadsPerRow(info, c.heads.Dim); tpr > 1 || info.SubgroupArithmetic {
 			variants = append(variants, DenseOptions{ThreadsPerRow: tpr})
+		}
+		if (c.heads.Dim/8)%4 == 0 && info.SubgroupShuffle && info.SubgroupSize%4 == 0 {
+			variants = append(variants, DenseOptions{ThreadsPerRow: 4})
 		}
 		for _, opts := range variants {
 			t.Run(fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_%+v", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, opts), func(t *testing.T) {
@@ -125,31 +128,27 @@ func TestDenseBatchOfDifferentLengths(t *testing.T) {
 	dev := vktest.Open(t)
 	rng := rand.New(rand.NewSource(rand.Int63()))
 	h := Heads{8, 2, 64}
-	for _, opts := range []DenseOptions{{}, {TwoPass: true}} {
-		t.Run(fmt.Sprintf("%+v", opts), func(t *testing.T) {
-			dense, err := NewDenseWith(dev, h, opts)
-			require.NoError(t, err)
-			defer dense.Release()
-			lengths := []int{1, 2000, 333, 64}
-			var layers []*kvcache.Layer
-			var ks, vs [][]float64
-			for _, n := range lengths {
-				l, k, v := randomLayer(t, dev, rng, h, n, 2048+rng.Intn(9), 1)
-				layers, ks, vs = append(layers, l), append(ks, k), append(vs, v)
-			}
-			plan, err := dense.Plan(layers)
-			require.NoError(t, err)
-			defer plan.Release()
-			q := randomQueries(rng, len(lengths)*h.Query*h.Dim, 1.5)
-			got, err := plan.Attend(q)
-			require.NoError(t, err)
-			per := h.Query * h.Dim
-			for b, n := range lengths {
-				want, err := DenseRef(h, q[b*per:(b+1)*per], ks[b], vs[b], n, 1/math.Sqrt(float64(h.Dim)))
-				require.NoError(t, err)
-				requireClose(t, want, got[b*per:(b+1)*per], h.Dim, 1e-3, fmt.Sprintf("sequence %d", b))
-			}
-		})
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer dense.Release()
+	lengths := []int{1, 2000, 333, 64}
+	var layers []*kvcache.Layer
+	var ks, vs [][]float64
+	for _, n := range lengths {
+		l, k, v := randomLayer(t, dev, rng, h, n, 2048, 1)
+		layers, ks, vs = append(layers, l), append(ks, k), append(vs, v)
+	}
+	plan, err := dense.Plan(layers)
+	require.NoError(t, err)
+	defer plan.Release()
+	q := randomQueries(rng, len(lengths)*h.Query*h.Dim, 1.5)
+	got, err := plan.Attend(q)
+	require.NoError(t, err)
+	per := h.Query * h.Dim
+	for b, n := range lengths {
+		want, err := DenseRef(h, q[b*per:(b+1)*per], ks[b], vs[b], n, 1/math.Sqrt(float64(h.Dim)))
+		require.NoError(t, err)
+		requireClose(t, want, got[b*per:(b+1)*per], h.Dim, 1e-3, fmt.Sprintf("sequence %d", b))
 	}
 }
 

@@ -233,3 +233,35 @@ int vks_messages_copy(uint64_t i, char *buf, int len) {
 	pthread_mutex_unlock(&mu);
 	return ok;
 }
+
+VkResult vks_create_compute_pipeline(VkInstance instance, VkDevice device, VkShaderModule module,
+	VkPipelineLayout layout, const uint32_t *spec, uint32_t spec_count, VkPipeline *out) {
+	PFN_vkCreateComputePipelines create =
+		(PFN_vkCreateComputePipelines)gipa(instance, "vkCreateComputePipelines");
+	if (!create) return VK_ERROR_INITIALIZATION_FAILED;
+	VkSpecializationMapEntry *entries = NULL;
+	VkSpecializationInfo si = {0};
+	if (spec_count > 0) {
+		entries = calloc(spec_count, sizeof *entries);
+		if (!entries) return VK_ERROR_OUT_OF_HOST_MEMORY;
+		for (uint32_t i = 0; i < spec_count; i++) {
+			entries[i].constantID = i;
+			entries[i].offset = 4 * i;
+			entries[i].size = 4;
+		}
+		si.mapEntryCount = spec_count;
+		si.pMapEntries = entries;
+		si.dataSize = 4 * (size_t)spec_count;
+		si.pData = spec;
+	}
+	VkComputePipelineCreateInfo ci = {VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO};
+	ci.stage.sType = VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO;
+	ci.stage.stage = VK_SHADER_STAGE_COMPUTE_BIT;
+	ci.stage.module = module;
+	ci.stage.pName = "main";
+	ci.stage.pSpecializationInfo = spec_count > 0 ? &si : NULL;
+	ci.layout = layout;
+	VkResult r = create(device, VK_NULL_HANDLE, 1, &ci, NULL, out);
+	free(entries);
+	return r;
+}

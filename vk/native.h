@@ -54,4 +54,12 @@ int vks_messages_copy(uint64_t i, char *buf, int len);
 // vks_messages_total returns how many messages were recorded in all.
 uint64_t vks_messages_total(void);
 
+// vks_create_compute_pipeline creates a compute pipeline of entry point
+// main with spec_count 32-bit specialization constants, IDs 0, 1, ...
+// Every structure it passes lives in C for the whole call (the binding's
+// copies of slices can be freed by the Go collector while a call that takes
+// long, like a pipeline compile, still reads them).
+VkResult vks_create_compute_pipeline(VkInstance instance, VkDevice device, VkShaderModule module,
+	VkPipelineLayout layout, const uint32_t *spec, uint32_t spec_count, VkPipeline *out);
+
 #endif

@@ -2,11 +2,13 @@ package vk
 
 /*
 #include <stdlib.h>
+#include "native.h"
 */
 import "C"
 
 import (
 	"fmt"
+	"runtime"
 	"unsafe"
 
 	vk "github.com/vulkan-go/vulkan"
@@ -57,7 +59,9 @@ func (d *Device) NewPipeline(k Kernel) (*Pipeline, error) {
 	code := make([]uint32, len(k.SPIRV)/4)
 	copy(bytesOf(code), k.SPIRV)
 	smci := vk.ShaderModuleCreateInfo{SType: vk.StructureTypeShaderModuleCreateInfo, CodeSize: uint(len(k.SPIRV)), PCode: code}
-	if err := check("vkCreateShaderModule", vk.CreateShaderModule(d.device, &smci, nil, &module)); err != nil {
+	err := check("vkCreateShaderModule", vk.CreateShaderModule(d.device, &smci, nil, &module))
+	runtime.KeepAlive(code) // the binding hands the driver a pointer into it
+	if err != nil {
 		return fail(err)
 	}
 	p.module = module
@@ -84,29 +88,18 @@ func (d *Device) NewPipeline(k Kernel) (*Pipeline, error) {
 		return fail(err)
 	}
 	p.layout = layout
-	stage := vk.PipelineShaderStageCreateInfo{
-		SType:  vk.StructureTypePipelineShaderStageCreateInfo,
-		Stage:  vk.ShaderStageComputeBit,
-		Module: p.module,
-		PName:  "main\x00",
-	}
-	if n := len(k.Specialization); n > 0 {
-		// The values live in C memory: the binding stores the pointer in a C struct.
-		data := C.malloc(C.size_t(4 * n))
-		defer C.free(data)
-		copy(unsafe.Slice((*uint32)(data), n), k.Specialization)
-		entries := make([]vk.SpecializationMapEntry, n)
-		for i := range entries {
-			entries[i] = vk.SpecializationMapEntry{ConstantID: uint32(i), Offset: uint32(4 * i), Size: 4}
-		}
-		stage.PSpecializationInfo = []vk.SpecializationInfo{{MapEntryCount: uint32(n), PMapEntries: entries, DataSize: uint(4 * n), PData: data}}
-	}
-	pipes := make([]vk.Pipeline, 1)
-	cpci := []vk.ComputePipelineCreateInfo{{SType: vk.StructureTypeComputePipelineCreateInfo, Stage: stage, Layout: p.layout}}
-	if err := check("vkCreateComputePipelines", vk.CreateComputePipelines(d.device, nil, 1, cpci, nil, pipes)); err != nil {
+	// The constants live in C memory for the whole call.
+	n := len(k.Specialization)
+	spec := (*C.uint32_t)(C.malloc(C.size_t(4 * max(n, 1))))
+	defer C.free(unsafe.Pointer(spec))
+	copy(unsafe.Slice((*uint32)(unsafe.Pointer(spec)), n), k.Specialization)
+	var pipe C.VkPipeline
+	r := C.vks_create_compute_pipeline(C.VkInstance(unsafe.Pointer(d.instance)), C.VkDevice(unsafe.Pointer(d.device)),
+		C.VkShaderModule(unsafe.Pointer(p.module)), C.VkPipelineLayout(unsafe.Pointer(p.layout)), spec, C.uint32_t(n), &pipe)
+	if err := check("vkCreateComputePipelines", vk.Result(r)); err != nil {
 		return fail(err)
 	}
-	p.pipeline = pipes[0]
+	p.pipeline = vk.Pipeline(unsafe.Pointer(pipe))
 	d.track(p, "pipeline "+k.Name)
 	return p, nil
 }

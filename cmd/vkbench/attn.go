@@ -42,7 +42,7 @@ func attn(args []string) error {
 	dim := fs.Int("dim", 128, "head dimension")
 	batches := fs.String("batch", "1", "batch sizes (comma-separated)")
 	chunks := fs.String("chunk", "0", "tokens per chunk to try (comma-separated; 0 = automatic)")
-	variants := fs.String("variants", "", "kernel variants to compare, ';'-separated, each a ','-separated list of tpr=N, tree=0|1, wg=N, tile=N, unroll=N, ku=N, pre=0|1, two=0|1 (empty: chosen for the device)")
+	variants := fs.String("variants", "", "kernel variants to compare, ';'-separated, each a ','-separated list of tpr=N, tree=0|1, wg=N, tile=N, unroll=N (empty: chosen for the device)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	warmup := fs.Int("warmup", 10, "untimed runs before timing")
 	check := fs.Bool("check", true, "compare the first sequence with the float64 reference")
@@ -323,12 +323,6 @@ func parseVariants(s string) ([]sparse.DenseOptions, error) {
 				o.Tile = n
 			case "unroll":
 				o.Unroll = n
-			case "two":
-				o.TwoPass = n != 0
-			case "ku":
-				o.KUnroll = n
-			case "pre":
-				o.Prefetch = n != 0
 			default:
 				return nil, fmt.Errorf("unknown key %q", key)
 			}
@@ -343,15 +337,6 @@ func variantName(o sparse.DenseOptions) string {
 	r := "sg"
 	if o.TreeReduce {
 		r = "tree"
-	}
-	if o.KUnroll > 1 {
-		r += fmt.Sprintf("/ku%d", o.KUnroll)
-	}
-	if o.Prefetch {
-		r += "/pre"
-	}
-	if o.TwoPass {
-		r += "/2pass"
 	}
 	return fmt.Sprintf("tpr%d/wg%d/tile%d/u%d/%s", o.ThreadsPerRow, o.Workgroup, o.Tile, o.Unroll, r)
 }
