@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/vksparse/vksparse/vk"
@@ -106,4 +107,68 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 		h.Assign[i] = int32(a)
 	}
 	return h, nil
+}
+
+// Join returns a new index over x's tokens followed by next's: next must
+// start where x ends and index the same heads. Its clusters are x's, then
+// next's (cluster x.C+c is next's cluster c), with next's members placed
+// after x's in every head. x and next are left as they were; the caller
+// owns all three.
+func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
+	if next.KVHeads != x.KVHeads || next.HeadDim != x.HeadDim || next.First != x.First+x.Count {
+		return nil, fmt.Errorf("kvcache: joining an index of tokens [%d, %d) (%d heads of %d) after one of [%d, %d) (%d heads of %d)",
+			next.First, next.First+next.Count, next.KVHeads, next.HeadDim, x.First, x.First+x.Count, x.KVHeads, x.HeadDim)
+	}
+	j, err := NewClusters(dev, x.KVHeads, x.HeadDim, x.C+next.C, x.First, x.Count+next.Count)
+	if err != nil {
+		return nil, err
+	}
+	j.Iterations = max(x.Iterations, next.Iterations)
+	// next's starts and assignments are shifted by x's member and cluster
+	// counts, on the host: they are small (one word per cluster or token of
+	// next).
+	starts := make([]uint32, next.KVHeads*next.C)
+	assign := make([]uint32, next.KVHeads*next.Count)
+	if err := errors.Join(next.Starts.ReadUint32(0, starts), next.Assign.ReadUint32(0, assign)); err != nil {
+		j.Release()
+		return nil, err
+	}
+	for i := range starts {
+		starts[i] += uint32(x.Count)
+	}
+	for i := range assign {
+		assign[i] += uint32(x.C)
+	}
+	err = dev.Run(func(c *vk.Commands) {
+		for g := 0; g < x.KVHeads; g++ {
+			// Per head: x's rows, then next's, of a buffer with `per` words
+			// per cluster (or per token) in each.
+			join := func(dst, a, b *vk.Buffer, na, nb, per int) {
+				wa, wb := uint64(na*per)*4, uint64(nb*per)*4
+				c.Copy(a.Slice(uint64(g)*wa, wa), dst.Slice(uint64(g)*(wa+wb), wa))
+				if b != nil {
+					c.Copy(b.Slice(uint64(g)*wb, wb), dst.Slice(uint64(g)*(wa+wb)+wa, wb))
+				}
+			}
+			join(j.Centroids, x.Centroids, next.Centroids, x.C, next.C, x.HeadDim)
+			join(j.Norms, x.Norms, next.Norms, x.C, next.C, 1)
+			join(j.Counts, x.Counts, next.Counts, x.C, next.C, 1)
+			join(j.Starts, x.Starts, nil, x.C, next.C, 1)
+			join(j.Members, x.Members, next.Members, x.Count, next.Count, 1)
+			join(j.Assign, x.Assign, nil, x.Count, next.Count, 1)
+		}
+	})
+	if err == nil {
+		for g := 0; g < x.KVHeads; g++ {
+			c4, n4 := uint64(j.C)*4, uint64(j.Count)*4
+			err = errors.Join(err,
+				j.Starts.WriteUint32(uint64(g)*c4+uint64(x.C)*4, starts[g*next.C:(g+1)*next.C]),
+				j.Assign.WriteUint32(uint64(g)*n4+uint64(x.Count)*4, assign[g*next.Count:(g+1)*next.Count]))
+		}
+	}
+	if err != nil {
+		j.Release()
+		return nil, fmt.Errorf("kvcache: joining cluster indexes: %w", err)
+	}
+	return j, nil
 }

@@ -142,6 +142,16 @@ func (l *Layer) Append(k, v []uint16) error {
 	return nil
 }
 
+// Truncate drops the tokens from n on (0 ≤ n ≤ Len); their slots are
+// written again by later appends.
+func (l *Layer) Truncate(n int) error {
+	if n < 0 || n > l.n {
+		return fmt.Errorf("kvcache: Truncate to %d tokens of %d", n, l.n)
+	}
+	l.n = n
+	return nil
+}
+
 // Read returns the stored keys and values, [KVHeads][Len][HeadDim].
 func (l *Layer) Read() (k, v []uint16, err error) {
 	rows := l.n * l.headDim

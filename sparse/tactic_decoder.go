@@ -1,0 +1,133 @@
+package sparse
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/vksparse/vksparse/kvcache"
+)
+
+// TacticDefaultRecluster is how many tokens the unclustered tail gathers
+// before it is clustered and joins the index.
+const TacticDefaultRecluster = 2048
+
+// TacticDecoderOptions configure a TacticDecoder; zero values take the
+// defaults.
+type TacticDecoderOptions struct {
+	// Sinks is the tokens before the clustered range, always attended;
+	// 0 = TacticDefaultSinks.
+	Sinks int
+	// Recluster is the tail length at which the tail is clustered;
+	// 0 = TacticDefaultRecluster.
+	Recluster int
+	// KMeans configures every clustering (prefill and tails).
+	KMeans KMeansOptions
+	// Fit is the distribution fit; the zero value is DefaultTacticFit.
+	Fit TacticFit
+}
+
+// TacticDecoder runs Tactic decode steps on a layer that grows: tokens
+// appended since the last clustering (the tail) are attended in full, and
+// once Recluster of them have gathered they are clustered on the GPU and
+// join the index.
+type TacticDecoder struct {
+	dense    *Dense
+	km       *KMeans
+	layer    *kvcache.Layer
+	p        float64
+	opts     TacticDecoderOptions
+	clusters *kvcache.Clusters
+	step     *TacticStep
+}
+
+// NewTacticDecoder clusters the layer's tokens past the sinks and prepares
+// decode steps at target mass p. The decoder uses dense, km and layer but
+// does not own them.
+func NewTacticDecoder(dense *Dense, km *KMeans, layer *kvcache.Layer, p float64, opts TacticDecoderOptions) (*TacticDecoder, error) {
+	if opts.Sinks == 0 {
+		opts.Sinks = TacticDefaultSinks
+	}
+	if opts.Recluster == 0 {
+		opts.Recluster = TacticDefaultRecluster
+	}
+	if opts.Fit == (TacticFit{}) {
+		opts.Fit = DefaultTacticFit()
+	}
+	if opts.Sinks < 0 || opts.Recluster < 0 {
+		return nil, fmt.Errorf("sparse: TacticDecoderOptions %+v", opts)
+	}
+	if err := checkP(p); err != nil {
+		return nil, err
+	}
+	if err := opts.Fit.validate(); err != nil {
+		return nil, err
+	}
+	if layer.Len() <= opts.Sinks {
+		return nil, fmt.Errorf("sparse: a cache of %d tokens has none to cluster past its %d sinks", layer.Len(), opts.Sinks)
+	}
+	clusters, err := km.Cluster(layer, opts.Sinks, layer.Len()-opts.Sinks, opts.KMeans)
+	if err != nil {
+		return nil, err
+	}
+	d := &TacticDecoder{dense: dense, km: km, layer: layer, p: p, opts: opts, clusters: clusters}
+	if d.step, err = NewTacticStep(dense, layer, clusters, p, opts.Fit); err != nil {
+		clusters.Release()
+		return nil, err
+	}
+	return d, nil
+}
+
+// Clusters returns the current index.
+func (d *TacticDecoder) Clusters() *kvcache.Clusters { return d.clusters }
+
+// Tail returns the number of stored tokens past the clustered range.
+func (d *TacticDecoder) Tail() int { return d.layer.Len() - d.clusters.First - d.clusters.Count }
+
+// Append stores one token's k and v ([KVHeads][HeadDim] fp16 each) and,
+// when the tail reaches Recluster tokens, clusters the tail and joins it to
+// the index. On error the cache and the index are as they were.
+func (d *TacticDecoder) Append(k, v []uint16) error {
+	if err := d.layer.Append(k, v); err != nil {
+		return err
+	}
+	if d.Tail() < d.opts.Recluster {
+		return nil
+	}
+	tail, err := d.km.Cluster(d.layer, d.clusters.First+d.clusters.Count, d.Tail(), d.opts.KMeans)
+	if err != nil {
+		return d.undo(err)
+	}
+	joined, err := d.clusters.Join(d.dense.dev, tail)
+	tail.Release()
+	if err != nil {
+		return d.undo(err)
+	}
+	step, err := NewTacticStep(d.dense, d.layer, joined, d.p, d.opts.Fit)
+	if err != nil {
+		joined.Release()
+		return d.undo(err)
+	}
+	d.step.Release()
+	d.clusters.Release()
+	d.step, d.clusters = step, joined
+	return nil
+}
+
+// undo drops the token just appended and returns err.
+func (d *TacticDecoder) undo(err error) error {
+	return errors.Join(err, d.layer.Truncate(d.layer.Len()-1))
+}
+
+// Attend runs one decode step for the queries q ([Hq][HeadDim]) and returns
+// the output, [Hq][HeadDim].
+func (d *TacticDecoder) Attend(q []float32) ([]float32, error) { return d.step.Attend(q) }
+
+// Step returns the current decode step (rebuilt at each clustering).
+func (d *TacticDecoder) Step() *TacticStep { return d.step }
+
+// Release frees the index and the step (not the layer or the kernels).
+func (d *TacticDecoder) Release() error {
+	err := errors.Join(d.step.Release(), d.clusters.Release())
+	d.step, d.clusters = nil, nil
+	return err
+}

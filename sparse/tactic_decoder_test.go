@@ -1,0 +1,94 @@
+package sparse
+
+import (
+	"math"
+	"math/rand"
+	"sort"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/vk/vktest"
+	"github.com/vksparse/vksparse/workload"
+)
+
+// TestTacticDecoderReclustersTheTail appends tokens past the prefill and
+// checks that every Recluster of them join the index (each stored token
+// past the sinks in exactly one cluster, members ascending) and that the
+// step still attends every token at P = 1.
+func TestTacticDecoderReclustersTheTail(t *testing.T) {
+	dev := vktest.Open(t)
+	const n, prefill, recluster, sinks = 1500, 900, 256, 4
+	h := Heads{Query: 8, KV: 2, Dim: 64}
+	cfg := workload.DefaultConfig(n)
+	cfg.KVHeads, cfg.QHeads, cfg.HeadDim, cfg.Queries, cfg.Seed, cfg.Kinds = h.KV, h.Query, h.Dim, 1, rand.Int63(), nil
+	tr, err := workload.Generate(cfg)
+	require.NoError(t, err)
+	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
+	require.NoError(t, err)
+	defer layer.Release()
+	rows := func(from, to int) (k, v []uint16) { // tokens [from, to) of every KV head
+		for g := 0; g < h.KV; g++ {
+			k = append(k, tr.K[(g*n+from)*h.Dim:(g*n+to)*h.Dim]...)
+			v = append(v, tr.V[(g*n+from)*h.Dim:(g*n+to)*h.Dim]...)
+		}
+		return k, v
+	}
+	k, v := rows(0, prefill)
+	require.NoError(t, layer.Prefill(k, v, prefill))
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer dense.Release()
+	km, err := NewKMeans(dev, h.KV, h.Dim)
+	require.NoError(t, err)
+	defer km.Release()
+	dec, err := NewTacticDecoder(dense, km, layer, 1, TacticDecoderOptions{Sinks: sinks, Recluster: recluster, KMeans: KMeansOptions{Seed: 3}})
+	require.NoError(t, err)
+	defer dec.Release()
+	c0 := dec.Clusters().C
+
+	rng := rand.New(rand.NewSource(rand.Int63()))
+	for tok := prefill; tok < n; tok++ {
+		k, v := rows(tok, tok+1)
+		require.NoError(t, dec.Append(k, v))
+		require.Less(t, dec.Tail(), recluster, "after token %d", tok)
+	}
+	joins := (n - prefill) / recluster
+	x := dec.Clusters()
+	require.Equal(t, []int{sinks, prefill - sinks + joins*recluster, n - prefill - joins*recluster},
+		[]int{x.First, x.Count, dec.Tail()}, "clustered range and tail")
+	require.Greater(t, x.C, c0, "the tails' clusters joined the index")
+	for g := 0; g < h.KV; g++ {
+		hc, err := x.Read(g)
+		require.NoError(t, err)
+		var all []int
+		for c, mem := range hc.Members {
+			require.True(t, sort.SliceIsSorted(mem, func(i, j int) bool { return mem[i] < mem[j] }), "head %d cluster %d members ascending", g, c)
+			for _, m := range mem {
+				all = append(all, int(m))
+				require.Equal(t, int32(c), hc.Assign[int(m)-x.First], "head %d token %d assignment", g, m)
+			}
+		}
+		sort.Ints(all)
+		for i, m := range all {
+			require.Equal(t, x.First+i, m, "head %d: every clustered token once", g)
+		}
+	}
+
+	// At P = 1 the step over the joined index is dense attention.
+	keys, values := make([]float64, 0, h.KV*n*h.Dim), make([]float64, 0, h.KV*n*h.Dim)
+	keys, values = append(keys, HalvesToFloat64(tr.K)...), append(values, HalvesToFloat64(tr.V)...)
+	q := randomQueries(rng, h.Query*h.Dim, 1.5)
+	got, err := dec.Attend(q)
+	require.NoError(t, err)
+	want, err := DenseRef(h, q, keys, values, n, 1/math.Sqrt(float64(h.Dim)))
+	require.NoError(t, err)
+	requireClose(t, want, got, h.Dim, 1e-3, "P = 1 after reclustering")
+
+	// A refused append leaves the cache and the index as they were.
+	before := layer.Len()
+	require.Error(t, dec.Append(make([]uint16, 3), make([]uint16, 3)))
+	require.Equal(t, before, layer.Len())
+	require.Same(t, x, dec.Clusters())
+}
