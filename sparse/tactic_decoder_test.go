@@ -1,7 +1,6 @@
 package sparse
 
 import (
-	"math"
 	"math/rand"
 	"sort"
 	"testing"
@@ -10,7 +9,6 @@ import (
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/vk/vktest"
-	"github.com/vksparse/vksparse/workload"
 )
 
 // TestTacticDecoderReclustersTheTail appends tokens past the prefill and
@@ -21,10 +19,7 @@ func TestTacticDecoderReclustersTheTail(t *testing.T) {
 	dev := vktest.Open(t)
 	const n, prefill, recluster, sinks = 1500, 900, 256, 4
 	h := Heads{Query: 8, KV: 2, Dim: 64}
-	cfg := workload.DefaultConfig(n)
-	cfg.KVHeads, cfg.QHeads, cfg.HeadDim, cfg.Queries, cfg.Seed, cfg.Kinds = h.KV, h.Query, h.Dim, 1, rand.Int63(), nil
-	tr, err := workload.Generate(cfg)
-	require.NoError(t, err)
+	tr := generated(t, h, n, 1)
 	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
 	require.NoError(t, err)
 	defer layer.Release()
@@ -82,9 +77,7 @@ func TestTacticDecoderReclustersTheTail(t *testing.T) {
 	q := randomQueries(rng, h.Query*h.Dim, 1.5)
 	got, err := dec.Attend(q)
 	require.NoError(t, err)
-	want, err := DenseRef(h, q, keys, values, n, 1/math.Sqrt(float64(h.Dim)))
-	require.NoError(t, err)
-	requireClose(t, want, got, h.Dim, 1e-3, "P = 1 after reclustering")
+	requireDense(t, h, q, keys, values, n, got, "P = 1 after reclustering")
 
 	// A refused append leaves the cache and the index as they were.
 	before := layer.Len()

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/vk"
 	"github.com/vksparse/vksparse/vk/vktest"
 	"github.com/vksparse/vksparse/workload"
@@ -22,14 +23,22 @@ import (
 // TacticBinnedBudgetRef on those scores, the token lists against the union
 // of the selected clusters with sinks and tail, and the output against
 // AttendSubsetRef over that union.
+// generated returns a fresh generated layer of n tokens for heads h with
+// the given decode queries, one head kind throughout.
+func generated(t *testing.T, h Heads, n, queries int) *trace.Trace {
+	t.Helper()
+	cfg := workload.DefaultConfig(n)
+	cfg.KVHeads, cfg.QHeads, cfg.HeadDim, cfg.Queries, cfg.Seed, cfg.Kinds = h.KV, h.Query, h.Dim, queries, rand.Int63(), nil
+	tr, err := workload.Generate(cfg)
+	require.NoError(t, err)
+	return tr
+}
+
 func TestTacticStepMatchesReference(t *testing.T) {
 	dev := vktest.Open(t)
 	const n, tail, sinks = 4000, 150, 4
 	h := Heads{Query: 8, KV: 2, Dim: 64}
-	cfg := workload.DefaultConfig(n)
-	cfg.KVHeads, cfg.QHeads, cfg.HeadDim, cfg.Queries, cfg.Seed, cfg.Kinds = h.KV, h.Query, h.Dim, 2, rand.Int63(), nil
-	tr, err := workload.Generate(cfg)
-	require.NoError(t, err)
+	tr := generated(t, h, n, 2)
 	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
 	require.NoError(t, err)
 	defer layer.Release()
