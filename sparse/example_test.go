@@ -43,3 +43,61 @@ func Example() {
 	fmt.Printf("%.3f %.3f %v\n", out[0], out[len(out)-1], err)
 	// Output: 0.500 0.500 <nil>
 }
+
+// Tactic decoding on a growing cache: the keys after the sinks are
+// clustered at the start, and every 128 appended tokens are clustered and
+// join the index. The values are all 0.5, so every output element is 0.5
+// whatever tokens a step selects.
+func ExampleTacticDecoder() {
+	dev, err := vk.Open(vk.OptionsFromEnv())
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer dev.Release()
+	heads := sparse.Heads{Query: 4, KV: 1, Dim: 64}
+	const prefill, capacity = 1000, 1200
+	cache, _ := kvcache.NewLayer(dev, heads.KV, heads.Dim, capacity)
+	defer cache.Release()
+	token := func(t int) (k, v []uint16) { // one token's key and value
+		kf, vf := make([]float32, heads.Dim), make([]float32, heads.Dim)
+		for d := range kf {
+			kf[d], vf[d] = float32((t*31+d*7)%13)/13-0.5, 0.5
+		}
+		k, _ = kvcache.ToHalves(kf)
+		v, _ = kvcache.ToHalves(vf)
+		return k, v
+	}
+	var kh, vh []uint16
+	for t := 0; t < prefill; t++ {
+		k, v := token(t)
+		kh, vh = append(kh, k...), append(vh, v...)
+	}
+	if err := cache.Prefill(kh, vh, prefill); err != nil {
+		fmt.Println(err)
+		return
+	}
+	dense, _ := sparse.NewDense(dev, heads)
+	defer dense.Release()
+	km, _ := sparse.NewKMeans(dev, heads.KV, heads.Dim)
+	defer km.Release()
+	dec, err := sparse.NewTacticDecoder(dense, km, cache, 0.9, sparse.TacticDecoderOptions{Recluster: 128})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer dec.Release()
+	for t := prefill; t < prefill+150; t++ {
+		if err := dec.Append(token(t)); err != nil {
+			fmt.Println(err)
+			return
+		}
+	}
+	q := make([]float32, heads.Query*heads.Dim)
+	for i := range q {
+		q[i] = float32(i%5) - 2
+	}
+	out, err := dec.Attend(q)
+	fmt.Printf("clustered %d, tail %d: %.3f %.3f %v\n", dec.Clusters().Count, dec.Tail(), out[0], out[len(out)-1], err)
+	// Output: clustered 1124, tail 22: 0.500 0.500 <nil>
+}
