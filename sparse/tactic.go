@@ -23,13 +23,20 @@ import (
 // clusters.First are the sinks; those from clusters.First+clusters.Count
 // on are the tail, attended in full.
 type TacticStep struct {
-	dense    *Dense
-	layer    *kvcache.Layer
+	dense   *Dense
+	layer   *kvcache.Layer
+	p       float64
+	fit     TacticFit
+	plan    *DensePlan // gathered attention over the lists
+	kernels struct{ score, order, sample, budget, sel *vk.Pipeline }
+	tacticBound
+	clock stopwatch
+}
+
+// tacticBound is what a step holds for one cluster index: the index, the
+// buffers sized by it and the kernels' bindings.
+type tacticBound struct {
 	clusters *kvcache.Clusters
-	p        float64
-	fit      TacticFit
-	plan     *DensePlan // gathered attention over the lists
-	kernels  struct{ score, order, sample, budget, sel *vk.Pipeline }
 	binds    struct{ score, order, sample, budget, sel *vk.Binding }
 	bufs     []*vk.Buffer
 	scores   *vk.Buffer // float32 [Hq][C]
@@ -41,7 +48,23 @@ type TacticStep struct {
 	expoFix  *vk.Buffer // float32 [Hq][fixedStride]: e(t) of the fixed tokens
 	cut      *vk.Buffer // uint32 [Hq]
 	fixedCap int        // fixedStride: the most fixed tokens the cache can hold (capacity − clustered)
-	clock    stopwatch
+}
+
+// release frees the bindings and buffers.
+func (b *tacticBound) release() error {
+	var errs []error
+	for _, x := range []*vk.Binding{b.binds.score, b.binds.order, b.binds.sample, b.binds.budget, b.binds.sel} {
+		if x != nil {
+			errs = append(errs, x.Release())
+		}
+	}
+	for _, x := range b.bufs {
+		if x != nil {
+			errs = append(errs, x.Release())
+		}
+	}
+	*b = tacticBound{}
+	return errors.Join(errs...)
 }
 
 // tacticSelectClusters is the clusters per workgroup of the union pass.
@@ -77,19 +100,10 @@ func TacticBin(m, u, s float32) int {
 // parameters over layer, clustered as clusters says.
 func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, p float64, fit TacticFit) (*TacticStep, error) {
 	h := dense.heads
-	if clusters.KVHeads != h.KV || clusters.HeadDim != h.Dim {
-		return nil, fmt.Errorf("sparse: clusters of %d heads of %d for kernels of %d of %d", clusters.KVHeads, clusters.HeadDim, h.KV, h.Dim)
-	}
-	if clusters.First+clusters.Count > layer.Len() {
-		return nil, fmt.Errorf("sparse: clustered tokens [%d, %d) beyond the %d stored", clusters.First, clusters.First+clusters.Count, layer.Len())
-	}
-	if err := checkP(p); err != nil {
+	t := &TacticStep{dense: dense, layer: layer, p: p, fit: fit}
+	if err := errors.Join(t.checkClusters(clusters), checkP(p), fit.validate()); err != nil {
 		return nil, err
 	}
-	if err := fit.validate(); err != nil {
-		return nil, err
-	}
-	t := &TacticStep{dense: dense, layer: layer, clusters: clusters, p: p, fit: fit}
 	var err error
 	if t.plan, err = dense.PlanGather(layer, layer.Capacity()); err != nil {
 		return nil, err
@@ -113,20 +127,63 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	k.sample = build("tactic_sample", 9, 9, uint32(h.Dim))
 	k.budget = build("tactic_budget", 5, 4, TacticBins)
 	k.sel = build("tactic_select", 7, 4, 256, tacticSelectClusters)
+	if err == nil {
+		t.tacticBound, err = t.bind(clusters)
+	}
+	if err != nil {
+		t.Release()
+		return nil, err
+	}
+	return t, nil
+}
+
+// SetClusters moves the step onto another index of its layer (after the
+// tail joined the index, say), keeping its kernels and token lists. On
+// error the step is as it was.
+func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
+	if err := t.checkClusters(clusters); err != nil {
+		return err
+	}
+	b, err := t.bind(clusters)
+	if err != nil {
+		return err
+	}
+	old := t.tacticBound
+	t.tacticBound = b
+	return old.release()
+}
+
+// checkClusters refuses an index of other heads or of tokens not stored.
+func (t *TacticStep) checkClusters(clusters *kvcache.Clusters) error {
+	h := t.dense.heads
+	if clusters.KVHeads != h.KV || clusters.HeadDim != h.Dim {
+		return fmt.Errorf("sparse: clusters of %d heads of %d for kernels of %d of %d", clusters.KVHeads, clusters.HeadDim, h.KV, h.Dim)
+	}
+	if clusters.First+clusters.Count > t.layer.Len() {
+		return fmt.Errorf("sparse: clustered tokens [%d, %d) beyond the %d stored", clusters.First, clusters.First+clusters.Count, t.layer.Len())
+	}
+	return nil
+}
+
+// bind allocates the buffers an index needs and binds the kernels to them.
+func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
+	h, dev := t.dense.heads, t.dense.dev
+	x := tacticBound{clusters: clusters}
+	var err error
 	alloc := func(words int) *vk.Buffer {
 		if err != nil {
 			return nil
 		}
 		var b *vk.Buffer
 		b, err = dev.NewBuffer(uint64(max(words, 1))*4, vk.DeviceLocal)
-		t.bufs = append(t.bufs, b)
+		x.bufs = append(x.bufs, b)
 		return b
 	}
 	hq, c, n := h.Query, clusters.C, clusters.Count
-	t.fixedCap = layer.Capacity() - n // fixed tokens: the stored ones past the clustered
-	t.scores, t.binOf = alloc(hq*c), alloc(hq*c)
-	t.tokStart, t.planBuf, t.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
-	t.sampled, t.expo, t.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*t.fixedCap)
+	x.fixedCap = t.layer.Capacity() - n // fixed tokens: the stored ones past the clustered
+	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
+	x.tokStart, x.planBuf, x.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
+	x.sampled, x.expo, x.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*x.fixedCap)
 	bind := func(pipe *vk.Pipeline, r ...vk.Range) *vk.Binding {
 		if err != nil {
 			return nil
@@ -135,38 +192,28 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 		b, err = pipe.Bind(r...)
 		return b
 	}
-	x := clusters
-	b := &t.binds
-	lists, counts := t.plan.Tokens().All(), t.plan.TokenCounts().All()
-	b.score = bind(k.score, t.plan.query.All(), x.Centroids.All(), t.scores.All())
-	b.order = bind(k.order, t.scores.All(), x.Counts.All(), t.binOf.All(), t.tokStart.All(), t.planBuf.All(), t.sampled.All(), lists, counts)
-	b.sample = bind(k.sample, t.plan.query.All(), layer.Keys().All(), t.planBuf.All(), t.sampled.All(), x.Starts.All(), x.Counts.All(), x.Members.All(), t.expo.All(), t.expoFix.All())
-	b.budget = bind(k.budget, t.tokStart.All(), t.planBuf.All(), t.expo.All(), t.expoFix.All(), t.cut.All())
-	b.sel = bind(k.sel, t.binOf.All(), t.cut.All(), x.Starts.All(), x.Counts.All(), x.Members.All(), lists, counts)
+	k, b := &t.kernels, &x.binds
+	lists, counts, query := t.plan.Tokens().All(), t.plan.TokenCounts().All(), t.plan.query.All()
+	b.score = bind(k.score, query, clusters.Centroids.All(), x.scores.All())
+	b.order = bind(k.order, x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All(), lists, counts)
+	b.sample = bind(k.sample, query, t.layer.Keys().All(), x.planBuf.All(), x.sampled.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(), x.expo.All(), x.expoFix.All())
+	b.budget = bind(k.budget, x.tokStart.All(), x.planBuf.All(), x.expo.All(), x.expoFix.All(), x.cut.All())
+	b.sel = bind(k.sel, x.binOf.All(), x.cut.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(), lists, counts)
 	if err != nil {
-		t.Release()
-		return nil, err
+		x.release()
+		return tacticBound{}, err
 	}
-	return t, nil
+	return x, nil
 }
 
-// Release frees what the step owns (not the layer, clusters or kernels).
+// Release frees what the step owns (not the layer, clusters or the dense
+// kernels).
 func (t *TacticStep) Release() error {
 	t.clock.release()
-	var errs []error
-	for _, b := range []*vk.Binding{t.binds.score, t.binds.order, t.binds.sample, t.binds.budget, t.binds.sel} {
-		if b != nil {
-			errs = append(errs, b.Release())
-		}
-	}
+	errs := []error{t.tacticBound.release()}
 	for _, p := range []*vk.Pipeline{t.kernels.score, t.kernels.order, t.kernels.sample, t.kernels.budget, t.kernels.sel} {
 		if p != nil {
 			errs = append(errs, p.Release())
-		}
-	}
-	for _, b := range t.bufs {
-		if b != nil {
-			errs = append(errs, b.Release())
 		}
 	}
 	if t.plan != nil {

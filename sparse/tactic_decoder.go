@@ -102,15 +102,13 @@ func (d *TacticDecoder) Append(k, v []uint16) error {
 	if err != nil {
 		return d.undo(err)
 	}
-	step, err := NewTacticStep(d.dense, d.layer, joined, d.p, d.opts.Fit)
-	if err != nil {
+	if err := d.step.SetClusters(joined); err != nil {
 		joined.Release()
 		return d.undo(err)
 	}
-	d.step.Release()
-	d.clusters.Release()
-	d.step, d.clusters = step, joined
-	return nil
+	old := d.clusters
+	d.clusters = joined
+	return old.Release()
 }
 
 // undo drops the token just appended and returns err.
@@ -122,7 +120,7 @@ func (d *TacticDecoder) undo(err error) error {
 // the output, [Hq][HeadDim].
 func (d *TacticDecoder) Attend(q []float32) ([]float32, error) { return d.step.Attend(q) }
 
-// Step returns the current decode step (rebuilt at each clustering).
+// Step returns the decode step (moved onto each new index).
 func (d *TacticDecoder) Step() *TacticStep { return d.step }
 
 // Release frees the index and the step (not the layer or the kernels).
