@@ -32,6 +32,9 @@ layout(constant_id = 8) const uint REDUCE_SLOTS = 1024;
 // GATHER = 1 attends, for KV head g, the tokens tok[g*listStride + i],
 // i < tokCount[g], instead of tokens 0 .. n-1 (n is then listStride).
 layout(constant_id = 9) const uint GATHER = 0;
+// RPT rows are scored by each thread (rows WG/TPR apart), so every q value
+// read from shared memory serves RPT K words.
+layout(constant_id = 10) const uint RPT = 1;
 
 const uint DV = D / 8;  // uvec4 words per row
 const uint D4 = D / 4;  // vec4 per query row
@@ -111,7 +114,8 @@ void main() {
 	}
 	barrier();
 
-	const uint ROWS = WG / TPR;  // rows scored at once
+	const uint STRIDE = WG / TPR;  // rows between a thread's rows
+	const uint ROWS = STRIDE * RPT;  // rows scored at once
 	const uint VPT = DV / TPR;   // uvec4 per thread per row
 	const uint LANES = WG / DV;  // rows weighted at once
 	uint sub = tid % TPR;
@@ -137,30 +141,40 @@ void main() {
 		float mt[GROUP];
 		[[unroll]] for (uint g = 0; g < GROUP; g++) mt[g] = m[g];
 		for (uint pass = 0; pass < len; pass += ROWS) {
-			uint t = pass + tid / TPR;
-			float s[GROUP];
-			[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] = 0.0;
-			if (t < len) {
+			float s[RPT * GROUP];
+			uvec4 w[RPT * VPT];
+			[[unroll]] for (uint i = 0; i < RPT * GROUP; i++) s[i] = 0.0;
+			[[unroll]] for (uint r = 0; r < RPT; r++) {
+				uint t = min(pass + r * STRIDE + tid / TPR, len - 1);  // a valid row; its scores are dropped
 				uint row = GATHER != 0 ? headBase + tok[listBase + t0 + t] * DV : rowBase + t * DV;
-				uvec4 w[VPT];
-				[[unroll]] for (uint j = 0; j < VPT; j++) w[j] = k[row + j * TPR + sub];
-				[[unroll]] for (uint j = 0; j < VPT; j++) {
-					uint u = j * TPR + sub;
-					vec4 a = vec4(unpackHalf2x16(w[j].x), unpackHalf2x16(w[j].y));
-					vec4 b = vec4(unpackHalf2x16(w[j].z), unpackHalf2x16(w[j].w));
-					[[unroll]] for (uint g = 0; g < GROUP; g++)
-						s[g] += dot(a, qs[g * D4 + 2 * u]) + dot(b, qs[g * D4 + 2 * u + 1]);
+				[[unroll]] for (uint j = 0; j < VPT; j++) w[r * VPT + j] = k[row + j * TPR + sub];
+			}
+			[[unroll]] for (uint j = 0; j < VPT; j++) {
+				uint u = j * TPR + sub;
+				vec4 a[RPT], b[RPT];
+				[[unroll]] for (uint r = 0; r < RPT; r++) {
+					uvec4 x = w[r * VPT + j];
+					a[r] = vec4(unpackHalf2x16(x.x), unpackHalf2x16(x.y));
+					b[r] = vec4(unpackHalf2x16(x.z), unpackHalf2x16(x.w));
+				}
+				[[unroll]] for (uint g = 0; g < GROUP; g++) {
+					vec4 qa = qs[g * D4 + 2 * u];
+					vec4 qb = qs[g * D4 + 2 * u + 1];
+					[[unroll]] for (uint r = 0; r < RPT; r++) s[r * GROUP + g] += dot(a[r], qa) + dot(b[r], qb);
 				}
 			}
 			if (TPR > 1) {
 				[[unroll]] for (uint o = TPR / 2; o > 0; o >>= 1) {
-					[[unroll]] for (uint g = 0; g < GROUP; g++) s[g] += subgroupShuffleXor(s[g], o);
+					[[unroll]] for (uint i = 0; i < RPT * GROUP; i++) s[i] += subgroupShuffleXor(s[i], o);
 				}
 			}
-			if (t < len && sub == 0) {
-				[[unroll]] for (uint g = 0; g < GROUP; g++) {
-					sc[g * TILE + t] = s[g];
-					mt[g] = max(mt[g], s[g]);
+			[[unroll]] for (uint r = 0; r < RPT; r++) {
+				uint t = pass + r * STRIDE + tid / TPR;
+				if (t < len && sub == 0) {
+					[[unroll]] for (uint g = 0; g < GROUP; g++) {
+						sc[g * TILE + t] = s[r * GROUP + g];
+						mt[g] = max(mt[g], s[r * GROUP + g]);
+					}
 				}
 			}
 		}

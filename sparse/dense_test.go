@@ -94,13 +94,13 @@ func TestDenseMatchesReference(t *testing.T) {
 		// Both variants: one thread per row with tree reductions, and rows
 		// shared by threads that sum with subgroup operations (where the
 		// device has them).
-		variants := []DenseOptions{{ThreadsPerRow: 1, TreeReduce: true}, {Tile: 64}}
+		variants := []DenseOptions{{}, {ThreadsPerRow: 1, TreeReduce: true}, {Tile: 64}, {ThreadsPerRow: 1, RowsPerThread: 3, Tile: 100}}
 		info := dev.Info()
 		if tpr := threadsPerRow(info, c.heads.Dim); tpr > 1 || info.SubgroupArithmetic {
 			variants = append(variants, DenseOptions{ThreadsPerRow: tpr})
 		}
 		if (c.heads.Dim/8)%4 == 0 && info.SubgroupShuffle && info.SubgroupSize%4 == 0 {
-			variants = append(variants, DenseOptions{ThreadsPerRow: 4})
+			variants = append(variants, DenseOptions{ThreadsPerRow: 4}, DenseOptions{ThreadsPerRow: 4, RowsPerThread: 2})
 		}
 		for _, opts := range variants {
 			t.Run(fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_%+v", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, opts), func(t *testing.T) {

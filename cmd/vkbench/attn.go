@@ -42,7 +42,7 @@ func attn(args []string) error {
 	dim := fs.Int("dim", 128, "head dimension")
 	batches := fs.String("batch", "1", "batch sizes (comma-separated)")
 	chunks := fs.String("chunk", "0", "tokens per chunk to try (comma-separated; 0 = automatic)")
-	variants := fs.String("variants", "", "kernel variants to compare, ';'-separated, each a ','-separated list of tpr=N, tree=0|1, wg=N, tile=N, unroll=N (empty: chosen for the device)")
+	variants := fs.String("variants", "", "kernel variants to compare, ';'-separated, each a ','-separated list of tpr=N, tree=0|1, wg=N, tile=N, unroll=N, rpt=N (empty: chosen for the device)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	warmup := fs.Int("warmup", 10, "untimed runs before timing")
 	check := fs.Bool("check", true, "compare the first sequence with the float64 reference")
@@ -323,6 +323,8 @@ func parseVariants(s string) ([]sparse.DenseOptions, error) {
 				o.Tile = n
 			case "unroll":
 				o.Unroll = n
+			case "rpt":
+				o.RowsPerThread = n
 			default:
 				return nil, fmt.Errorf("unknown key %q", key)
 			}
@@ -338,5 +340,5 @@ func variantName(o sparse.DenseOptions) string {
 	if o.TreeReduce {
 		r = "tree"
 	}
-	return fmt.Sprintf("tpr%d/wg%d/tile%d/u%d/%s", o.ThreadsPerRow, o.Workgroup, o.Tile, o.Unroll, r)
+	return fmt.Sprintf("tpr%d/rpt%d/wg%d/tile%d/u%d/%s", o.ThreadsPerRow, o.RowsPerThread, o.Workgroup, o.Tile, o.Unroll, r)
 }
