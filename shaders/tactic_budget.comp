@@ -8,8 +8,9 @@
 // above, clamped at 0), and the cut: the least bin boundary j with
 // S(j) ≥ P·S(n). The head selects the clusters of bins below the cut.
 
-layout(local_size_x = 256) in;
-layout(constant_id = 0) const uint NB = 1024;  // a multiple of 256
+layout(local_size_x_id = 1) in;
+layout(constant_id = 0) const uint NB = 1024;
+layout(constant_id = 1) const uint WG = 256;  // threads, a power of two
 
 layout(std430, binding = 0) readonly buffer TokStart { uint tokStart[]; };   // [Hq][NB+1]
 layout(std430, binding = 1) readonly buffer Plan { uint plan[]; };           // [Hq][16]
@@ -25,7 +26,7 @@ layout(push_constant) uniform Push {
 } pc;
 
 shared float pre[NB + 1];   // S at bin boundaries
-shared vec4 red[256];       // scan of (exact segment, fixed, window 1, window 2) sums
+shared vec4 red[WG];       // scan of (exact segment, fixed, window 1, window 2) sums
 shared uint best;
 
 const float GAMMA = 0.5772156649;
@@ -76,23 +77,23 @@ void main() {
 
 	// Thread tid sums the exact positions [tid·per, (tid+1)·per) and a
 	// share of the fixed tokens and windows; an inclusive scan follows.
-	uint per = (exact + 255) / 256;
+	uint per = (exact + WG - 1) / WG;
 	vec4 acc = vec4(0.0);
 	for (uint x = tid * per; x < min(exact, tid * per + per); x++) acc.x += expo[eb + x];
-	for (uint i = tid; i < pc.fixedCount; i += 256) acc.y += expoFixed[h * pc.fixedStride + i];
+	for (uint i = tid; i < pc.fixedCount; i += WG) acc.y += expoFixed[h * pc.fixedStride + i];
 	if (windows) {
-		for (uint x = u1 + tid; x < v1; x += 256) acc.z += expo[eb + x];
-		for (uint x = u2 + tid; x < v2; x += 256) acc.w += expo[eb + x];
+		for (uint x = u1 + tid; x < v1; x += WG) acc.z += expo[eb + x];
+		for (uint x = u2 + tid; x < v2; x += WG) acc.w += expo[eb + x];
 	}
 	red[tid] = acc;
 	barrier();
-	for (uint k = 1; k < 256; k <<= 1) {
+	for (uint k = 1; k < WG; k <<= 1) {
 		vec4 x = tid >= k ? red[tid - k] : vec4(0.0);
 		barrier();
 		red[tid] += x;
 		barrier();
 	}
-	float exactTotal = red[255].x, fixedTotal = red[255].y, win1 = red[255].z, win2 = red[255].w;
+	float exactTotal = red[WG - 1].x, fixedTotal = red[WG - 1].y, win1 = red[WG - 1].z, win2 = red[WG - 1].w;
 
 	float a = 0.0, bb = 0.0;
 	if (windows) {
@@ -110,7 +111,7 @@ void main() {
 	// S at every bin boundary: the exact prefix sum up to j0 (from the
 	// scan, the owning thread's part summed again), the curve beyond.
 	if (tid == 0) best = NB;
-	for (uint j = tid; j <= NB; j += 256) {
+	for (uint j = tid; j <= NB; j += WG) {
 		uint x = tokStart[ob + j];
 		if (j > j0) {
 			pre[j] = fixedTotal + exactTotal + curve(a, bb, exact + 1, x);
@@ -128,7 +129,7 @@ void main() {
 	if (j0 >= NB) total = pre[NB];
 	if (pc.p < 1.0) {
 		float target = pc.p * total;
-		for (uint j = tid; j <= NB; j += 256) {
+		for (uint j = tid; j <= NB; j += WG) {
 			if (pre[j] >= target) atomicMin(best, j);
 		}
 	}

@@ -15,9 +15,10 @@
 // their members with many threads. The first head of every group also opens its KV head's token
 // list with the fixed tokens: the sinks [0, sinks), then [clusteredEnd, n).
 
-layout(local_size_x = 256) in;
-layout(constant_id = 0) const uint NB = 1024;   // bins, a multiple of 256
+layout(local_size_x_id = 2) in;
+layout(constant_id = 0) const uint NB = 1024;   // bins, a multiple of WG
 layout(constant_id = 1) const int LOG2NB = 10;  // log2(NB)
+layout(constant_id = 2) const uint WG = 256;    // threads, a power of two
 
 layout(std430, binding = 0) readonly buffer Scores { float s[]; };      // [Hq][C]
 layout(std430, binding = 1) readonly buffer Sizes { uint sizes[]; };    // [Hkv][C]
@@ -40,10 +41,10 @@ layout(push_constant) uniform Push {
 	uint stride;  // list entries per KV head
 } pc;
 
-shared float red[256];
+shared float red[WG];
 shared uint cnt[NB];
 shared uint stT[NB + 1];
-shared uint part[256];
+shared uint part[WG];
 shared uint found[5];
 shared uint nSampled;
 
@@ -59,23 +60,23 @@ void main() {
 
 	if (h % pc.groupSize == 0) {
 		uint fixedCount = pc.sinks + pc.stored - pc.clusteredEnd;
-		for (uint i = tid; i < fixedCount; i += 256) {
+		for (uint i = tid; i < fixedCount; i += WG) {
 			tok[g * pc.stride + i] = i < pc.sinks ? i : pc.clusteredEnd + (i - pc.sinks);
 		}
 		if (tid == 0) count[g] = fixedCount;
 	}
 
 	float m = -1.0 / 0.0, m0 = 1.0 / 0.0;
-	for (uint c = tid; c < pc.C; c += 256) {
+	for (uint c = tid; c < pc.C; c += WG) {
 		m = max(m, s[sb + c]);
 		m0 = min(m0, s[sb + c]);
 	}
 	red[tid] = m;
-	for (uint i = tid; i < NB; i += 256) cnt[i] = 0;
+	for (uint i = tid; i < NB; i += WG) cnt[i] = 0;
 	if (tid < 5) found[tid] = tid == 0 ? NB : NB - 1;
 	if (tid == 0) nSampled = 0;
 	barrier();
-	for (uint k = 128; k > 0; k >>= 1) {
+	for (uint k = WG / 2; k > 0; k >>= 1) {
 		if (tid < k) red[tid] = max(red[tid], red[tid + k]);
 		barrier();
 	}
@@ -83,7 +84,7 @@ void main() {
 	barrier();
 	red[tid] = m0;
 	barrier();
-	for (uint k = 128; k > 0; k >>= 1) {
+	for (uint k = WG / 2; k > 0; k >>= 1) {
 		if (tid < k) red[tid] = min(red[tid], red[tid + k]);
 		barrier();
 	}
@@ -95,7 +96,7 @@ void main() {
 		u = ldexp(1.0, LOG2NB - e);
 	}
 
-	for (uint c = tid; c < pc.C; c += 256) {
+	for (uint c = tid; c < pc.C; c += WG) {
 		uint b = binOfScore(m, u, s[sb + c]);
 		binOf[sb + c] = b;
 		atomicAdd(cnt[b], sizes[g * pc.C + c]);
@@ -103,12 +104,12 @@ void main() {
 	barrier();
 
 	// Exclusive scan of the bins' token counts.
-	const uint PER = NB / 256;
+	const uint PER = NB / WG;
 	uint sum = 0;
 	for (uint i = 0; i < PER; i++) sum += cnt[tid * PER + i];
 	part[tid] = sum;
 	barrier();
-	for (uint k = 1; k < 256; k <<= 1) {
+	for (uint k = 1; k < WG; k <<= 1) {
 		uint x = tid >= k ? part[tid - k] : 0;
 		barrier();
 		part[tid] += x;
@@ -120,14 +121,14 @@ void main() {
 		stT[b] = run;
 		run += cnt[b];
 	}
-	if (tid == 255) stT[NB] = run;
+	if (tid == WG - 1) stT[NB] = run;
 	barrier();
 	uint ob = h * (NB + 1);
-	for (uint b = tid; b <= NB; b += 256) tokStart[ob + b] = stT[b];
+	for (uint b = tid; b <= NB; b += WG) tokStart[ob + b] = stT[b];
 
 	// j0: the least boundary with stT[j0] >= need (NB if none); the window
 	// ends: the least bin j with stT[j+1] >= x (NB − 1 if none).
-	for (uint b = tid; b <= NB; b += 256) {
+	for (uint b = tid; b <= NB; b += WG) {
 		if (stT[b] >= pc.need) atomicMin(found[0], b);
 		if (b < NB) {
 			uint next = stT[b + 1];
@@ -137,7 +138,7 @@ void main() {
 			if (next >= pc.hi2) atomicMin(found[4], b);
 		}
 	}
-	for (uint b = tid; b < NB; b += 256) cnt[b] = 0;  // cursors
+	for (uint b = tid; b < NB; b += WG) cnt[b] = 0;  // cursors
 	barrier();
 	uint j0 = found[0];
 	uint exact = stT[j0];
@@ -163,7 +164,7 @@ void main() {
 	}
 
 	// The sampled clusters and their first positions.
-	for (uint c = tid; c < pc.C; c += 256) {
+	for (uint c = tid; c < pc.C; c += WG) {
 		uint b = binOfScore(m, u, s[sb + c]);
 		bool take = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
 		if (take) sampled[sb + atomicAdd(nSampled, 1)] = uvec2(c, stT[b] + atomicAdd(cnt[b], sizes[g * pc.C + c]));

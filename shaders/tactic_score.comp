@@ -40,10 +40,17 @@ void main() {
 	float acc[HB];
 	[[unroll]] for (uint k = 0; k < HB; k++) acc[k] = 0.0;
 	if (c < pc.C) {
+		// Every load of the row in flight at once.
+		const uint PER = (D4 + LANES - 1) / LANES;
 		uint row = (g * pc.C + c) * D4;
-		for (uint i = lane; i < D4; i += LANES) {
-			vec4 x = cent[row + i];
-			[[unroll]] for (uint k = 0; k < HB; k++) acc[k] += dot(x, qs[k][i]);
+		vec4 x[PER];
+		[[unroll]] for (uint i = 0; i < PER; i++) x[i] = lane + i * LANES < D4 ? cent[row + lane + i * LANES] : vec4(0.0);
+		[[unroll]] for (uint i = 0; i < PER; i++) {
+			if (lane + i * LANES < D4) {
+				[[unroll]] for (uint k = 0; k < HB; k++) {
+					if (k < heads) acc[k] += dot(x[i], qs[k][lane + i * LANES]);
+				}
+			}
 		}
 	}
 	[[unroll]] for (uint k = 0; k < HB; k++) part[k][r][lane] = acc[k];

@@ -96,6 +96,17 @@ func TacticBin(m, u, s float32) int {
 	return min(TacticBins-1, int(math.Floor(float64((m-s)*u))))
 }
 
+// tacticWorkgroup is the threads per workgroup of the per-head passes
+// (order and fit, one workgroup per query head): up to 1024, so that the
+// few workgroups of a step spread their loops over many threads.
+func tacticWorkgroup(info vk.Info) uint32 {
+	wg := uint32(1024)
+	for wg > 64 && wg > info.MaxWorkgroupInvocations {
+		wg /= 2
+	}
+	return wg
+}
+
 // NewTacticStep prepares decode steps at target mass p with the fit's
 // parameters over layer, clustered as clusters says.
 func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, p float64, fit TacticFit) (*TacticStep, error) {
@@ -123,9 +134,11 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	}
 	k := &t.kernels
 	k.score = build("tactic_score", 3, 3, uint32(h.Dim))
-	k.order = build("tactic_plan", 8, 12, TacticBins, 10)
-	k.sample = build("tactic_sample", 9, 9, uint32(h.Dim))
-	k.budget = build("tactic_budget", 5, 4, TacticBins)
+	wg := tacticWorkgroup(dev.Info())
+	k.order = build("tactic_plan", 8, 12, TacticBins, 10, wg)
+	tpr := dense.tpr // shuffles among tpr threads work on this device
+	k.sample = build("tactic_sample", 9, 9, 256, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(max(16, 4*tpr)))
+	k.budget = build("tactic_budget", 5, 4, TacticBins, wg)
 	k.sel = build("tactic_select", 7, 4, 256, tacticSelectClusters)
 	if err == nil {
 		t.tacticBound, err = t.bind(clusters)

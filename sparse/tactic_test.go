@@ -71,12 +71,28 @@ func TestTacticStepMatchesReference(t *testing.T) {
 	d, scale := h.Dim, 1/math.Sqrt(float64(h.Dim))
 	q := tr.Query(tr.Queries() - 1)
 
-	for _, p := range []float64{0.5, 0.9, 1} {
-		step, err := NewTacticStep(dense, layer, clusters, p, DefaultTacticFit())
+	// One thread per K row in the sampling pass (no shuffles) as well as
+	// the rows shared by threads that the device allows.
+	single, err := NewDenseWith(dev, h, DenseOptions{ThreadsPerRow: 1})
+	require.NoError(t, err)
+	defer single.Release()
+	type run struct {
+		dense *Dense
+		p     float64
+	}
+	for _, r := range []run{{dense, 0.5}, {dense, 0.9}, {dense, 1}, {single, 0.9}} {
+		p := r.p
+		step, err := NewTacticStep(r.dense, layer, clusters, p, DefaultTacticFit())
 		require.NoError(t, err)
-		require.NoError(t, dev.Run(func(c *vk.Commands) { c.Fill(step.plan.Output().All(), math.Float32bits(float32(math.NaN()))) }))
+		nan := math.Float32bits(float32(math.NaN()))
+		require.NoError(t, dev.Run(func(c *vk.Commands) {
+			c.Fill(step.plan.Output().All(), nan)
+			c.Fill(step.expo.All(), nan)
+			c.Fill(step.expoFix.All(), nan)
+		}))
 		got, err := step.Attend(q)
 		require.NoError(t, err)
+		requireSampled(t, step, q, k, index, fixed, n)
 		scores, err := step.Scores()
 		require.NoError(t, err)
 		cuts, err := step.Cuts()
@@ -84,7 +100,7 @@ func TestTacticStepMatchesReference(t *testing.T) {
 		lists, err := step.Tokens()
 		require.NoError(t, err)
 		require.NoError(t, step.Release())
-		t.Logf("P %v: cuts %v, union sizes %d and %d of %d", p, cuts, len(lists[0]), len(lists[1]), n)
+		t.Logf("P %v, %d threads per row: cuts %v, union sizes %d and %d of %d", p, r.dense.tpr, cuts, len(lists[0]), len(lists[1]), n)
 
 		var ref []float64
 		for g := 0; g < h.KV; g++ {
@@ -156,4 +172,61 @@ func TestTacticStepMatchesReference(t *testing.T) {
 	}
 	require.Greater(t, total, time.Duration(0))
 	t.Logf("stages %v, step %v", stages, total)
+}
+
+// requireSampled checks the exponentials of the sampling pass of the last
+// step: for every query head, each sampled cluster's members (compared as
+// sorted values, the member order being the index's) and every fixed token
+// against exp(scale·q·k − m) in float64, m the head's best centroid score.
+func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64, index []*ClusterIndex, fixed []int32, n int) {
+	t.Helper()
+	h, x := step.dense.heads, step.clusters
+	d, scale := h.Dim, 1/math.Sqrt(float64(h.Dim))
+	plan := make([]uint32, h.Query*16)
+	sampled := make([]uint32, 2*h.Query*x.C)
+	expo := make([]float32, h.Query*x.Count)
+	expoFix := make([]float32, h.Query*step.fixedCap)
+	require.NoError(t, step.planBuf.ReadUint32(0, plan))
+	require.NoError(t, step.sampled.ReadUint32(0, sampled))
+	require.NoError(t, step.expo.ReadFloat32(0, expo))
+	require.NoError(t, step.expoFix.ReadFloat32(0, expoFix))
+	bad := 0
+	check := func(what string, want float64, got float32) {
+		if math.Abs(want-float64(got)) > 1e-4*(math.Abs(want)+1e-6) || math.IsNaN(float64(got)) {
+			if bad < 5 {
+				t.Errorf("%s: GPU %g, float64 %g", what, got, want)
+			}
+			bad++
+		}
+	}
+	for hh := 0; hh < h.Query; hh++ {
+		g := hh / h.Group()
+		m := float64(math.Float32frombits(plan[hh*16]))
+		e := func(tok int32) float64 {
+			s := 0.0
+			for i := 0; i < d; i++ {
+				s += float64(q[hh*d+i]) * keys[(g*n+int(tok))*d+i]
+			}
+			return math.Exp(scale*s - m)
+		}
+		list := int(plan[hh*16+13])
+		require.Positive(t, list, "head %d samples no cluster", hh)
+		for i := 0; i < list; i++ {
+			c, pos := int(sampled[2*(hh*x.C+i)]), int(sampled[2*(hh*x.C+i)+1])
+			var want []float64
+			for _, tok := range index[g].Members[c] {
+				want = append(want, e(tok))
+			}
+			gotRun := append([]float32(nil), expo[hh*x.Count+pos:hh*x.Count+pos+len(want)]...)
+			sort.Float64s(want)
+			sort.Slice(gotRun, func(a, b int) bool { return gotRun[a] < gotRun[b] })
+			for j := range want {
+				check(fmt.Sprintf("head %d, cluster %d, member %d", hh, c, j), want[j], gotRun[j])
+			}
+		}
+		for f, tok := range fixed {
+			check(fmt.Sprintf("head %d, fixed token %d", hh, tok), e(tok), expoFix[hh*step.fixedCap+f])
+		}
+	}
+	require.Zero(t, bad, "sampled exponentials differing from float64")
 }
