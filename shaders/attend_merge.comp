@@ -22,7 +22,7 @@ layout(push_constant) uniform Push {
 	uint maxChunks;
 	uint qHeads;
 	uint groupSize;  // query heads per KV head
-	uint chunkTokens;  // 0: Chunks holds chunk counts; else token counts, chunkTokens per chunk
+	uint chunkTokens;  // 0: Chunks holds chunk counts; else token counts, split as attend_partial's GATHER does
 } pc;
 
 shared float red[WG];
@@ -33,7 +33,12 @@ void main() {
 	uint h = gl_WorkGroupID.x;
 	uint b = gl_WorkGroupID.y;
 	uint n = chunks[b * (pc.qHeads / pc.groupSize) + h / pc.groupSize];
-	if (pc.chunkTokens > 0) n = (n + pc.chunkTokens - 1) / pc.chunkTokens;
+	if (pc.chunkTokens > 0) {
+		uint total = 0;
+		for (uint g = 0; g < pc.qHeads / pc.groupSize; g++) total += chunks[b * (pc.qHeads / pc.groupSize) + g];
+		uint chunk = max(pc.chunkTokens, (total + pc.maxChunks - 1) / pc.maxChunks);
+		n = (n + chunk - 1) / chunk;
+	}
 	uint base = (b * pc.qHeads + h) * pc.maxChunks;
 
 	float m = -1.0 / 0.0;

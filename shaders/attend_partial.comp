@@ -52,7 +52,7 @@ layout(push_constant) uniform Push {
 	uint headStride;  // uvec4 words between consecutive KV heads in Keys/Values
 	uint kvBase;      // index of the bound range's first KV head
 	uint seq;         // sequence index in the batch
-	uint chunk;       // tokens per chunk
+	uint chunk;       // tokens per chunk (GATHER: at least)
 	uint maxChunks;   // chunk slots per (sequence, head) in the partial buffers
 	float scale;      // multiplies q·k
 	uint qHeads;      // query heads per sequence
@@ -105,8 +105,17 @@ void main() {
 	uint h0 = (pc.kvBase + kvLocal) * pc.groupSize + (gl_WorkGroupID.y % headBlocks) * GROUP;
 	uint n = GATHER != 0 ? tokCount[pc.kvBase + kvLocal] : pc.n;
 	uint listBase = (pc.kvBase + kvLocal) * pc.n;
-	uint chunkStart = c * pc.chunk;
-	uint chunkEnd = min(chunkStart + pc.chunk, n);
+	// GATHER: chunks of at least pc.chunk tokens, sized on the device from
+	// the lists' total length so that all lists together take about
+	// maxChunks chunks (and no list more).
+	uint chunk = pc.chunk;
+	if (GATHER != 0) {
+		uint total = 0;
+		for (uint g = 0; g < pc.qHeads / pc.groupSize; g++) total += tokCount[g];
+		chunk = max(pc.chunk, (total + pc.maxChunks - 1) / pc.maxChunks);
+	}
+	uint chunkStart = c * chunk;
+	uint chunkEnd = min(chunkStart + chunk, n);
 	if (chunkStart >= chunkEnd) return;  // GATHER: past this head's tokens
 
 	for (uint i = tid; i < GROUP * D4; i += WG) {

@@ -31,6 +31,7 @@ type Dense struct {
 	// ChunkTokens fixes the tokens per chunk; 0 picks it from the sizes.
 	ChunkTokens int
 	opts        DenseOptions
+	gatherMin   int // least tokens per chunk of gathered attention
 }
 
 // DenseOptions tune the dense kernels; zero values pick for the device.
@@ -67,7 +68,8 @@ const (
 	scoreBudget      = 4096 // default shared floats for scores: group × tile
 	defaultMaxChunk  = 512  // chunk slots per (sequence, head)
 	targetWorkgroups = 512
-	gatherChunkMax   = 512 // tokens per chunk of gathered attention
+	gatherChunkMin   = 512 // least tokens per chunk of gathered attention
+	gatherWorkgroups = 256 // workgroups of gathered attention over long lists
 )
 
 // NewDense compiles the dense attention kernels for heads.
@@ -147,7 +149,7 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	case tile <= 0 || shared > int(info.SharedMemoryBytes):
 		return nil, fmt.Errorf("%w: tiles of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, tile, shared, info.SharedMemoryBytes)
 	}
-	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts}
+	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts, gatherMin: gatherChunkMin}
 	code, err := shaders.SPIRV("attend_partial")
 	if err != nil {
 		return nil, err
@@ -518,7 +520,7 @@ func ceilDiv(a, b int) int { return (a + b - 1) / b }
 // KV head (at most stride each): every query head of KV head g attends
 // exactly the tokens of list g. The lists live on the device (Tokens,
 // TokenCounts) so that GPU kernels can fill them; the merge derives each
-// head's chunks, ceil(count / GatherChunk), from the counts.
+// head's chunks from the counts as the partial pass does.
 func (d *Dense) PlanGather(layer *kvcache.Layer, stride int) (*DensePlan, error) {
 	if stride <= 0 || stride > layer.Capacity() {
 		return nil, fmt.Errorf("sparse: token lists of %d entries for a cache of capacity %d", stride, layer.Capacity())
@@ -526,11 +528,12 @@ func (d *Dense) PlanGather(layer *kvcache.Layer, stride int) (*DensePlan, error)
 	if layer.KVHeads() != d.heads.KV || layer.HeadDim() != d.heads.Dim {
 		return nil, fmt.Errorf("sparse: the cache has %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), d.heads.KV, d.heads.Dim)
 	}
-	blocks := d.heads.KV * (d.heads.Group() / d.group)
-	// Chunks of at most gatherChunkMax tokens; workgroups past a list's
-	// end exit at once.
-	chunk := min(gatherChunkMax, max(64, ceilDiv(ceilDiv(stride*blocks, targetWorkgroups), 64)*64))
-	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: ceilDiv(stride, chunk), gatherStride: stride, gatherChunk: chunk}
+	// Chunks of at least gatherMin tokens, sized on the device from
+	// the lists' total length so that all lists take about
+	// gatherWorkgroups chunks together, spread as the lengths are; a list
+	// never takes more, so that is the grid per head.
+	chunks := max(1, min(gatherWorkgroups/max(1, d.heads.Group()/d.group), ceilDiv(stride*d.heads.KV, d.gatherMin)))
+	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, gatherStride: stride, gatherChunk: d.gatherMin}
 	if err := p.allocate(); err != nil {
 		p.Release()
 		return nil, err
@@ -544,7 +547,7 @@ func (p *DensePlan) Tokens() *vk.Buffer { return p.tokens }
 // TokenCounts returns the list lengths, uint32 [KVHeads] (PlanGather).
 func (p *DensePlan) TokenCounts() *vk.Buffer { return p.tokCounts }
 
-// GatherChunk returns the tokens per chunk of a PlanGather plan.
+// GatherChunk returns the least tokens per chunk of a PlanGather plan.
 func (p *DensePlan) GatherChunk() int { return p.gatherChunk }
 
 // SetTokens uploads one token list per KV head (each non-empty, at most
@@ -576,7 +579,8 @@ func (p *DensePlan) SetTokens(lists [][]int32) error {
 }
 
 // recordGather records attention over the token lists: a fixed grid of
-// chunks per head, whose workgroups past a head's list length exit at once.
+// maxChunks chunks per head, sized on the device from the list lengths;
+// workgroups past a head's last chunk exit at once.
 func (p *DensePlan) recordGather(c *vk.Commands) error {
 	h, d := p.d.heads, p.d
 	blocks := h.Group() / d.group
