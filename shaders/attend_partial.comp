@@ -31,12 +31,15 @@ layout(constant_id = 7) const uint SCORE_SLOTS = 4096;
 layout(constant_id = 8) const uint REDUCE_SLOTS = 1024;
 // GATHER = 1 attends, for KV head g, the tokens tok[g*listStride + i],
 // i < tokCount[g], instead of tokens 0 .. n-1 (n is then listStride).
+// GATHER = 2 attends, for KV head g, the members of the clusters some query
+// head of g takes and the fixed tokens outside the clusters (see Rank).
 layout(constant_id = 9) const uint GATHER = 0;
 // RPT rows are scored by each thread (rows WG/TPR apart), so every q value
 // read from shared memory serves RPT K words.
 layout(constant_id = 10) const uint RPT = 1;
 
 const uint DV = D / 8;  // uvec4 words per row
+const uint ACC = GROUP * 2;  // vec4 of output a thread accumulates
 const uint D4 = D / 4;  // vec4 per query row
 
 layout(std430, binding = 0) restrict readonly buffer Queries { vec4 q[]; };      // [B][Hq][D/4]
@@ -46,6 +49,13 @@ layout(std430, binding = 3) restrict writeonly buffer PartialO { float po[]; }; 
 layout(std430, binding = 4) restrict writeonly buffer PartialML { vec2 pml[]; }; // [B][Hq][maxChunks]
 layout(std430, binding = 5) restrict readonly buffer Tokens { uint tok[]; };       // [heads][listStride], GATHER only
 layout(std430, binding = 6) restrict readonly buffer TokenCounts { uint tokCount[]; }; // [heads], GATHER only
+// GATHER = 2: clusters c of KV head g, taken when rank[h][c] < cut[h] for
+// some query head h of g, and the fixed tokens.
+layout(std430, binding = 7) restrict readonly buffer Rank { uint rank[]; };       // [Hq][C]
+layout(std430, binding = 8) restrict readonly buffer Cut { uint cut[]; };         // [Hq]
+layout(std430, binding = 9) restrict readonly buffer Starts { uint starts[]; };   // [heads][C] member offsets
+layout(std430, binding = 10) restrict readonly buffer Sizes { uint sizes[]; };    // [heads][C]
+layout(std430, binding = 11) restrict readonly buffer Members { uint members[]; }; // [heads][clustered]
 
 layout(push_constant) uniform Push {
 	uint n;           // tokens of this sequence (GATHER: token-list stride)
@@ -57,11 +67,24 @@ layout(push_constant) uniform Push {
 	float scale;      // multiplies q·k
 	uint qHeads;      // query heads per sequence
 	uint groupSize;   // query heads per KV head
+	// GATHER = 2 (chunk is then clusters per chunk, n the tokens stored):
+	uint C;              // clusters per KV head
+	uint clusterChunks;  // chunks of clusters; chunks past them take the fixed tokens
+	uint clustered;      // members per KV head
+	uint first;          // the clustered tokens are [first, clusteredEnd)
+	uint clusteredEnd;
 } pc;
 
 shared vec4 qs[GROUP * D4];
 shared float sc[SCORE_SLOTS];
 shared float red[REDUCE_SLOTS];
+// GATHER = 2 only (one slot otherwise): a tile's token ids, and a window's
+// clusters' member offsets and scanned counts.
+const uint LIST = (GATHER / 2) * (TILE - 1) + 1;
+const uint CW = (GATHER / 2) * (WG - 1) + 1;  // clusters per window
+shared uint lst[LIST];
+shared uint from[CW];
+shared uint pre[CW + 1];
 
 // combine returns op over the workgroup of x[g] for each g (op: 0 max, 1 sum).
 void combine(inout float x[GROUP], uint op) {
@@ -94,7 +117,115 @@ void combine(inout float x[GROUP], uint op) {
 
 // rowOf returns the first uvec4 word of row t of the tile starting at t0.
 uint rowOf(uint headBase, uint rowBase, uint listBase, uint t0, uint t) {
+	if (GATHER == 2) return headBase + lst[t] * DV;
 	return GATHER != 0 ? headBase + tok[listBase + t0 + t] * DV : rowBase + t * DV;
+}
+
+// attendTile folds the len rows of a tile (rowOf's t0, with the head's
+// first word headBase and, without lists, the tile's first word rowBase)
+// into the running max m, sum l and output acc of this thread.
+void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, inout float m[GROUP], inout float l[GROUP], inout vec4 acc[ACC]) {
+	uint tid = gl_LocalInvocationID.x;
+	const uint STRIDE = WG / TPR;  // rows between a thread's rows
+	const uint ROWS = STRIDE * RPT;  // rows scored at once
+	const uint VPT = DV / TPR;   // uvec4 per thread per row
+	const uint LANES = WG / DV;  // rows weighted at once
+	uint sub = tid % TPR;
+	uint lane = tid / DV;
+	uint dg = tid % DV;
+
+	// Scores: TPR adjacent threads read one row, uvec4 j*TPR + sub each,
+	// so a load instruction covers whole 16-byte runs of rows.
+	float mt[GROUP];
+	[[unroll]] for (uint g = 0; g < GROUP; g++) mt[g] = m[g];
+	for (uint pass = 0; pass < len; pass += ROWS) {
+		float s[RPT * GROUP];
+		uvec4 w[RPT * VPT];
+		[[unroll]] for (uint i = 0; i < RPT * GROUP; i++) s[i] = 0.0;
+		[[unroll]] for (uint r = 0; r < RPT; r++) {
+			uint t = min(pass + r * STRIDE + tid / TPR, len - 1);  // a valid row; its scores are dropped
+			uint row = rowOf(headBase, rowBase, listBase, t0, t);
+			[[unroll]] for (uint j = 0; j < VPT; j++) w[r * VPT + j] = k[row + j * TPR + sub];
+		}
+		[[unroll]] for (uint j = 0; j < VPT; j++) {
+			uint u = j * TPR + sub;
+			vec4 a[RPT], b[RPT];
+			[[unroll]] for (uint r = 0; r < RPT; r++) {
+				uvec4 x = w[r * VPT + j];
+				a[r] = vec4(unpackHalf2x16(x.x), unpackHalf2x16(x.y));
+				b[r] = vec4(unpackHalf2x16(x.z), unpackHalf2x16(x.w));
+			}
+			[[unroll]] for (uint g = 0; g < GROUP; g++) {
+				vec4 qa = qs[g * D4 + 2 * u];
+				vec4 qb = qs[g * D4 + 2 * u + 1];
+				[[unroll]] for (uint r = 0; r < RPT; r++) s[r * GROUP + g] += dot(a[r], qa) + dot(b[r], qb);
+			}
+		}
+		if (TPR > 1) {
+			[[unroll]] for (uint o = TPR / 2; o > 0; o >>= 1) {
+				[[unroll]] for (uint i = 0; i < RPT * GROUP; i++) s[i] += subgroupShuffleXor(s[i], o);
+			}
+		}
+		[[unroll]] for (uint r = 0; r < RPT; r++) {
+			uint t = pass + r * STRIDE + tid / TPR;
+			if (t < len && sub == 0) {
+				[[unroll]] for (uint g = 0; g < GROUP; g++) {
+					sc[g * TILE + t] = s[r * GROUP + g];
+					mt[g] = max(mt[g], s[r * GROUP + g]);
+				}
+			}
+		}
+	}
+	combine(mt, 0);  // the new running max
+
+	// Rescale what came before to the new max; weights p = exp(s - m).
+	// Each thread sums the weights it computes; the sums are combined
+	// once, after the last tile.
+	[[unroll]] for (uint g = 0; g < GROUP; g++) {
+		float r = exp(m[g] - mt[g]);  // 0 on the first tile
+		l[g] *= r;
+		acc[2 * g] *= r;
+		acc[2 * g + 1] *= r;
+		m[g] = mt[g];
+	}
+	for (uint t = tid; t < len; t += WG) {
+		[[unroll]] for (uint g = 0; g < GROUP; g++) {
+			float p = exp(sc[g * TILE + t] - m[g]);
+			sc[g * TILE + t] = p;
+			l[g] += p;
+		}
+	}
+	barrier();  // every weight is written
+
+	// Weighted values: lane takes rows lane, lane+LANES, ...; dg is its
+	// eight dimensions, so DV adjacent threads read a whole row.
+	if (lane < LANES) {
+		uint t = lane;
+		for (; t + (UNROLL - 1) * LANES < len; t += UNROLL * LANES) {
+			uvec4 w[UNROLL];
+			[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowOf(headBase, rowBase, listBase, t0, t + r * LANES) + dg];
+			[[unroll]] for (uint r = 0; r < UNROLL; r++) {
+				vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
+				vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
+				[[unroll]] for (uint g = 0; g < GROUP; g++) {
+					float p = sc[g * TILE + t + r * LANES];
+					acc[2 * g] += p * a;
+					acc[2 * g + 1] += p * b;
+				}
+			}
+		}
+		for (; t < len; t += LANES) {
+			uvec4 w = v[rowOf(headBase, rowBase, listBase, t0, t) + dg];
+			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+			[[unroll]] for (uint g = 0; g < GROUP; g++) {
+				float p = sc[g * TILE + t];
+				acc[2 * g] += p * a;
+				acc[2 * g + 1] += p * b;
+			}
+		}
+	}
+	barrier();  // the next tile overwrites the scores
 }
 
 void main() {
@@ -103,20 +234,20 @@ void main() {
 	uint headBlocks = pc.groupSize / GROUP;
 	uint kvLocal = gl_WorkGroupID.y / headBlocks;
 	uint h0 = (pc.kvBase + kvLocal) * pc.groupSize + (gl_WorkGroupID.y % headBlocks) * GROUP;
-	uint n = GATHER != 0 ? tokCount[pc.kvBase + kvLocal] : pc.n;
+	uint n = GATHER == 1 ? tokCount[pc.kvBase + kvLocal] : pc.n;
 	uint listBase = (pc.kvBase + kvLocal) * pc.n;
 	// GATHER: chunks of at least pc.chunk tokens, sized on the device from
 	// the lists' total length so that all lists together take about
 	// maxChunks chunks (and no list more).
 	uint chunk = pc.chunk;
-	if (GATHER != 0) {
+	if (GATHER == 1) {
 		uint total = 0;
 		for (uint g = 0; g < pc.qHeads / pc.groupSize; g++) total += tokCount[g];
 		chunk = max(pc.chunk, (total + pc.maxChunks - 1) / pc.maxChunks);
 	}
 	uint chunkStart = c * chunk;
 	uint chunkEnd = min(chunkStart + chunk, n);
-	if (chunkStart >= chunkEnd) return;  // GATHER: past this head's tokens
+	if (GATHER != 2 && chunkStart >= chunkEnd) return;  // GATHER 1: past this head's tokens
 
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
@@ -132,7 +263,7 @@ void main() {
 	uint dg = tid % DV;
 	float m[GROUP];  // running max
 	float l[GROUP];  // running sum of exp(s - m)
-	vec4 acc[GROUP * 2];  // running output of this thread's eight dimensions
+	vec4 acc[ACC];  // running output of this thread's eight dimensions
 	[[unroll]] for (uint g = 0; g < GROUP; g++) {
 		m[g] = -1.0 / 0.0;
 		l[g] = 0.0;
@@ -140,103 +271,65 @@ void main() {
 		acc[2 * g + 1] = vec4(0.0);
 	}
 
-	for (uint t0 = chunkStart; t0 < chunkEnd; t0 += TILE) {
-		uint len = min(TILE, chunkEnd - t0);
-		uint headBase = kvLocal * pc.headStride;
-		uint rowBase = headBase + t0 * DV;  // in uvec4 words (without GATHER)
-
-		// Scores: TPR adjacent threads read one row, uvec4 j*TPR + sub each,
-		// so a load instruction covers whole 16-byte runs of rows.
-		float mt[GROUP];
-		[[unroll]] for (uint g = 0; g < GROUP; g++) mt[g] = m[g];
-		for (uint pass = 0; pass < len; pass += ROWS) {
-			float s[RPT * GROUP];
-			uvec4 w[RPT * VPT];
-			[[unroll]] for (uint i = 0; i < RPT * GROUP; i++) s[i] = 0.0;
-			[[unroll]] for (uint r = 0; r < RPT; r++) {
-				uint t = min(pass + r * STRIDE + tid / TPR, len - 1);  // a valid row; its scores are dropped
-				uint row = GATHER != 0 ? headBase + tok[listBase + t0 + t] * DV : rowBase + t * DV;
-				[[unroll]] for (uint j = 0; j < VPT; j++) w[r * VPT + j] = k[row + j * TPR + sub];
+	uint headBase = kvLocal * pc.headStride;
+	if (GATHER != 2) {
+		for (uint t0 = chunkStart; t0 < chunkEnd; t0 += TILE) {
+			attendTile(min(TILE, chunkEnd - t0), headBase, headBase + t0 * DV, listBase, t0, m, l, acc);
+		}
+	} else if (c < pc.clusterChunks) {
+		// Clusters [c·chunk, +chunk) of KV head g, CW at a time: the taken
+		// ones' member counts are scanned, then their members attended a
+		// tile at a time, each tile's token ids gathered into lst first.
+		uint g = pc.kvBase + kvLocal;
+		uint cEnd = min(chunkStart + pc.chunk, pc.C);
+		for (uint w0 = chunkStart; w0 < cEnd; w0 += CW) {
+			uint cl = w0 + tid;
+			uint size = 0;
+			if (tid < CW && cl < cEnd) {
+				bool take = false;
+				for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take = take || rank[h * pc.C + cl] < cut[h];
+				if (take) size = sizes[g * pc.C + cl];
+				from[tid] = g * pc.clustered + starts[g * pc.C + cl];
 			}
-			[[unroll]] for (uint j = 0; j < VPT; j++) {
-				uint u = j * TPR + sub;
-				vec4 a[RPT], b[RPT];
-				[[unroll]] for (uint r = 0; r < RPT; r++) {
-					uvec4 x = w[r * VPT + j];
-					a[r] = vec4(unpackHalf2x16(x.x), unpackHalf2x16(x.y));
-					b[r] = vec4(unpackHalf2x16(x.z), unpackHalf2x16(x.w));
-				}
-				[[unroll]] for (uint g = 0; g < GROUP; g++) {
-					vec4 qa = qs[g * D4 + 2 * u];
-					vec4 qb = qs[g * D4 + 2 * u + 1];
-					[[unroll]] for (uint r = 0; r < RPT; r++) s[r * GROUP + g] += dot(a[r], qa) + dot(b[r], qb);
-				}
+			if (tid < CW) pre[tid + 1] = size;
+			if (tid == 0) pre[0] = 0;
+			barrier();
+			for (uint k = 1; k < CW; k <<= 1) {
+				uint x = tid < CW && tid >= k ? pre[tid + 1 - k] : 0;
+				barrier();
+				if (tid < CW) pre[tid + 1] += x;
+				barrier();
 			}
-			if (TPR > 1) {
-				[[unroll]] for (uint o = TPR / 2; o > 0; o >>= 1) {
-					[[unroll]] for (uint i = 0; i < RPT * GROUP; i++) s[i] += subgroupShuffleXor(s[i], o);
-				}
-			}
-			[[unroll]] for (uint r = 0; r < RPT; r++) {
-				uint t = pass + r * STRIDE + tid / TPR;
-				if (t < len && sub == 0) {
-					[[unroll]] for (uint g = 0; g < GROUP; g++) {
-						sc[g * TILE + t] = s[r * GROUP + g];
-						mt[g] = max(mt[g], s[r * GROUP + g]);
+			uint total = pre[CW];
+			for (uint s0 = 0; s0 < total; s0 += TILE) {
+				uint len = min(TILE, total - s0);
+				for (uint y = tid; y < len; y += WG) {
+					// The cluster j whose members hold s0 + y: pre[j] <= s0 + y < pre[j + 1].
+					uint lo = 0, hi = CW - 1;
+					while (lo < hi) {
+						uint mid = (lo + hi + 1) / 2;
+						if (pre[mid] <= s0 + y) lo = mid; else hi = mid - 1;
 					}
+					lst[y] = members[from[lo] + s0 + y - pre[lo]];
 				}
+				barrier();
+				attendTile(len, headBase, 0, 0, 0, m, l, acc);
 			}
+			barrier();  // the next window rewrites pre and from
 		}
-		combine(mt, 0);  // the new running max
-
-		// Rescale what came before to the new max; weights p = exp(s - m).
-		// Each thread sums the weights it computes; the sums are combined
-		// once, after the last tile.
-		[[unroll]] for (uint g = 0; g < GROUP; g++) {
-			float r = exp(m[g] - mt[g]);  // 0 on the first tile
-			l[g] *= r;
-			acc[2 * g] *= r;
-			acc[2 * g + 1] *= r;
-			m[g] = mt[g];
-		}
-		for (uint t = tid; t < len; t += WG) {
-			[[unroll]] for (uint g = 0; g < GROUP; g++) {
-				float p = exp(sc[g * TILE + t] - m[g]);
-				sc[g * TILE + t] = p;
-				l[g] += p;
+	} else {
+		// The fixed tokens [0, first) and [clusteredEnd, n), a tile per chunk.
+		uint f0 = (c - pc.clusterChunks) * TILE;
+		uint fixedCount = pc.first + pc.n - pc.clusteredEnd;
+		if (f0 < fixedCount) {
+			uint len = min(TILE, fixedCount - f0);
+			for (uint y = tid; y < len; y += WG) {
+				uint i = f0 + y;
+				lst[y] = i < pc.first ? i : pc.clusteredEnd + (i - pc.first);
 			}
+			barrier();
+			attendTile(len, headBase, 0, 0, 0, m, l, acc);
 		}
-		barrier();  // every weight is written
-
-		// Weighted values: lane takes rows lane, lane+LANES, ...; dg is its
-		// eight dimensions, so DV adjacent threads read a whole row.
-		if (lane < LANES) {
-			uint t = lane;
-			for (; t + (UNROLL - 1) * LANES < len; t += UNROLL * LANES) {
-				uvec4 w[UNROLL];
-				[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowOf(headBase, rowBase, listBase, t0, t + r * LANES) + dg];
-				[[unroll]] for (uint r = 0; r < UNROLL; r++) {
-					vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
-					vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
-					[[unroll]] for (uint g = 0; g < GROUP; g++) {
-						float p = sc[g * TILE + t + r * LANES];
-						acc[2 * g] += p * a;
-						acc[2 * g + 1] += p * b;
-					}
-				}
-			}
-			for (; t < len; t += LANES) {
-				uvec4 w = v[rowOf(headBase, rowBase, listBase, t0, t) + dg];
-				vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
-				vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
-				[[unroll]] for (uint g = 0; g < GROUP; g++) {
-					float p = sc[g * TILE + t];
-					acc[2 * g] += p * a;
-					acc[2 * g + 1] += p * b;
-				}
-			}
-		}
-		barrier();  // the next tile overwrites the scores
 	}
 
 	combine(l, 1);

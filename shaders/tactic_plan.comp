@@ -12,8 +12,7 @@
 // holding the two sampling windows' ends, and the windows' token ranges),
 // and the list of sampled clusters (those in the exact bins or a window),
 // each with its first position in the order, so that the next pass reads
-// their members with many threads. The first head of every group also opens its KV head's token
-// list with the fixed tokens: the sinks [0, sinks), then [clusteredEnd, n).
+// their members with many threads.
 
 layout(local_size_x_id = 2) in;
 layout(constant_id = 0) const uint NB = 1024;   // bins, a multiple of WG
@@ -26,8 +25,6 @@ layout(std430, binding = 2) writeonly buffer BinOf { uint binOf[]; };   // [Hq][
 layout(std430, binding = 3) writeonly buffer TokStart { uint tokStart[]; };  // [Hq][NB+1]
 layout(std430, binding = 4) writeonly buffer Plan { uint plan[]; };     // [Hq][16]
 layout(std430, binding = 5) writeonly buffer Sampled { uvec2 sampled[]; }; // [Hq][C]: (cluster, position)
-layout(std430, binding = 6) writeonly buffer Tokens { uint tok[]; };    // [Hkv][stride]
-layout(std430, binding = 7) writeonly buffer TokenCounts { uint count[]; }; // [Hkv]
 
 layout(push_constant) uniform Push {
 	uint C;
@@ -35,10 +32,6 @@ layout(push_constant) uniform Push {
 	uint n;      // clustered tokens
 	uint need;   // tokens the exact part covers at least
 	uint lo1, hi1, lo2, hi2;  // window positions (1-based, inclusive)
-	uint sinks;
-	uint clusteredEnd;
-	uint stored;  // tokens stored
-	uint stride;  // list entries per KV head
 } pc;
 
 shared float red[WG];
@@ -57,14 +50,6 @@ void main() {
 	uint h = gl_WorkGroupID.x;
 	uint g = h / pc.groupSize;
 	uint sb = h * pc.C;
-
-	if (h % pc.groupSize == 0) {
-		uint fixedCount = pc.sinks + pc.stored - pc.clusteredEnd;
-		for (uint i = tid; i < fixedCount; i += WG) {
-			tok[g * pc.stride + i] = i < pc.sinks ? i : pc.clusteredEnd + (i - pc.sinks);
-		}
-		if (tid == 0) count[g] = fixedCount;
-	}
 
 	float m = -1.0 / 0.0, m0 = 1.0 / 0.0;
 	for (uint c = tid; c < pc.C; c += WG) {

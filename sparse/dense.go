@@ -23,6 +23,7 @@ type Dense struct {
 	tile      int
 	partial   *vk.Pipeline
 	gather    *vk.Pipeline // attend_partial reading rows through token lists
+	clustered *vk.Pipeline // attend_partial over taken clusters; nil where shared memory is short
 	merge     *vk.Pipeline
 	workgroup int
 	tpr       int  // threads sharing a K row in the score pass
@@ -32,6 +33,7 @@ type Dense struct {
 	ChunkTokens int
 	opts        DenseOptions
 	gatherMin   int // least tokens per chunk of gathered attention
+	clusterMin  int // least clusters per chunk of attention over clusters
 }
 
 // DenseOptions tune the dense kernels; zero values pick for the device.
@@ -70,6 +72,9 @@ const (
 	targetWorkgroups = 512
 	gatherChunkMin   = 512 // least tokens per chunk of gathered attention
 	gatherWorkgroups = 256 // workgroups of gathered attention over long lists
+	clusterChunkMin  = 64  // least clusters per chunk of attention over clusters
+	partialBindings  = 12
+	partialPushWords = 14
 )
 
 // NewDense compiles the dense attention kernels for heads.
@@ -149,33 +154,35 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	case tile <= 0 || shared > int(info.SharedMemoryBytes):
 		return nil, fmt.Errorf("%w: tiles of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, tile, shared, info.SharedMemoryBytes)
 	}
-	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts, gatherMin: gatherChunkMin}
+	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts, gatherMin: gatherChunkMin, clusterMin: clusterChunkMin}
 	code, err := shaders.SPIRV("attend_partial")
 	if err != nil {
 		return nil, err
 	}
 	spec := []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt)}
-	d.partial, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial", SPIRV: code, Bindings: 7, PushWords: 9, Specialization: spec})
-	if err != nil {
-		return nil, err
+	kernel := func(name string, gather uint32) *vk.Pipeline {
+		if err != nil {
+			return nil
+		}
+		spec[9] = gather
+		var p *vk.Pipeline
+		p, err = dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: partialBindings, PushWords: partialPushWords, Specialization: spec})
+		return p
 	}
-	spec[9] = 1 // GATHER
-	d.gather, err = dev.NewPipeline(vk.Kernel{Name: "attend_partial (gather)", SPIRV: code, Bindings: 7, PushWords: 9, Specialization: spec})
-	if err != nil {
-		d.partial.Release()
-		return nil, err
+	d.partial = kernel("attend_partial", 0)
+	d.gather = kernel("attend_partial (gather)", 1)
+	if shared+4*(tile+2*wg+1) <= int(info.SharedMemoryBytes) {
+		d.clustered = kernel("attend_partial (clusters)", 2)
 	}
-	code, err = shaders.SPIRV("attend_merge")
-	if err != nil {
-		d.partial.Release()
-		return nil, err
+	if err == nil {
+		code, err = shaders.SPIRV("attend_merge")
 	}
-	mwg := wg
-	d.merge, err = dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 4,
-		Specialization: []uint32{uint32(mwg), uint32(heads.Dim)}})
+	if err == nil {
+		d.merge, err = dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 4,
+			Specialization: []uint32{uint32(wg), uint32(heads.Dim)}})
+	}
 	if err != nil {
-		d.partial.Release()
-		d.gather.Release()
+		d.Release()
 		return nil, err
 	}
 	return d, nil
@@ -203,10 +210,13 @@ func (d *Dense) Heads() Heads { return d.heads }
 
 // Release destroys the kernels.
 func (d *Dense) Release() error {
-	err1 := d.partial.Release()
-	err2 := d.gather.Release()
-	err3 := d.merge.Release()
-	return errors.Join(err1, err2, err3)
+	var errs []error
+	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.merge} {
+		if p != nil {
+			errs = append(errs, p.Release())
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // DensePlan holds the buffers and bindings that attend one batch of
@@ -227,6 +237,11 @@ type DensePlan struct {
 	// chunk, and the lists and their lengths per KV head.
 	gatherStride, gatherChunk int
 	tokens, tokCounts         *vk.Buffer
+	// With clusters (PlanClusters): the index, the clusters per chunk, and
+	// the ranks and cuts that decide which clusters are taken.
+	clusters     *kvcache.Clusters
+	clusterChunk int
+	rank, cut    vk.Range
 	// lastChunks is what the chunks buffer holds.
 	lastChunks []uint32
 }
@@ -293,11 +308,16 @@ func (p *DensePlan) allocate() error {
 		for base := 0; base < h.KV; base += perBinding {
 			count := min(perBinding, h.KV-base)
 			off, size := uint64(base)*headBytes, uint64(count)*headBytes
-			pipe, lists, counts := d.partial, p.chunks, p.chunks // bindings 5 and 6 unused
-			if p.gatherStride > 0 {
-				pipe, lists, counts = d.gather, p.tokens, p.tokCounts
+			pipe, lists, counts := d.partial, p.chunks.All(), p.chunks.All() // unused bindings get a valid range
+			index := []vk.Range{lists, lists, lists, lists, lists}
+			switch {
+			case p.gatherStride > 0:
+				pipe, lists, counts = d.gather, p.tokens.All(), p.tokCounts.All()
+			case p.clusters != nil:
+				x := p.clusters
+				pipe, index = d.clustered, []vk.Range{p.rank, p.cut, x.Starts.All(), x.Counts.All(), x.Members.All()}
 			}
-			bind, err := pipe.Bind(p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists.All(), counts.All())
+			bind, err := pipe.Bind(append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists, counts}, index...)...)
 			if err != nil {
 				return err
 			}
@@ -362,11 +382,16 @@ func (p *DensePlan) SetQuery(q []float32) error {
 	return p.query.WriteFloat32(0, q)
 }
 
-// Record appends the attention kernels to c, for the sequences' current lengths.
+// Record appends the attention kernels to c, for the sequences' current
+// lengths. Between its kernels it orders compute work only: writes
+// recorded earlier into c by transfers need a c.Barrier() before it.
 func (p *DensePlan) Record(c *vk.Commands) error {
 	h, d := p.d.heads, p.d
 	if p.gatherStride > 0 {
 		return p.recordGather(c)
+	}
+	if p.clusters != nil {
+		return p.recordClusters(c)
 	}
 	chunks := make([]uint32, len(p.seqs)*h.KV)
 	for b, s := range p.seqs {
@@ -385,11 +410,11 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 		blocks := h.Group() / d.group
 		for _, seg := range p.segments[b] {
 			push := []uint32{uint32(n), uint32(s.HeadBytes() / 16), uint32(seg.kvBase), uint32(b), uint32(chunk), uint32(p.maxChunks),
-				math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group())}
+				math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), 0, 0, 0, 0, 0}
 			c.Dispatch(d.partial, seg.bind, push, uint32(nc), uint32(seg.kvCount*blocks), 1)
 		}
 	}
-	c.Barrier()
+	c.ComputeBarrier()
 	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group()), 0}, uint32(h.Query), uint32(len(p.seqs)), 1)
 	if slices.Equal(chunks, p.lastChunks) {
 		return nil
@@ -430,7 +455,8 @@ type stopwatch struct {
 }
 
 // time records warmup+reps runs of record back to back in one submission,
-// a barrier before each (a run rewrites what the previous one used), and
+// a compute barrier before each (a run rewrites what the previous one
+// used), and
 // returns the timed runs' GPU times, sorted.
 func (w *stopwatch) time(dev *vk.Device, warmup, reps int, record func(*vk.Commands) error) ([]time.Duration, error) {
 	if reps <= 0 || warmup < 0 {
@@ -461,7 +487,7 @@ func (w *stopwatch) time(dev *vk.Device, warmup, reps int, record func(*vk.Comma
 	c.Reset(w.stamps)
 	c.Timestamp(w.stamps, 0)
 	for i := 0; i < total; i++ {
-		c.Barrier()
+		c.ComputeBarrier()
 		if err := record(c); err != nil {
 			c.End()
 			return nil, err
@@ -586,10 +612,71 @@ func (p *DensePlan) recordGather(c *vk.Commands) error {
 	blocks := h.Group() / d.group
 	for _, seg := range p.segments[0] {
 		push := []uint32{uint32(p.gatherStride), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(p.gatherChunk), uint32(p.maxChunks),
-			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group())}
+			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), 0, 0, 0, 0, 0}
 		c.Dispatch(d.gather, seg.bind, push, uint32(p.maxChunks), uint32(seg.kvCount*blocks), 1)
 	}
-	c.Barrier()
+	c.ComputeBarrier()
 	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group()), uint32(p.gatherChunk)}, uint32(h.Query), 1, 1)
 	return nil
+}
+
+// PlanClusters prepares attention of one sequence over a clustered cache:
+// every query head of KV head g attends the tokens outside the clusters
+// ([0, First) and [First+Count, n)) and the members of every cluster c of
+// g that some query head h of g takes, rank[h][c] < cut[h] (uint32 ranges
+// [Hq][C] and [Hq], written by earlier kernels; the caller keeps them
+// alive). Workgroups take fixed runs of clusters and skip those not taken,
+// so no token list is built.
+func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, rank, cut vk.Range) (*DensePlan, error) {
+	h := d.heads
+	switch {
+	case d.clustered == nil:
+		return nil, fmt.Errorf("%w: attention over clusters needs %d more bytes of shared memory than the device has", vk.ErrUnsupported, 4*(d.tile+2*d.workgroup+1))
+	case layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
+		return nil, fmt.Errorf("sparse: the cache has %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
+	case clusters.KVHeads != h.KV || clusters.First+clusters.Count > layer.Capacity():
+		return nil, fmt.Errorf("sparse: an index of %d KV heads over tokens [%d, %d) for a cache of %d heads and capacity %d", clusters.KVHeads, clusters.First, clusters.First+clusters.Count, h.KV, layer.Capacity())
+	case rank.Size < uint64(h.Query*clusters.C)*4 || cut.Size < uint64(h.Query)*4:
+		return nil, fmt.Errorf("sparse: ranks of %d bytes and cuts of %d for %d query heads of %d clusters", rank.Size, cut.Size, h.Query, clusters.C)
+	}
+	blocks := h.Group() / d.group
+	per := max(d.clusterMin, ceilDiv(clusters.C*h.KV*blocks, gatherWorkgroups))
+	chunks := ceilDiv(clusters.C, per) + ceilDiv(layer.Capacity()-clusters.Count, d.tile)
+	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut}
+	if err := p.allocate(); err != nil {
+		p.Release()
+		return nil, err
+	}
+	return p, nil
+}
+
+// recordClusters records attention over the taken clusters and the fixed
+// tokens: a chunk per run of clusters, then one per tile of fixed tokens.
+func (p *DensePlan) recordClusters(c *vk.Commands) error {
+	h, d, x := p.d.heads, p.d, p.clusters
+	n := p.seqs[0].Len()
+	end := x.First + x.Count
+	if n < end {
+		return fmt.Errorf("sparse: the cache holds %d tokens, its clusters end at %d", n, end)
+	}
+	cc := ceilDiv(x.C, p.clusterChunk)
+	total := cc + ceilDiv(n-x.Count, d.tile)
+	blocks := h.Group() / d.group
+	for _, seg := range p.segments[0] {
+		push := []uint32{uint32(n), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(p.clusterChunk), uint32(p.maxChunks),
+			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()),
+			uint32(x.C), uint32(cc), uint32(x.Count), uint32(x.First), uint32(end)}
+		c.Dispatch(d.clustered, seg.bind, push, uint32(total), uint32(seg.kvCount*blocks), 1)
+	}
+	c.ComputeBarrier()
+	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group()), 0}, uint32(h.Query), 1, 1)
+	chunks := make([]uint32, h.KV)
+	for g := range chunks {
+		chunks[g] = uint32(total)
+	}
+	if slices.Equal(chunks, p.lastChunks) {
+		return nil
+	}
+	p.lastChunks = chunks
+	return p.chunks.WriteUint32(0, chunks) // completes before c is submitted
 }

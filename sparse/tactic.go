@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"time"
 
@@ -17,9 +18,10 @@ import (
 // each query head ranked by bins of their scores (TacticBin); the exact
 // exponentials of the exact part, the two sampling windows and the fixed
 // tokens; the fit and budget of Alg. 1 at bin granularity
-// (TacticBinnedBudgetRef states the computation); the union over each GQA
-// group of the selected clusters with the sinks and the recent tail; and
-// gathered attention over that union. The layer's tokens before
+// (TacticBinnedBudgetRef states the computation); and attention, for each
+// KV head, over the union of the clusters its query heads select with the
+// sinks and the recent tail (Dense.PlanClusters: the union is taken where
+// the rows are read, with no token list). The layer's tokens before
 // clusters.First are the sinks; those from clusters.First+clusters.Count
 // on are the tail, attended in full.
 type TacticStep struct {
@@ -27,9 +29,9 @@ type TacticStep struct {
 	layer   *kvcache.Layer
 	p       float64
 	fit     TacticFit
-	plan    *DensePlan // gathered attention over the lists
-	kernels struct{ score, order, sample, budget, sel *vk.Pipeline }
+	kernels struct{ score, order, sample, budget *vk.Pipeline }
 	tacticBound
+	query []float32 // the last query set, uploaded again with a new index
 	clock stopwatch
 }
 
@@ -37,7 +39,8 @@ type TacticStep struct {
 // buffers sized by it and the kernels' bindings.
 type tacticBound struct {
 	clusters *kvcache.Clusters
-	binds    struct{ score, order, sample, budget, sel *vk.Binding }
+	plan     *DensePlan // attention over the selected clusters
+	binds    struct{ score, order, sample, budget *vk.Binding }
 	bufs     []*vk.Buffer
 	scores   *vk.Buffer // float32 [Hq][C]
 	binOf    *vk.Buffer // uint32 [Hq][C]
@@ -53,10 +56,13 @@ type tacticBound struct {
 // release frees the bindings and buffers.
 func (b *tacticBound) release() error {
 	var errs []error
-	for _, x := range []*vk.Binding{b.binds.score, b.binds.order, b.binds.sample, b.binds.budget, b.binds.sel} {
+	for _, x := range []*vk.Binding{b.binds.score, b.binds.order, b.binds.sample, b.binds.budget} {
 		if x != nil {
 			errs = append(errs, x.Release())
 		}
+	}
+	if b.plan != nil {
+		errs = append(errs, b.plan.Release())
 	}
 	for _, x := range b.bufs {
 		if x != nil {
@@ -66,9 +72,6 @@ func (b *tacticBound) release() error {
 	*b = tacticBound{}
 	return errors.Join(errs...)
 }
-
-// tacticSelectClusters is the clusters per workgroup of the union pass.
-const tacticSelectClusters = 64
 
 // TacticBins is the number of bins of the GPU's cluster order (TacticBin).
 const TacticBins = 1024
@@ -116,9 +119,6 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 		return nil, err
 	}
 	var err error
-	if t.plan, err = dense.PlanGather(layer, layer.Capacity()); err != nil {
-		return nil, err
-	}
 	dev := dense.dev
 	build := func(name string, bindings, push int, spec ...uint32) *vk.Pipeline {
 		if err != nil {
@@ -135,11 +135,10 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	k := &t.kernels
 	k.score = build("tactic_score", 3, 3, uint32(h.Dim))
 	wg := tacticWorkgroup(dev.Info())
-	k.order = build("tactic_plan", 8, 12, TacticBins, 10, wg)
+	k.order = build("tactic_plan", 6, 8, TacticBins, 10, wg)
 	tpr := dense.tpr // shuffles among tpr threads work on this device
 	k.sample = build("tactic_sample", 9, 9, 256, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(max(16, 4*tpr)))
 	k.budget = build("tactic_budget", 5, 4, TacticBins, wg)
-	k.sel = build("tactic_select", 7, 4, 256, tacticSelectClusters)
 	if err == nil {
 		t.tacticBound, err = t.bind(clusters)
 	}
@@ -151,14 +150,18 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 }
 
 // SetClusters moves the step onto another index of its layer (after the
-// tail joined the index, say), keeping its kernels and token lists. On
-// error the step is as it was.
+// tail joined the index, say), keeping its kernels and query. On error the
+// step is as it was.
 func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
 	if err := t.checkClusters(clusters); err != nil {
 		return err
 	}
 	b, err := t.bind(clusters)
+	if err == nil && t.query != nil {
+		err = b.plan.SetQuery(t.query)
+	}
 	if err != nil {
+		b.release()
 		return err
 	}
 	old := t.tacticBound
@@ -197,6 +200,9 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
 	x.tokStart, x.planBuf, x.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
 	x.sampled, x.expo, x.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*x.fixedCap)
+	if err == nil {
+		x.plan, err = t.dense.PlanClusters(t.layer, clusters, x.binOf.All(), x.cut.All())
+	}
 	bind := func(pipe *vk.Pipeline, r ...vk.Range) *vk.Binding {
 		if err != nil {
 			return nil
@@ -206,12 +212,14 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 		return b
 	}
 	k, b := &t.kernels, &x.binds
-	lists, counts, query := t.plan.Tokens().All(), t.plan.TokenCounts().All(), t.plan.query.All()
+	var query vk.Range
+	if err == nil {
+		query = x.plan.query.All()
+	}
 	b.score = bind(k.score, query, clusters.Centroids.All(), x.scores.All())
-	b.order = bind(k.order, x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All(), lists, counts)
+	b.order = bind(k.order, x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All())
 	b.sample = bind(k.sample, query, t.layer.Keys().All(), x.planBuf.All(), x.sampled.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(), x.expo.All(), x.expoFix.All())
 	b.budget = bind(k.budget, x.tokStart.All(), x.planBuf.All(), x.expo.All(), x.expoFix.All(), x.cut.All())
-	b.sel = bind(k.sel, x.binOf.All(), x.cut.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(), lists, counts)
 	if err != nil {
 		x.release()
 		return tacticBound{}, err
@@ -224,19 +232,22 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 func (t *TacticStep) Release() error {
 	t.clock.release()
 	errs := []error{t.tacticBound.release()}
-	for _, p := range []*vk.Pipeline{t.kernels.score, t.kernels.order, t.kernels.sample, t.kernels.budget, t.kernels.sel} {
+	for _, p := range []*vk.Pipeline{t.kernels.score, t.kernels.order, t.kernels.sample, t.kernels.budget} {
 		if p != nil {
 			errs = append(errs, p.Release())
 		}
-	}
-	if t.plan != nil {
-		errs = append(errs, t.plan.Release())
 	}
 	return errors.Join(errs...)
 }
 
 // SetQuery uploads the query, [Hq][D].
-func (t *TacticStep) SetQuery(q []float32) error { return t.plan.SetQuery(q) }
+func (t *TacticStep) SetQuery(q []float32) error {
+	if err := t.plan.SetQuery(q); err != nil {
+		return err
+	}
+	t.query = append(t.query[:0], q...)
+	return nil
+}
 
 // windowPositions returns the exact part's token count and the two
 // sampling windows' first and last positions over n clustered tokens, as
@@ -253,9 +264,10 @@ func windowPositions(fit TacticFit, n int) (need int, win [4]int) {
 }
 
 // TacticStages names the stages of a step, in order.
-var TacticStages = []string{"score", "order", "sample", "fit", "union", "attend"}
+var TacticStages = []string{"score", "order", "sample", "fit", "attend"}
 
-// Record appends the step's kernels to c.
+// Record appends the step's kernels to c; as DensePlan.Record, it orders
+// compute work only.
 func (t *TacticStep) Record(c *vk.Commands) error { return t.record(c, func(int) {}) }
 
 // record appends the kernels, calling mark(i) after stage i.
@@ -270,27 +282,23 @@ func (t *TacticStep) record(c *vk.Commands, mark func(stage int)) error {
 	k, b := &t.kernels, &t.binds
 	c.Dispatch(k.score, b.score, []uint32{cc, group, scale}, uint32(ceilDiv(x.C, 32)), kv, uint32(ceilDiv(h.Group(), 8)))
 	mark(0)
-	c.Barrier()
-	c.Dispatch(k.order, b.order, []uint32{cc, group, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3]),
-		uint32(x.First), uint32(end), uint32(n), uint32(t.plan.gatherStride)}, hq, 1, 1)
+	c.ComputeBarrier()
+	c.Dispatch(k.order, b.order, []uint32{cc, group, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])}, hq, 1, 1)
 	mark(1)
-	c.Barrier()
+	c.ComputeBarrier()
 	// Workgroups per head for the expected samples; they stride over more.
 	work := need + (win[1] - win[0] + 1) + (win[3] - win[2] + 1) + fixed
 	c.Dispatch(k.sample, b.sample, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc},
 		uint32(min(64, ceilDiv(work, 256))), hq, 1)
 	mark(2)
-	c.Barrier()
+	c.ComputeBarrier()
 	c.Dispatch(k.budget, b.budget, []uint32{uint32(x.Count), uint32(fixed), uint32(t.fixedCap), math.Float32bits(float32(t.p))}, hq, 1, 1)
 	mark(3)
-	c.Barrier()
-	c.Dispatch(k.sel, b.sel, []uint32{cc, group, uint32(t.plan.gatherStride), uint32(x.Count)}, uint32(ceilDiv(x.C, tacticSelectClusters)), kv, 1)
-	mark(4)
-	c.Barrier()
+	c.ComputeBarrier()
 	if err := t.plan.Record(c); err != nil {
 		return err
 	}
-	mark(5)
+	mark(4)
 	return nil
 }
 
@@ -326,22 +334,58 @@ func (t *TacticStep) Cuts() ([]int, error) {
 	return out, nil
 }
 
-// Tokens returns the token list of each KV head of the last step.
-func (t *TacticStep) Tokens() ([][]int32, error) {
-	h := t.dense.heads
-	counts := make([]uint32, h.KV)
-	if err := t.plan.TokenCounts().ReadUint32(0, counts); err != nil {
+// BinsOf returns each query head's cluster bins of the last step, [Hq][C]:
+// a head selected the clusters of bins below its cut.
+func (t *TacticStep) BinsOf() ([]int, error) {
+	raw := make([]uint32, t.dense.heads.Query*t.clusters.C)
+	if err := t.binOf.ReadUint32(0, raw); err != nil {
+		return nil, err
+	}
+	out := make([]int, len(raw))
+	for i, x := range raw {
+		out[i] = int(x)
+	}
+	return out, nil
+}
+
+// Tokens returns the tokens each KV head attended in the last step, in
+// ascending order: the fixed tokens and the members of every cluster that
+// a query head of its group selected (its bin below the head's cut), from
+// the bins and cuts the GPU wrote and members, each KV head's clusters'
+// members as read back ([KV][C][]).
+func (t *TacticStep) Tokens(members [][][]int32) ([][]int32, error) {
+	h, x := t.dense.heads, t.clusters
+	if len(members) != h.KV {
+		return nil, fmt.Errorf("sparse: members of %d KV heads' clusters for %d", len(members), h.KV)
+	}
+	bins, err := t.BinsOf()
+	if err != nil {
+		return nil, err
+	}
+	cuts, err := t.Cuts()
+	if err != nil {
+		return nil, err
+	}
+	fixed, err := TacticFixedTokens(x.First, x.First+x.Count, t.layer.Len()-1)
+	if err != nil {
 		return nil, err
 	}
 	out := make([][]int32, h.KV)
 	for g := range out {
-		raw := make([]uint32, counts[g])
-		if err := t.plan.Tokens().ReadUint32(uint64(g*t.plan.gatherStride)*4, raw); err != nil {
-			return nil, err
+		if len(members[g]) != x.C {
+			return nil, fmt.Errorf("sparse: KV head %d has %d clusters, the step %d", g, len(members[g]), x.C)
 		}
-		for _, x := range raw {
-			out[g] = append(out[g], int32(x))
+		list := append([]int32(nil), fixed...)
+		for c, members := range members[g] {
+			for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
+				if bins[hh*x.C+c] < cuts[hh] {
+					list = append(list, members...)
+					break
+				}
+			}
 		}
+		slices.Sort(list)
+		out[g] = list
 	}
 	return out, nil
 }
@@ -368,7 +412,7 @@ func (t *TacticStep) TimeStages(warmup, reps int) (stages []time.Duration, total
 		c.Reset(stamps)
 		c.Timestamp(stamps, 0)
 		for r := 0; r < warmup+reps; r++ {
-			c.Barrier()
+			c.ComputeBarrier()
 			if err := t.record(c, func(i int) { c.Timestamp(stamps, 1+r*ns+i) }); err != nil {
 				return err
 			}
@@ -470,7 +514,11 @@ func (t *TacticStep) Fidelity(q, out []float32, keys, values [][]float64, index 
 	if err != nil {
 		return nil, err
 	}
-	lists, err := t.Tokens()
+	members := make([][][]int32, len(index))
+	for g, x := range index {
+		members[g] = x.Members
+	}
+	lists, err := t.Tokens(members)
 	if err != nil {
 		return nil, err
 	}

@@ -97,7 +97,11 @@ func TestTacticStepMatchesReference(t *testing.T) {
 		require.NoError(t, err)
 		cuts, err := step.Cuts()
 		require.NoError(t, err)
-		lists, err := step.Tokens()
+		members := make([][][]int32, h.KV)
+		for g := range members {
+			members[g] = index[g].Members
+		}
+		lists, err := step.Tokens(members)
 		require.NoError(t, err)
 		require.NoError(t, step.Release())
 		t.Logf("P %v, %d threads per row: cuts %v, union sizes %d and %d of %d", p, r.dense.tpr, cuts, len(lists[0]), len(lists[1]), n)

@@ -130,6 +130,18 @@ func (c *Commands) Barrier() {
 	vk.CmdPipelineBarrier(c.cb, src, dst, 0, 1, mb, 0, nil, 0, nil)
 }
 
+// ComputeBarrier makes earlier compute-shader writes visible to later
+// compute-shader reads and writes, and orders nothing else.
+func (c *Commands) ComputeBarrier() {
+	mb := []vk.MemoryBarrier{{
+		SType:         vk.StructureTypeMemoryBarrier,
+		SrcAccessMask: vk.AccessFlags(vk.AccessShaderWriteBit),
+		DstAccessMask: vk.AccessFlags(vk.AccessShaderReadBit | vk.AccessShaderWriteBit),
+	}}
+	stage := vk.PipelineStageFlags(vk.PipelineStageComputeShaderBit)
+	vk.CmdPipelineBarrier(c.cb, stage, stage, 0, 1, mb, 0, nil, 0, nil)
+}
+
 // Fill records writing the 32-bit word value over a range (size a multiple of 4).
 func (c *Commands) Fill(r Range, value uint32) {
 	if r.Size%4 != 0 || r.Offset%4 != 0 || r.Offset+r.Size > r.Buffer.size {

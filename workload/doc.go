@@ -42,7 +42,9 @@
 // the last Queries keys are the decode tail. Query head h uses KV head
 // h/(QHeads/KVHeads) and has a kind (Config.Kinds, by default DefaultKinds:
 // half streaming, a quarter retrieval, a quarter topic, mixed within every
-// KV group; GroupedKinds gives the same mix with one kind per KV group). Heads that share a KV head share its keys; the kind lives in
+// KV group; GroupedKinds gives the same mix with one kind per KV group;
+// LateKinds a sparse late layer, streaming heads and a topic head in every
+// other group). Heads that share a KV head share its keys; the kind lives in
 // the query, which is built in logit units (q·k·Scale, Scale =
 // 1/sqrt(HeadDim)):
 //

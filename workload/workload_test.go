@@ -151,6 +151,19 @@ func TestGroupedKindsShareAKindPerGroup(t *testing.T) {
 	}
 }
 
+func TestLateKindsAreMostlyStreaming(t *testing.T) {
+	for _, c := range []struct{ q, kv, topic int }{{32, 8, 4}, {8, 2, 1}, {8, 8, 4}, {6, 1, 1}} {
+		kinds := LateKinds(c.q, c.kv)
+		require.Len(t, kinds, c.q)
+		count := map[HeadKind]int{}
+		for _, k := range kinds {
+			count[k]++
+		}
+		assert.Equal(t, c.topic, count[Topic], "%d/%d: topic heads", c.q, c.kv)
+		assert.Equal(t, c.q-c.topic, count[Streaming], "%d/%d: the rest streaming", c.q, c.kv)
+	}
+}
+
 func TestHeadKindNames(t *testing.T) {
 	for _, k := range []HeadKind{Streaming, Retrieval, Topic} {
 		parsed, err := ParseHeadKind(k.String())

@@ -24,7 +24,11 @@ func probe(args []string) error {
 	reps := fs.Int("reps", 50, "timed runs per size")
 	groups := fs.Int("groups", 4096, "workgroups of 256 threads")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
+	chain := fs.String("chain", "", "instead: time chains of this many small dependent dispatches (comma-separated), the cost a pipeline stage pays before its work")
 	fs.Parse(args)
+	if *chain != "" {
+		return probeChain(*chain, *reps, *groups, *jsonPath)
+	}
 	mibs, err := ints(*sizes)
 	if err != nil {
 		return fmt.Errorf("-mib: %v", err)
@@ -102,6 +106,110 @@ func probe(args []string) error {
 	table(os.Stdout, []string{"MiB", "median µs", "read GB/s"}, rows)
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "probe", dev.Info(), results)
+	}
+	return nil
+}
+
+// chainResult is one row of `vkbench probe -chain`: a chain of dependent
+// small dispatches, each reading a 1 MiB buffer, separated by barriers.
+type chainResult struct {
+	Dispatches int     `json:"dispatches"`
+	Groups     int     `json:"groups"`
+	Barrier    string  `json:"barrier"` // "full" (shader and transfer) or "compute"
+	MedianUs   float64 `json:"median_us"`
+	PerStageUs float64 `json:"per_dispatch_us"`
+}
+
+// probeChain times chains of k dependent dispatches of the read probe over
+// 1 MiB, with the full barrier and with a compute-only barrier between
+// them, back to back in one submission as the sparse pipelines run.
+func probeChain(list string, reps, groups int, jsonPath string) error {
+	ks, err := ints(list)
+	if err != nil {
+		return fmt.Errorf("-chain: %v", err)
+	}
+	dev, err := openDevice()
+	if err != nil {
+		return err
+	}
+	defer dev.Release()
+	code, err := shaders.SPIRV("read_probe")
+	if err != nil {
+		return err
+	}
+	pipe, err := dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{256}})
+	if err != nil {
+		return err
+	}
+	defer pipe.Release()
+	const bytes = 1 << 20
+	src, err := dev.NewBuffer(bytes, vk.DeviceLocal)
+	if err != nil {
+		return err
+	}
+	defer src.Release()
+	dst, err := dev.NewBuffer(uint64(groups)*256*4, vk.DeviceLocal)
+	if err != nil {
+		return err
+	}
+	defer dst.Release()
+	bind, err := pipe.Bind(src.All(), dst.All())
+	if err != nil {
+		return err
+	}
+	defer bind.Release()
+	cmd, err := dev.NewCommands()
+	if err != nil {
+		return err
+	}
+	defer cmd.Release()
+	const warmup = 5
+	stamps, err := dev.NewTimestamps(warmup + reps + 1)
+	if err != nil {
+		return err
+	}
+	defer stamps.Release()
+	var results []chainResult
+	var rows [][]string
+	for _, barrier := range []string{"full", "compute"} {
+		for _, k := range ks {
+			if err := cmd.Begin(); err != nil {
+				return err
+			}
+			cmd.Reset(stamps)
+			cmd.Timestamp(stamps, 0)
+			for r := 0; r < warmup+reps; r++ {
+				for i := 0; i < k; i++ {
+					if barrier == "full" {
+						cmd.Barrier()
+					} else {
+						cmd.ComputeBarrier()
+					}
+					cmd.Dispatch(pipe, bind, []uint32{bytes / 16}, uint32(groups), 1, 1)
+				}
+				cmd.Timestamp(stamps, r+1)
+			}
+			if err := cmd.End(); err != nil {
+				return err
+			}
+			if err := cmd.Submit(); err != nil {
+				return err
+			}
+			d, err := stamps.Durations(warmup + reps + 1)
+			if err != nil {
+				return err
+			}
+			times := d[1+warmup:]
+			sort.Slice(times, func(i, j int) bool { return times[i] < times[j] })
+			r := chainResult{Dispatches: k, Groups: groups, Barrier: barrier, MedianUs: float64(times[len(times)/2].Nanoseconds()) / 1e3}
+			r.PerStageUs = r.MedianUs / float64(k)
+			results = append(results, r)
+			rows = append(rows, []string{barrier, fmt.Sprint(k), fmt.Sprint(groups), fmt.Sprintf("%.2f", r.MedianUs), fmt.Sprintf("%.2f", r.PerStageUs)})
+		}
+	}
+	table(os.Stdout, []string{"barrier", "dispatches", "groups", "median µs", "µs each"}, rows)
+	if jsonPath != "" {
+		return writeJSON(jsonPath, "probe", dev.Info(), results)
 	}
 	return nil
 }

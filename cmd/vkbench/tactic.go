@@ -24,7 +24,7 @@ func tactic(args []string) error {
 	qHeads := fs.Int("heads", 32, "query heads (generated workload)")
 	kvHeads := fs.Int("kv-heads", 8, "KV heads (generated workload)")
 	dim := fs.Int("dim", 128, "head dimension (generated workload)")
-	kindsName := fs.String("kinds", "mixed", "head kinds of the generated workload: mixed (every KV group holds every kind) or grouped (one kind per KV group)")
+	kindsName := fs.String("kinds", "mixed", "head kinds of the generated workload: mixed (every KV group holds every kind), grouped (one kind per KV group) or late (a sparse late layer: streaming heads, a topic head in every other group)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	seed := fs.Int64("seed", 1, "workload and K-means seed")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
@@ -45,8 +45,10 @@ func tactic(args []string) error {
 		kinds = workload.DefaultKinds
 	case "grouped":
 		kinds = workload.GroupedKinds
+	case "late":
+		kinds = workload.LateKinds
 	default:
-		return fmt.Errorf("-kinds: %q is neither mixed nor grouped", *kindsName)
+		return fmt.Errorf("-kinds: %q is not mixed, grouped or late", *kindsName)
 	}
 	var traces []*trace.Trace
 	var names []string
