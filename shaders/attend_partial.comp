@@ -37,6 +37,8 @@ layout(constant_id = 9) const uint GATHER = 0;
 // RPT rows are scored by each thread (rows WG/TPR apart), so every q value
 // read from shared memory serves RPT K words.
 layout(constant_id = 10) const uint RPT = 1;
+// GATHER = 2: clusters scanned at once (a power of two, at most WG).
+layout(constant_id = 11) const uint WINDOW = 64;
 
 const uint DV = D / 8;  // uvec4 words per row
 const uint ACC = GROUP * 2;  // vec4 of output a thread accumulates
@@ -81,7 +83,7 @@ shared float red[REDUCE_SLOTS];
 // GATHER = 2 only (one slot otherwise): a tile's token ids, and a window's
 // clusters' member offsets and scanned counts.
 const uint LIST = (GATHER / 2) * (TILE - 1) + 1;
-const uint CW = (GATHER / 2) * (WG - 1) + 1;  // clusters per window
+const uint CW = (GATHER / 2) * (WINDOW - 1) + 1;  // clusters per window
 shared uint lst[LIST];
 shared uint from[CW];
 shared uint pre[CW + 1];

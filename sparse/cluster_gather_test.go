@@ -32,7 +32,7 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 		{Heads{8, 2, 64}, 3000, 3200, 4, 196, 150, 1500, 0, false},
 		{Heads{16, 4, 128}, 5000, 5000, 0, 1, 400, 0, 0, true},
 		// Chunks of more clusters than a window holds.
-		{Heads{4, 1, 128}, 4100, 4100, 1, 0, 700, 0, 600, false},
+		{Heads{4, 1, 128}, 4100, 4100, 1, 0, 700, 0, 150, false},
 		{Heads{32, 8, 16}, 9001, 9500, 4, 300, 900, 2000, 0, false},
 	} {
 		name := fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_C%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, c.clusters)
@@ -98,7 +98,7 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 			require.NoError(t, err)
 			defer plan.Release()
 			if c.minChunk > 0 {
-				require.Greater(t, plan.clusterChunk, dense.workgroup, "a chunk must span several windows")
+				require.Greater(t, plan.clusterChunk, clusterWindow, "a chunk must span several windows")
 			}
 			q := randomQueries(rng, h.Query*h.Dim, 1.5)
 			nan := math.Float32bits(float32(math.NaN()))

@@ -66,15 +66,17 @@ func boolWord(b bool) uint32 {
 
 // Limits of the dense kernels.
 const (
-	denseWorkgroup   = 256
-	scoreBudget      = 4096 // default shared floats for scores: group × tile
-	defaultMaxChunk  = 512  // chunk slots per (sequence, head)
-	targetWorkgroups = 512
-	gatherChunkMin   = 512 // least tokens per chunk of gathered attention
-	gatherWorkgroups = 256 // workgroups of gathered attention over long lists
-	clusterChunkMin  = 64  // least clusters per chunk of attention over clusters
-	partialBindings  = 12
-	partialPushWords = 14
+	denseWorkgroup    = 256
+	scoreBudget       = 4096 // default shared floats for scores: group × tile
+	defaultMaxChunk   = 512  // chunk slots per (sequence, head)
+	targetWorkgroups  = 512
+	gatherChunkMin    = 512  // least tokens per chunk of gathered attention
+	gatherWorkgroups  = 256  // workgroups of gathered attention over long lists
+	clusterChunkMin   = 64   // least clusters per chunk of attention over clusters
+	clusterWindow     = 64   // clusters a workgroup scans at once
+	clusterWorkgroups = 1024 // workgroups of attention over many clusters
+	partialBindings   = 12
+	partialPushWords  = 14
 )
 
 // NewDense compiles the dense attention kernels for heads.
@@ -159,7 +161,7 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	if err != nil {
 		return nil, err
 	}
-	spec := []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt)}
+	spec := []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt), uint32(min(wg, clusterWindow))}
 	kernel := func(name string, gather uint32) *vk.Pipeline {
 		if err != nil {
 			return nil
@@ -171,7 +173,7 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	}
 	d.partial = kernel("attend_partial", 0)
 	d.gather = kernel("attend_partial (gather)", 1)
-	if shared+4*(tile+2*wg+1) <= int(info.SharedMemoryBytes) {
+	if shared+4*(tile+2*clusterWindow+1) <= int(info.SharedMemoryBytes) {
 		d.clustered = kernel("attend_partial (clusters)", 2)
 	}
 	if err == nil {
@@ -631,7 +633,7 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 	h := d.heads
 	switch {
 	case d.clustered == nil:
-		return nil, fmt.Errorf("%w: attention over clusters needs %d more bytes of shared memory than the device has", vk.ErrUnsupported, 4*(d.tile+2*d.workgroup+1))
+		return nil, fmt.Errorf("%w: attention over clusters needs %d more bytes of shared memory than the device has", vk.ErrUnsupported, 4*(d.tile+2*clusterWindow+1))
 	case layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
 		return nil, fmt.Errorf("sparse: the cache has %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
 	case clusters.KVHeads != h.KV || clusters.First+clusters.Count > layer.Capacity():
@@ -640,7 +642,7 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 		return nil, fmt.Errorf("sparse: ranks of %d bytes and cuts of %d for %d query heads of %d clusters", rank.Size, cut.Size, h.Query, clusters.C)
 	}
 	blocks := h.Group() / d.group
-	per := max(d.clusterMin, ceilDiv(clusters.C*h.KV*blocks, gatherWorkgroups))
+	per := max(d.clusterMin, ceilDiv(clusters.C*h.KV*blocks, clusterWorkgroups))
 	chunks := ceilDiv(clusters.C, per) + ceilDiv(layer.Capacity()-clusters.Count, d.tile)
 	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut}
 	if err := p.allocate(); err != nil {
