@@ -105,11 +105,12 @@ func GroupedKinds(qHeads, kvHeads int) []HeadKind {
 	return kinds
 }
 
-// LateKinds returns the head kinds of a sparse late layer: streaming heads
-// except the first head of every other KV group, a topic head (every
-// other head when the heads do not group). The captured traces' late
-// layer is that sparse: it needs 0.3% of the tokens on average to reach
-// P = 0.9, its densest head 10.8%.
+// LateKinds returns the head kinds of a sparser layer, as late layers
+// are: streaming heads except the first head of every other KV group, a
+// topic head (every other head when the heads do not group). With
+// DefaultConfig its GQA unions at P = 0.9 cover about 16% of the tokens at
+// 32768 and 50% at 131072 (streaming heads spread as the context grows);
+// the captured traces' late layer is sparser still, 0.3% on average.
 func LateKinds(qHeads, kvHeads int) []HeadKind {
 	group := groupSize(qHeads, kvHeads)
 	kinds := make([]HeadKind, qHeads)
