@@ -44,6 +44,25 @@ func randomQueries(rng *rand.Rand, n int, scale float64) []float32 {
 
 // requireClose compares per query head: ‖got − want‖ / ‖want‖ < tol, and
 // reports the first mismatching elements.
+// listsRef returns AttendSubsetRef of every query head (q, [Hq][D]) over
+// its KV head's list, keys and values k, v being [KV][n][D].
+func listsRef(t *testing.T, h Heads, q []float32, k, v []float64, n int, lists [][]int32) []float64 {
+	t.Helper()
+	d := h.Dim
+	var want []float64
+	for hh := 0; hh < h.Query; hh++ {
+		g := hh / h.Group()
+		qh := make([]float64, d)
+		for i := range qh {
+			qh[i] = float64(q[hh*d+i])
+		}
+		o, err := AttendSubsetRef(qh, k[g*n*d:(g+1)*n*d], v[g*n*d:(g+1)*n*d], lists[g], 1/math.Sqrt(float64(d)))
+		require.NoError(t, err)
+		want = append(want, o...)
+	}
+	return want
+}
+
 func requireClose(t *testing.T, want []float64, got []float32, dim int, tol float64, what string) {
 	t.Helper()
 	for h := 0; h*dim < len(want); h++ {

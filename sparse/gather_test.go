@@ -60,19 +60,7 @@ func TestGatherMatchesReference(t *testing.T) {
 			require.NoError(t, dev.Run(func(cmd *vk.Commands) { cmd.Fill(plan.Output().All(), math.Float32bits(float32(math.NaN()))) }))
 			got, err := plan.Attend(q)
 			require.NoError(t, err)
-			d := c.heads.Dim
-			want := make([]float64, 0, len(got))
-			for h := 0; h < c.heads.Query; h++ {
-				g := h / c.heads.Group()
-				qh := make([]float64, d)
-				for i := range qh {
-					qh[i] = float64(q[h*d+i])
-				}
-				o, err := AttendSubsetRef(qh, k[g*c.n*d:(g+1)*c.n*d], v[g*c.n*d:(g+1)*c.n*d], lists[g], 1/math.Sqrt(float64(d)))
-				require.NoError(t, err)
-				want = append(want, o...)
-			}
-			requireClose(t, want, got, d, 1e-3, "gathered")
+			requireClose(t, listsRef(t, c.heads, q, k, v, c.n, lists), got, c.heads.Dim, 1e-3, "gathered")
 		})
 	}
 }

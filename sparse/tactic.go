@@ -322,30 +322,35 @@ func (t *TacticStep) Scores() ([]float32, error) {
 
 // Cuts returns each query head's cut of the last step: it selected the
 // clusters of bins below it.
-func (t *TacticStep) Cuts() ([]int, error) {
-	raw := make([]uint32, t.dense.heads.Query)
-	if err := t.cut.ReadUint32(0, raw); err != nil {
+func (t *TacticStep) Cuts() ([]int, error) { return readInts(t.cut, t.dense.heads.Query) }
+
+// BinsOf returns each query head's cluster bins of the last step, [Hq][C]:
+// a head selected the clusters of bins below its cut.
+func (t *TacticStep) BinsOf() ([]int, error) {
+	return readInts(t.binOf, t.dense.heads.Query*t.clusters.C)
+}
+
+// readInts returns the first n uint32 of b as ints.
+func readInts(b *vk.Buffer, n int) ([]int, error) {
+	raw := make([]uint32, n)
+	if err := b.ReadUint32(0, raw); err != nil {
 		return nil, err
 	}
-	out := make([]int, len(raw))
+	out := make([]int, n)
 	for i, x := range raw {
 		out[i] = int(x)
 	}
 	return out, nil
 }
 
-// BinsOf returns each query head's cluster bins of the last step, [Hq][C]:
-// a head selected the clusters of bins below its cut.
-func (t *TacticStep) BinsOf() ([]int, error) {
-	raw := make([]uint32, t.dense.heads.Query*t.clusters.C)
-	if err := t.binOf.ReadUint32(0, raw); err != nil {
-		return nil, err
+// membersOf returns the members of every cluster of each KV head's index,
+// as TacticStep.Tokens takes them.
+func membersOf(index []*kvcache.HostClusters) [][][]int32 {
+	members := make([][][]int32, len(index))
+	for g, x := range index {
+		members[g] = x.Members
 	}
-	out := make([]int, len(raw))
-	for i, x := range raw {
-		out[i] = int(x)
-	}
-	return out, nil
+	return members
 }
 
 // Tokens returns the tokens each KV head attended in the last step, in
@@ -514,11 +519,7 @@ func (t *TacticStep) Fidelity(q, out []float32, keys, values [][]float64, index 
 	if err != nil {
 		return nil, err
 	}
-	members := make([][][]int32, len(index))
-	for g, x := range index {
-		members[g] = x.Members
-	}
-	lists, err := t.Tokens(members)
+	lists, err := t.Tokens(membersOf(index))
 	if err != nil {
 		return nil, err
 	}

@@ -149,11 +149,7 @@ func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters,
 		if err != nil {
 			return r, err
 		}
-		members := make([][][]int32, len(index))
-		for g, x := range index {
-			members[g] = x.Members
-		}
-		lists, err := step.Tokens(members)
+		lists, err := step.Tokens(membersOf(index))
 		if err != nil {
 			return r, err
 		}

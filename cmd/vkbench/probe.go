@@ -38,11 +38,7 @@ func probe(args []string) error {
 		return err
 	}
 	defer dev.Release()
-	code, err := shaders.SPIRV("read_probe")
-	if err != nil {
-		return err
-	}
-	pipe, err := dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{256}})
+	pipe, err := newReadProbe(dev)
 	if err != nil {
 		return err
 	}
@@ -133,11 +129,7 @@ func probeChain(list string, reps, groups int, jsonPath string) error {
 		return err
 	}
 	defer dev.Release()
-	code, err := shaders.SPIRV("read_probe")
-	if err != nil {
-		return err
-	}
-	pipe, err := dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{256}})
+	pipe, err := newReadProbe(dev)
 	if err != nil {
 		return err
 	}
@@ -212,4 +204,13 @@ func probeChain(list string, reps, groups int, jsonPath string) error {
 		return writeJSON(jsonPath, "probe", dev.Info(), results)
 	}
 	return nil
+}
+
+// newReadProbe builds the read-bandwidth kernel on workgroups of 256.
+func newReadProbe(dev *vk.Device) (*vk.Pipeline, error) {
+	code, err := shaders.SPIRV("read_probe")
+	if err != nil {
+		return nil, err
+	}
+	return dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{256}})
 }
