@@ -15,7 +15,7 @@ import (
 
 // randomLayer fills a cache with n tokens: keys ~ N(0, kScale²), values ~ N(0, 1),
 // rounded to fp16; it returns the decoded values the GPU sees.
-func randomLayer(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, n, capacity int, kScale float64) (*kvcache.Layer, []float64, []float64) {
+func randomLayer(t testing.TB, dev *vk.Device, rng *rand.Rand, h Heads, n, capacity int, kScale float64) (*kvcache.Layer, []float64, []float64) {
 	t.Helper()
 	kf := make([]float32, h.KV*n*h.Dim)
 	vf := make([]float32, len(kf))

@@ -254,7 +254,7 @@ func (t *TacticStep) SetQuery(q []float32) error {
 // TacticBudgetRef places them.
 func windowPositions(fit TacticFit, n int) (need int, win [4]int) {
 	need = int(math.Ceil(fit.InitialFrac * float64(n)))
-	w := max(1, int(math.Round(fit.WindowFrac*float64(n))))
+	w := fit.windowWidth(n)
 	for k, f := range [2]float64{fit.Window1, fit.Window2} {
 		c := min(n, max(1, int(math.Round(f*float64(n)))))
 		lo := min(max(1, c-w/2), max(1, n-w+1))

@@ -31,9 +31,22 @@ type TacticFit struct {
 	// fractions of n (positions in the cluster-ordered token list).
 	Window1 float64 `json:"window1"`
 	Window2 float64 `json:"window2"`
-	// WindowFrac is the nominal width of each window as a fraction of n.
-	// The sample is the whole clusters overlapping the nominal window.
+	// WindowFrac is the nominal width of each window as a fraction of n,
+	// at most MaxWindow tokens (0: no limit). The sample is the whole
+	// clusters overlapping the nominal window.
 	WindowFrac float64 `json:"window_frac"`
+	MaxWindow  int     `json:"max_window"`
+}
+
+// windowWidth returns the nominal width of a sampling window over n
+// tokens: max(1, min(round(WindowFrac·n), MaxWindow)), no limit for
+// MaxWindow 0.
+func (f TacticFit) windowWidth(n int) int {
+	w := int(math.Round(f.WindowFrac * float64(n)))
+	if f.MaxWindow > 0 {
+		w = min(w, f.MaxWindow)
+	}
+	return max(1, w)
 }
 
 // DefaultTacticFit returns InitialFrac 0.02 and windows centred at 0.10
@@ -51,9 +64,13 @@ type TacticFit struct {
 // the corners (0.08, 0.35) and (0.12, 0.45); 0.10/0.40 is its centre.
 // The width (about 20 clusters of 16 at 16k tokens) keeps a few outlier
 // tokens in a window from inflating the fitted tail in sharply peaked
-// heads.
+// heads; capped at 512 tokens, it stops growing past 25 600 tokens, so
+// that sampling reads less of long contexts (at 131 072 tokens the step's
+// sampling took 27 µs instead of 34 on an H200). The cap changes neither
+// the traces (2 % of 16 384 is below it) nor the success rates and token
+// counts of the generator's layer at 32 768 tokens by more than a point.
 func DefaultTacticFit() TacticFit {
-	return TacticFit{InitialFrac: 0.02, Window1: 0.10, Window2: 0.40, WindowFrac: 0.02}
+	return TacticFit{InitialFrac: 0.02, Window1: 0.10, Window2: 0.40, WindowFrac: 0.02, MaxWindow: 512}
 }
 
 // TacticDefaultSinks is the number of leading sink tokens kept outside the
@@ -65,6 +82,9 @@ func (f TacticFit) validate() error {
 	ok := func(x float64) bool { return x >= 0 && x <= 1 }
 	if !ok(f.InitialFrac) || !ok(f.Window1) || !ok(f.Window2) || !ok(f.WindowFrac) {
 		return fmt.Errorf("sparse: TacticFit %+v: fractions must lie in [0, 1]", f)
+	}
+	if f.MaxWindow < 0 {
+		return fmt.Errorf("sparse: TacticFit %+v: MaxWindow must not be negative", f)
 	}
 	return nil
 }
@@ -188,7 +208,7 @@ func tacticCurveSum(a, b float64, lo, hi int) float64 {
 //     e = exp(s − m). FixedSum (in the order of fixed), ExactSum and the
 //     exact prefix sums E(k), k ≤ N' (in list order) follow. The shift
 //     cancels in every comparison below.
-//  3. Windows (skipped if N' = n): width w = max(1, round(WindowFrac·n)); for
+//  3. Windows (skipped if N' = n): width w = TacticFit.windowWidth(n); for
 //     centre fraction f, c = min(n, max(1, round(f·n))), the nominal window
 //     is positions [lo, hi] with lo = min(max(1, c − ⌊w/2⌋), max(1, n−w+1)),
 //     hi = min(n, lo+w−1); the sample is the whole clusters of ranks rlo …
@@ -312,7 +332,7 @@ func tacticBudget(q []float64, scale float64, keys []float64, idx *ClusterIndex,
 
 	// 3–4. Windows and fit.
 	if b.ExactTokens < n {
-		w := max(1, int(math.Round(fit.WindowFrac*float64(n))))
+		w := fit.windowWidth(n)
 		var sum [2]float64
 		var cnt [2]int
 		for k, f := range [2]float64{fit.Window1, fit.Window2} {

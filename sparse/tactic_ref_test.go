@@ -130,6 +130,17 @@ func TestTacticBudgetWindowPlacement(t *testing.T) {
 		assert.Equal(t, int32(j), bud.Order[j])
 		assert.Equal(t, 10*j, bud.Offsets[j])
 	}
+
+	// MaxWindow 5 caps w at 5. Window 1: [48, 52], ranks 4–5; window 2:
+	// [298, 302], ranks 29–30.
+	fit.MaxWindow = 5
+	bud, err = TacticBudgetRef([]float64{1}, 1, keys, idx, nil, 0.5, fit)
+	require.NoError(t, err)
+	assert.Equal(t, [2]int{4, 6}, bud.Win1)
+	assert.Equal(t, [2]int{29, 31}, bud.Win2)
+	fit.MaxWindow = -1
+	_, err = TacticBudgetRef([]float64{1}, 1, keys, idx, nil, 0.5, fit)
+	require.ErrorContains(t, err, "MaxWindow")
 }
 
 func TestTacticBudgetAllExactMatchesBruteForce(t *testing.T) {
