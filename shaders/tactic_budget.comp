@@ -1,4 +1,6 @@
 #version 450
+#extension GL_KHR_shader_subgroup_basic : enable
+#extension GL_KHR_shader_subgroup_arithmetic : enable
 // Tactic, distribution fitting (Alg. 1) and budget of one query head per
 // workgroup, over the bins of tactic_plan as ordered groups of tokens, from
 // the exponentials of tactic_sample: exact sums of the bins [0, j0) and of
@@ -11,6 +13,9 @@
 layout(local_size_x_id = 1) in;
 layout(constant_id = 0) const uint NB = 1024;
 layout(constant_id = 1) const uint WG = 256;  // threads, a power of two
+// SUBGROUPS = 1 scans with subgroup arithmetic (the host sets it only where
+// supported, with subgroups of 4 to WG threads); 0 uses a shared tree.
+layout(constant_id = 2) const uint SUBGROUPS = 0;
 
 layout(std430, binding = 0) readonly buffer TokStart { uint tokStart[]; };   // [Hq][NB+1]
 layout(std430, binding = 1) readonly buffer Plan { uint plan[]; };           // [Hq][16]
@@ -28,6 +33,7 @@ layout(push_constant) uniform Push {
 shared float pre[NB + 1];   // S at bin boundaries
 shared vec4 red[WG];       // scan of (exact segment, fixed, window 1, window 2) sums
 shared uint best;
+shared vec4 sgSum[SUBGROUPS * (WG / 4 - 1) + 1];  // each subgroup's total
 
 const float GAMMA = 0.5772156649;
 
@@ -75,23 +81,36 @@ void main() {
 	uint ob = h * (NB + 1);
 	uint eb = h * pc.n;
 
-	// Thread tid sums the exact positions [tid·per, (tid+1)·per) and a
-	// share of the fixed tokens and windows; an inclusive scan follows.
+	// Scan slot j sums the exact positions [j·per, (j+1)·per) and a share
+	// of the fixed tokens and windows; an inclusive scan over the slots
+	// follows, into red. Slots are thread indexes, or with subgroups go
+	// subgroup after subgroup, the order their scans follow.
+	uint slot = SUBGROUPS != 0 ? gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID : tid;
 	uint per = (exact + WG - 1) / WG;
 	vec4 acc = vec4(0.0);
-	for (uint x = tid * per; x < min(exact, tid * per + per); x++) acc.x += expo[eb + x];
+	for (uint x = slot * per; x < min(exact, slot * per + per); x++) acc.x += expo[eb + x];
 	for (uint i = tid; i < pc.fixedCount; i += WG) acc.y += expoFixed[h * pc.fixedStride + i];
 	if (windows) {
 		for (uint x = u1 + tid; x < v1; x += WG) acc.z += expo[eb + x];
 		for (uint x = u2 + tid; x < v2; x += WG) acc.w += expo[eb + x];
 	}
-	red[tid] = acc;
-	barrier();
-	for (uint k = 1; k < WG; k <<= 1) {
-		vec4 x = tid >= k ? red[tid - k] : vec4(0.0);
+	if (SUBGROUPS != 0) {
+		vec4 incl = subgroupInclusiveAdd(acc);
+		vec4 all = subgroupAdd(acc);
+		if (subgroupElect()) sgSum[gl_SubgroupID] = all;
 		barrier();
-		red[tid] += x;
+		for (uint i = 0; i < gl_SubgroupID; i++) incl += sgSum[i];
+		red[slot] = incl;
 		barrier();
+	} else {
+		red[tid] = acc;
+		barrier();
+		for (uint k = 1; k < WG; k <<= 1) {
+			vec4 x = tid >= k ? red[tid - k] : vec4(0.0);
+			barrier();
+			red[tid] += x;
+			barrier();
+		}
 	}
 	float exactTotal = red[WG - 1].x, fixedTotal = red[WG - 1].y, win1 = red[WG - 1].z, win2 = red[WG - 1].w;
 

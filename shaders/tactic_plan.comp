@@ -1,4 +1,6 @@
 #version 450
+#extension GL_KHR_shader_subgroup_basic : enable
+#extension GL_KHR_shader_subgroup_arithmetic : enable
 // Tactic, ordering and sampling plan of one query head per workgroup.
 // Clusters are ranked by bin(s) = min(NB − 1, ⌊(m − s)·u⌋), m and m0 the
 // head's best and worst centroid scores and u = 2^(log2 NB − e) for
@@ -18,6 +20,10 @@ layout(local_size_x_id = 2) in;
 layout(constant_id = 0) const uint NB = 1024;   // bins, a multiple of WG
 layout(constant_id = 1) const int LOG2NB = 10;  // log2(NB)
 layout(constant_id = 2) const uint WG = 256;    // threads, a power of two
+// SUBGROUPS = 1 reduces and scans with subgroup arithmetic (the host sets
+// it only where supported, with subgroups of 4 to WG threads); 0 uses
+// shared-memory trees.
+layout(constant_id = 3) const uint SUBGROUPS = 0;
 
 layout(std430, binding = 0) readonly buffer Scores { float s[]; };      // [Hq][C]
 layout(std430, binding = 1) readonly buffer Sizes { uint sizes[]; };    // [Hkv][C]
@@ -56,24 +62,41 @@ void main() {
 		m = max(m, s[sb + c]);
 		m0 = min(m0, s[sb + c]);
 	}
-	red[tid] = m;
 	for (uint i = tid; i < NB; i += WG) cnt[i] = 0;
 	if (tid < 5) found[tid] = tid == 0 ? NB : NB - 1;
 	if (tid == 0) nSampled = 0;
-	barrier();
-	for (uint k = WG / 2; k > 0; k >>= 1) {
-		if (tid < k) red[tid] = max(red[tid], red[tid + k]);
+	if (SUBGROUPS != 0) {
+		// Each subgroup's max and min, then every thread combines them.
+		m = subgroupMax(m);
+		m0 = subgroupMin(m0);
+		if (subgroupElect()) {
+			red[gl_SubgroupID] = m;
+			red[WG / 2 + gl_SubgroupID] = m0;
+		}
 		barrier();
-	}
-	m = red[0];
-	barrier();
-	red[tid] = m0;
-	barrier();
-	for (uint k = WG / 2; k > 0; k >>= 1) {
-		if (tid < k) red[tid] = min(red[tid], red[tid + k]);
+		m = red[0];
+		m0 = red[WG / 2];
+		for (uint i = 1; i < gl_NumSubgroups; i++) {
+			m = max(m, red[i]);
+			m0 = min(m0, red[WG / 2 + i]);
+		}
+	} else {
+		red[tid] = m;
 		barrier();
+		for (uint k = WG / 2; k > 0; k >>= 1) {
+			if (tid < k) red[tid] = max(red[tid], red[tid + k]);
+			barrier();
+		}
+		m = red[0];
+		barrier();
+		red[tid] = m0;
+		barrier();
+		for (uint k = WG / 2; k > 0; k >>= 1) {
+			if (tid < k) red[tid] = min(red[tid], red[tid + k]);
+			barrier();
+		}
+		m0 = red[0];
 	}
-	m0 = red[0];
 	float u = 1.0;
 	if (m - m0 > 0.0) {
 		int e;
@@ -88,25 +111,38 @@ void main() {
 	}
 	barrier();
 
-	// Exclusive scan of the bins' token counts.
+	// Exclusive scan of the bins' token counts: slot j of the scan sums
+	// bins [j·PER, (j+1)·PER). With subgroups the slots go subgroup after
+	// subgroup, the order their scans follow.
 	const uint PER = NB / WG;
+	uint slot = SUBGROUPS != 0 ? gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID : tid;
 	uint sum = 0;
-	for (uint i = 0; i < PER; i++) sum += cnt[tid * PER + i];
-	part[tid] = sum;
-	barrier();
-	for (uint k = 1; k < WG; k <<= 1) {
-		uint x = tid >= k ? part[tid - k] : 0;
+	for (uint i = 0; i < PER; i++) sum += cnt[slot * PER + i];
+	uint run;
+	if (SUBGROUPS != 0) {
+		uint incl = subgroupInclusiveAdd(sum);
+		uint all = subgroupAdd(sum);
+		if (subgroupElect()) part[gl_SubgroupID] = all;
 		barrier();
-		part[tid] += x;
+		run = incl - sum;
+		for (uint i = 0; i < gl_SubgroupID; i++) run += part[i];
+	} else {
+		part[tid] = sum;
 		barrier();
+		for (uint k = 1; k < WG; k <<= 1) {
+			uint x = tid >= k ? part[tid - k] : 0;
+			barrier();
+			part[tid] += x;
+			barrier();
+		}
+		run = tid == 0 ? 0 : part[tid - 1];
 	}
-	uint run = tid == 0 ? 0 : part[tid - 1];
 	for (uint i = 0; i < PER; i++) {
-		uint b = tid * PER + i;
+		uint b = slot * PER + i;
 		stT[b] = run;
 		run += cnt[b];
 	}
-	if (tid == WG - 1) stT[NB] = run;
+	if (slot == WG - 1) stT[NB] = run;
 	barrier();
 	uint ob = h * (NB + 1);
 	for (uint b = tid; b <= NB; b += WG) tokStart[ob + b] = stT[b];

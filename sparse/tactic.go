@@ -135,10 +135,13 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	k := &t.kernels
 	k.score = build("tactic_score", 3, 3, uint32(h.Dim))
 	wg := tacticWorkgroup(dev.Info())
-	k.order = build("tactic_plan", 6, 8, TacticBins, 10, wg)
+	// Subgroup reductions and scans in the per-head passes where the dense
+	// kernels use them (not with DenseOptions.TreeReduce).
+	sub := boolWord(!dense.tree && dev.Info().SubgroupSize <= wg)
+	k.order = build("tactic_plan", 6, 8, TacticBins, 10, wg, sub)
 	tpr := dense.tpr // shuffles among tpr threads work on this device
 	k.sample = build("tactic_sample", 9, 9, 256, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(max(16, 4*tpr)))
-	k.budget = build("tactic_budget", 5, 4, TacticBins, wg)
+	k.budget = build("tactic_budget", 5, 4, TacticBins, wg, sub)
 	if err == nil {
 		t.tacticBound, err = t.bind(clusters)
 	}

@@ -76,6 +76,10 @@ func TestTacticStepMatchesReference(t *testing.T) {
 	single, err := NewDenseWith(dev, h, DenseOptions{ThreadsPerRow: 1})
 	require.NoError(t, err)
 	defer single.Release()
+	// Shared-memory trees instead of subgroup arithmetic in one run.
+	tree, err := NewDenseWith(dev, h, DenseOptions{TreeReduce: true})
+	require.NoError(t, err)
+	defer tree.Release()
 	// Windows capped below 2 % of the tokens in one run.
 	capped := DefaultTacticFit()
 	capped.MaxWindow = 16
@@ -84,7 +88,7 @@ func TestTacticStepMatchesReference(t *testing.T) {
 		p     float64
 		fit   TacticFit
 	}
-	for _, r := range []run{{dense, 0.5, DefaultTacticFit()}, {dense, 0.9, DefaultTacticFit()}, {dense, 1, DefaultTacticFit()}, {single, 0.9, DefaultTacticFit()}, {dense, 0.7, capped}} {
+	for _, r := range []run{{dense, 0.5, DefaultTacticFit()}, {dense, 0.9, DefaultTacticFit()}, {dense, 1, DefaultTacticFit()}, {single, 0.9, DefaultTacticFit()}, {dense, 0.7, capped}, {tree, 0.8, DefaultTacticFit()}} {
 		p := r.p
 		step, err := NewTacticStep(r.dense, layer, clusters, p, r.fit)
 		require.NoError(t, err)
