@@ -208,7 +208,8 @@ func tacticCurveSum(a, b float64, lo, hi int) float64 {
 //     e = exp(s − m). FixedSum (in the order of fixed), ExactSum and the
 //     exact prefix sums E(k), k ≤ N' (in list order) follow. The shift
 //     cancels in every comparison below.
-//  3. Windows (skipped if N' = n): width w = TacticFit.windowWidth(n); for
+//  3. Windows (skipped if N' = n): width w = max(1, round(WindowFrac·n)),
+//     or max(1, min(round(WindowFrac·n), MaxWindow)) for MaxWindow > 0; for
 //     centre fraction f, c = min(n, max(1, round(f·n))), the nominal window
 //     is positions [lo, hi] with lo = min(max(1, c − ⌊w/2⌋), max(1, n−w+1)),
 //     hi = min(n, lo+w−1); the sample is the whole clusters of ranks rlo …
