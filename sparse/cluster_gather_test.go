@@ -50,7 +50,6 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 			require.NoError(t, err)
 			defer x.Release()
 			members := make([][][]int32, h.KV)
-			var starts, sizes, flat []uint32
 			for g := range members {
 				members[g] = make([][]int32, c.clusters)
 				for i, tok := range rng.Perm(count) {
@@ -60,18 +59,8 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 					}
 					members[g][cl] = append(members[g][cl], int32(c.first+tok))
 				}
-				at := 0
-				for _, m := range members[g] {
-					starts, sizes = append(starts, uint32(at)), append(sizes, uint32(len(m)))
-					for _, tok := range m {
-						flat = append(flat, uint32(tok))
-					}
-					at += len(m)
-				}
 			}
-			require.NoError(t, x.Starts.WriteUint32(0, starts))
-			require.NoError(t, x.Counts.WriteUint32(0, sizes))
-			require.NoError(t, x.Members.WriteUint32(0, flat))
+			writeMembers(t, x, members)
 
 			const ranks = 10
 			rank := make([]uint32, h.Query*c.clusters)
@@ -133,6 +122,26 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 			requireClose(t, listsRef(t, h, q, k, v, c.n, lists), got, h.Dim, 1e-3, "over clusters")
 		})
 	}
+}
+
+// writeMembers stores members, each KV head's clusters' token lists
+// ([KV][C][]), in the index x: starts, sizes and the flat member list.
+func writeMembers(t testing.TB, x *kvcache.Clusters, members [][][]int32) {
+	t.Helper()
+	var starts, sizes, flat []uint32
+	for _, head := range members {
+		at := 0
+		for _, m := range head {
+			starts, sizes = append(starts, uint32(at)), append(sizes, uint32(len(m)))
+			for _, tok := range m {
+				flat = append(flat, uint32(tok))
+			}
+			at += len(m)
+		}
+	}
+	require.NoError(t, x.Starts.WriteUint32(0, starts))
+	require.NoError(t, x.Counts.WriteUint32(0, sizes))
+	require.NoError(t, x.Members.WriteUint32(0, flat))
 }
 
 func TestClusterGatherRejectsBadIndex(t *testing.T) {
