@@ -4,7 +4,8 @@
 // sequence) combines the chunks' (m, l, o) into
 // out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M = max_c m_c.
 // Threads are (chunk lane, vec4 of the output): CL = WG / (D/4) chunk lanes
-// each sum every CL-th chunk, then the lanes are added.
+// each sum every CL-th chunk, then the lanes are added. A chunk with
+// m_c = −∞ attended nothing: its o_c is not read (it may be unwritten).
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 256;  // a power of two, at least D/4
@@ -73,13 +74,14 @@ void main() {
 		for (; c + 7 * CL < n; c += 8 * CL) {
 			vec4 o8[8];
 			float m8[8];
-			[[unroll]] for (uint r = 0; r < 8; r++) {
-				o8[r] = po[(base + c + r * CL) * D4 + j];
-				m8[r] = pml[base + c + r * CL].x;
-			}
+			[[unroll]] for (uint r = 0; r < 8; r++) m8[r] = pml[base + c + r * CL].x;
+			[[unroll]] for (uint r = 0; r < 8; r++) o8[r] = m8[r] != -1.0 / 0.0 ? po[(base + c + r * CL) * D4 + j] : vec4(0.0);
 			[[unroll]] for (uint r = 0; r < 8; r++) acc += exp(m8[r] - M) * o8[r];
 		}
-		for (; c < n; c += CL) acc += exp(pml[base + c].x - M) * po[(base + c) * D4 + j];
+		for (; c < n; c += CL) {
+			float mc = pml[base + c].x;
+			if (mc != -1.0 / 0.0) acc += exp(mc - M) * po[(base + c) * D4 + j];
+		}
 	}
 	part[tid] = acc;
 	barrier();

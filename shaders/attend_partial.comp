@@ -274,6 +274,7 @@ void main() {
 	}
 
 	uint headBase = kvLocal * pc.headStride;
+	uint attended = 1;  // GATHER = 2: the members attended (every chunk attends some tokens otherwise)
 	if (GATHER != 2) {
 		for (uint t0 = chunkStart; t0 < chunkEnd; t0 += TILE) {
 			attendTile(min(TILE, chunkEnd - t0), headBase, headBase + t0 * DV, listBase, t0, m, l, acc);
@@ -283,14 +284,16 @@ void main() {
 		// ones' member counts are scanned, then their members attended a
 		// tile at a time, each tile's token ids gathered into lst first.
 		uint g = pc.kvBase + kvLocal;
+		attended = 0;
 		uint cEnd = min(chunkStart + pc.chunk, pc.C);
 		for (uint w0 = chunkStart; w0 < cEnd; w0 += CW) {
 			uint cl = w0 + tid;
 			uint size = 0;
 			if (tid < CW && cl < cEnd) {
-				bool take = false;
-				for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take = take || rank[h * pc.C + cl] < cut[h];
-				if (take) size = sizes[g * pc.C + cl];
+				// Every head's rank loaded at once, not one after another.
+				uint take = 0;
+				for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take |= uint(rank[h * pc.C + cl] < cut[h]);
+				if (take != 0) size = sizes[g * pc.C + cl];
 				from[tid] = g * pc.clustered + starts[g * pc.C + cl];
 			}
 			if (tid < CW) pre[tid + 1] = size;
@@ -303,6 +306,7 @@ void main() {
 				barrier();
 			}
 			uint total = pre[CW];
+			attended += total;
 			for (uint s0 = 0; s0 < total; s0 += TILE) {
 				uint len = min(TILE, total - s0);
 				for (uint y = tid; y < len; y += WG) {
@@ -323,6 +327,7 @@ void main() {
 		// The fixed tokens [0, first) and [clusteredEnd, n), a tile per chunk.
 		uint f0 = (c - pc.clusterChunks) * TILE;
 		uint fixedCount = pc.first + pc.n - pc.clusteredEnd;
+		attended = f0 < fixedCount ? 1 : 0;
 		if (f0 < fixedCount) {
 			uint len = min(TILE, fixedCount - f0);
 			for (uint y = tid; y < len; y += WG) {
@@ -334,11 +339,17 @@ void main() {
 		}
 	}
 
+	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
+	if (attended == 0) {
+		// Nothing taken in this chunk: m = −∞ tells the merge to skip it,
+		// so its output is not written.
+		if (tid < GROUP) pml[base + tid * pc.maxChunks] = vec2(-1.0 / 0.0, 0.0);
+		return;
+	}
 	combine(l, 1);
 
 	// Sum the lanes, one head at a time: the score slots, no longer needed,
 	// hold the eight dimensions of every thread.
-	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
 	[[unroll]] for (uint g = 0; g < GROUP; g++) {
 		[[unroll]] for (uint j = 0; j < 8; j++) sc[j * WG + tid] = lane < LANES ? acc[2 * g + j / 4][j % 4] : 0.0;
 		barrier();

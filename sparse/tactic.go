@@ -30,6 +30,8 @@ type TacticStep struct {
 	p       float64
 	fit     TacticFit
 	kernels struct{ score, order, sample, budget *vk.Pipeline }
+	// sampleTeams is the clusters a sampling workgroup reads at once.
+	sampleTeams int
 	tacticBound
 	query []float32 // the last query set, uploaded again with a new index
 	clock stopwatch
@@ -72,6 +74,13 @@ func (b *tacticBound) release() error {
 	*b = tacticBound{}
 	return errors.Join(errs...)
 }
+
+// Sampling kernel's threads per workgroup, and the most workgroups per
+// query head.
+const (
+	sampleWorkgroup     = 256
+	maxSampleWorkgroups = 256
+)
 
 // TacticBins is the number of bins of the GPU's cluster order (TacticBin).
 const TacticBins = 1024
@@ -140,7 +149,8 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	sub := boolWord(!dense.tree && dev.Info().SubgroupSize <= wg)
 	k.order = build("tactic_plan", 6, 8, TacticBins, 10, wg, sub)
 	tpr := dense.tpr // shuffles among tpr threads work on this device
-	k.sample = build("tactic_sample", 9, 9, 256, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(max(16, 4*tpr)))
+	t.sampleTeams = sampleWorkgroup / max(16, 4*tpr)
+	k.sample = build("tactic_sample", 9, 9, sampleWorkgroup, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(sampleWorkgroup/t.sampleTeams))
 	k.budget = build("tactic_budget", 5, 4, TacticBins, wg, sub)
 	if err == nil {
 		t.tacticBound, err = t.bind(clusters)
@@ -256,7 +266,7 @@ func (t *TacticStep) SetQuery(q []float32) error {
 // sampling windows' first and last positions over n clustered tokens, as
 // TacticBudgetRef places them.
 func windowPositions(fit TacticFit, n int) (need int, win [4]int) {
-	need = int(math.Ceil(fit.InitialFrac * float64(n)))
+	need = fit.initialTokens(n)
 	w := fit.windowWidth(n)
 	for k, f := range [2]float64{fit.Window1, fit.Window2} {
 		c := min(n, max(1, int(math.Round(f*float64(n)))))
@@ -289,10 +299,12 @@ func (t *TacticStep) record(c *vk.Commands, mark func(stage int)) error {
 	c.Dispatch(k.order, b.order, []uint32{cc, group, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])}, hq, 1, 1)
 	mark(1)
 	c.ComputeBarrier()
-	// Workgroups per head for the expected samples; they stride over more.
-	work := need + (win[1] - win[0] + 1) + (win[3] - win[2] + 1) + fixed
+	// Workgroups per head so that the clusters of the expected samples
+	// (clusters of the mean size) are read in one round, one per team;
+	// they stride over more.
+	work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
 	c.Dispatch(k.sample, b.sample, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc},
-		uint32(min(64, ceilDiv(work, 256))), hq, 1)
+		uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, t.sampleTeams)))), hq, 1)
 	mark(2)
 	c.ComputeBarrier()
 	c.Dispatch(k.budget, b.budget, []uint32{uint32(x.Count), uint32(fixed), uint32(t.fixedCap), math.Float32bits(float32(t.p))}, hq, 1, 1)

@@ -25,8 +25,10 @@ import (
 type TacticFit struct {
 	// InitialFrac sets the exact part: the first clusters in score order
 	// whose exp scores are computed exactly, as few as cover at least
-	// ceil(InitialFrac·n) tokens.
+	// ceil(InitialFrac·n) tokens, or MaxInitial tokens if fewer (0: no
+	// limit).
 	InitialFrac float64 `json:"initial_frac"`
+	MaxInitial  int     `json:"max_initial"`
 	// Window1 and Window2 are the centres of the two sampling windows, as
 	// fractions of n (positions in the cluster-ordered token list).
 	Window1 float64 `json:"window1"`
@@ -36,6 +38,16 @@ type TacticFit struct {
 	// clusters overlapping the nominal window.
 	WindowFrac float64 `json:"window_frac"`
 	MaxWindow  int     `json:"max_window"`
+}
+
+// initialTokens returns the tokens the exact part covers at least over n
+// tokens: ceil(InitialFrac·n), at most MaxInitial for MaxInitial > 0.
+func (f TacticFit) initialTokens(n int) int {
+	need := int(math.Ceil(f.InitialFrac * float64(n)))
+	if f.MaxInitial > 0 {
+		need = min(need, f.MaxInitial)
+	}
+	return need
 }
 
 // windowWidth returns the nominal width of a sampling window over n
@@ -83,8 +95,8 @@ func (f TacticFit) validate() error {
 	if !ok(f.InitialFrac) || !ok(f.Window1) || !ok(f.Window2) || !ok(f.WindowFrac) {
 		return fmt.Errorf("sparse: TacticFit %+v: fractions must lie in [0, 1]", f)
 	}
-	if f.MaxWindow < 0 {
-		return fmt.Errorf("sparse: TacticFit %+v: MaxWindow must not be negative", f)
+	if f.MaxWindow < 0 || f.MaxInitial < 0 {
+		return fmt.Errorf("sparse: TacticFit %+v: MaxInitial and MaxWindow must not be negative", f)
 	}
 	return nil
 }
@@ -104,7 +116,7 @@ type TacticBudget struct {
 	// Offsets[j] = Σ sizes of Order[0:j]; len(Offsets) = C+1. The cluster of
 	// rank j holds positions Offsets[j]+1 … Offsets[j+1].
 	Offsets []int
-	// ExactClusters = J0, the least j with Offsets[j] ≥ ceil(InitialFrac·n);
+	// ExactClusters = J0, the least j with Offsets[j] ≥ the exact part's N (step 2);
 	// ExactTokens = Offsets[J0] = N'. Positions 1 … N' are exact.
 	ExactClusters, ExactTokens int
 	// Win1, Win2 are the rank ranges [lo, hi) of the window clusters.
@@ -201,7 +213,8 @@ func tacticCurveSum(a, b float64, lo, hi int) float64 {
 //  1. Scores s_c = scale·q·centroid_c; Order sorts clusters by descending
 //     s_c, ties by ascending index; Offsets is the exclusive prefix sum of
 //     the ordered sizes.
-//  2. Exact part: N = ceil(InitialFrac·n), J0 the least j with Offsets[j] ≥ N
+//  2. Exact part: N = ceil(InitialFrac·n), or min(N, MaxInitial) for
+//     MaxInitial > 0; J0 the least j with Offsets[j] ≥ N
 //     (0 if N = 0), N' = Offsets[J0]. Token scores are s = scale·q·k. The
 //     shift m is the maximum score over F and positions 1 … N' (the maximum
 //     centroid score if both are empty, 0 if there are no clusters either);
@@ -294,7 +307,7 @@ func tacticBudget(q []float64, scale float64, keys []float64, idx *ClusterIndex,
 	b.N = n
 
 	// 2. Exact part and shift.
-	need := int(math.Ceil(fit.InitialFrac * float64(n)))
+	need := fit.initialTokens(n)
 	for b.ExactClusters < C && b.Offsets[b.ExactClusters] < need {
 		b.ExactClusters++
 	}

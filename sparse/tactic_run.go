@@ -36,11 +36,11 @@ type TacticRun struct {
 // TacticTrace runs Tactic over a trace on the GPU: it prefills a cache with
 // the keys before the trace's decode tail (TacticTailQueries, prefill
 // TacticDefaultPrefill), clusters them (sinks excluded),
-// then for each P appends the tail tokens one at a time and runs a step for
+// then for each P, with the fit's parameters, appends the tail tokens one at a time and runs a step for
 // each tail query, measuring fidelity in float64. With reps > 0 it also
 // times the step and dense attention at the final length. progress, if not
 // nil, is told each P before it runs.
-func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, reps int, seed uint64, progress func(p float64)) ([]TacticRun, error) {
+func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, reps int, seed uint64, progress func(p float64)) ([]TacticRun, error) {
 	heads := Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
 	tail := TacticTailQueries(t)
 	if len(tail) == 0 {
@@ -106,7 +106,7 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, reps int, seed ui
 		if err := layer.Prefill(k, v, prefill); err != nil {
 			return nil, err
 		}
-		r, err := tacticRow(t, layer, clusters, index, dense, heads, first, p, reps, rows, keys, values)
+		r, err := tacticRow(t, layer, clusters, index, dense, heads, first, p, fit, reps, rows, keys, values)
 		if err != nil {
 			return nil, err
 		}
@@ -117,10 +117,10 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, reps int, seed ui
 }
 
 // tacticRow runs the decode steps of the tail queries at mass p.
-func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters, index []*kvcache.HostClusters, dense *Dense, heads Heads, first int, p float64, reps int,
+func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters, index []*kvcache.HostClusters, dense *Dense, heads Heads, first int, p float64, fit TacticFit, reps int,
 	rows func(from, to int) ([]uint16, []uint16), keys, values [][]float64) (TacticRun, error) {
 	var r TacticRun
-	step, err := NewTacticStep(dense, layer, clusters, p, DefaultTacticFit())
+	step, err := NewTacticStep(dense, layer, clusters, p, fit)
 	if err != nil {
 		return r, err
 	}

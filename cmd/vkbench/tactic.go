@@ -25,6 +25,8 @@ func tactic(args []string) error {
 	kvHeads := fs.Int("kv-heads", 8, "KV heads (generated workload)")
 	dim := fs.Int("dim", 128, "head dimension (generated workload)")
 	kindsName := fs.String("kinds", "mixed", "head kinds of the generated workload: mixed (every KV group holds every kind), grouped (one kind per KV group) or late (a sparse late layer: streaming heads, a topic head in every other group)")
+	maxInitial := fs.Int("max-initial", sparse.DefaultTacticFit().MaxInitial, "the most tokens of the fit's exact part (0: no limit)")
+	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	seed := fs.Int64("seed", 1, "workload and K-means seed")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
@@ -39,6 +41,8 @@ func tactic(args []string) error {
 			return fmt.Errorf("-p: %v is not in (0, 1]", p)
 		}
 	}
+	fit := sparse.DefaultTacticFit()
+	fit.MaxInitial, fit.MaxWindow = *maxInitial, *maxWindow
 	var kinds func(q, kv int) []workload.HeadKind
 	switch *kindsName {
 	case "mixed":
@@ -81,7 +85,7 @@ func tactic(args []string) error {
 	prog := &progress{total: len(traces) * len(pList)}
 	var results []stepRow
 	for i, t := range traces {
-		runs, err := sparse.TacticTrace(dev, t, pList, *reps, uint64(*seed), func(p float64) { prog.step(fmt.Sprintf("tactic %s P=%v", names[i], p)) })
+		runs, err := sparse.TacticTrace(dev, t, pList, fit, *reps, uint64(*seed), func(p float64) { prog.step(fmt.Sprintf("tactic %s P=%v", names[i], p)) })
 		if err != nil {
 			prog.finish()
 			return err
