@@ -33,18 +33,19 @@ void main() {
 	uint g = gl_WorkGroupID.y;
 	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
 	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
-	for (uint i = tid; i < heads * D4; i += 256) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
-	barrier();
+	// Every load of the centroid row in flight at once, issued before the
+	// queries are staged so that both wait together.
 	uint r = tid / LANES, lane = tid % LANES;
 	uint c = gl_WorkGroupID.x * ROWS + r;
+	const uint PER = (D4 + LANES - 1) / LANES;
+	uint row = (g * pc.C + min(c, pc.C - 1)) * D4;
+	vec4 x[PER];
+	[[unroll]] for (uint i = 0; i < PER; i++) x[i] = lane + i * LANES < D4 ? cent[row + lane + i * LANES] : vec4(0.0);
+	for (uint i = tid; i < heads * D4; i += 256) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
+	barrier();
 	float acc[HB];
 	[[unroll]] for (uint k = 0; k < HB; k++) acc[k] = 0.0;
 	if (c < pc.C) {
-		// Every load of the row in flight at once.
-		const uint PER = (D4 + LANES - 1) / LANES;
-		uint row = (g * pc.C + c) * D4;
-		vec4 x[PER];
-		[[unroll]] for (uint i = 0; i < PER; i++) x[i] = lane + i * LANES < D4 ? cent[row + lane + i * LANES] : vec4(0.0);
 		[[unroll]] for (uint i = 0; i < PER; i++) {
 			if (lane + i * LANES < D4) {
 				[[unroll]] for (uint k = 0; k < HB; k++) {

@@ -34,9 +34,19 @@ func generated(t *testing.T, h Heads, n, queries int) *trace.Trace {
 	return tr
 }
 
-func TestTacticStepMatchesReference(t *testing.T) {
+func TestTacticStepMatchesReference(t *testing.T) { testTacticStep(t, 4000, 0, true) }
+
+// TestTacticStepManyClusters runs the step over more clusters than the
+// per-head passes' threads load at once (2 048 on a 256-thread workgroup),
+// so that each thread takes several clusters in several rounds.
+func TestTacticStepManyClusters(t *testing.T) { testTacticStep(t, 9000, 4, false) }
+
+// testTacticStep checks Tactic steps over n generated tokens, clustered
+// with avgCluster tokens per cluster (0: the default), against the float64
+// references: every run of the device's kernel variants with all, else two.
+func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 	dev := vktest.Open(t)
-	const n, tail, sinks = 4000, 150, 4
+	const tail, sinks = 150, 4
 	h := Heads{Query: 8, KV: 2, Dim: 64}
 	tr := generated(t, h, n, 2)
 	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
@@ -46,9 +56,12 @@ func TestTacticStepMatchesReference(t *testing.T) {
 	km, err := NewKMeans(dev, h.KV, h.Dim)
 	require.NoError(t, err)
 	defer km.Release()
-	clusters, err := km.Cluster(layer, sinks, n-tail-sinks, KMeansOptions{Seed: 7})
+	clusters, err := km.Cluster(layer, sinks, n-tail-sinks, KMeansOptions{Seed: 7, AvgClusterSize: avgCluster})
 	require.NoError(t, err)
 	defer clusters.Release()
+	if !all {
+		require.Greater(t, clusters.C, int(tacticWorkgroup(dev.Info())), "clusters for several per thread")
+	}
 	dense, err := NewDense(dev, h)
 	require.NoError(t, err)
 	defer dense.Release()
@@ -88,7 +101,11 @@ func TestTacticStepMatchesReference(t *testing.T) {
 		p     float64
 		fit   TacticFit
 	}
-	for _, r := range []run{{dense, 0.5, DefaultTacticFit()}, {dense, 0.9, DefaultTacticFit()}, {dense, 1, DefaultTacticFit()}, {single, 0.9, DefaultTacticFit()}, {dense, 0.7, capped}, {tree, 0.8, DefaultTacticFit()}} {
+	runs := []run{{dense, 0.9, DefaultTacticFit()}, {tree, 0.8, DefaultTacticFit()}}
+	if all {
+		runs = append(runs, run{dense, 0.5, DefaultTacticFit()}, run{dense, 1, DefaultTacticFit()}, run{single, 0.9, DefaultTacticFit()}, run{dense, 0.7, capped})
+	}
+	for _, r := range runs {
 		p := r.p
 		step, err := NewTacticStep(r.dense, layer, clusters, p, r.fit)
 		require.NoError(t, err)
@@ -160,6 +177,9 @@ func TestTacticStepMatchesReference(t *testing.T) {
 			expects[g] = expect
 		}
 		requireClose(t, listsRef(t, h, q, k, v, n, expects), got, d, 1e-3, fmt.Sprintf("tactic step at P %v", p))
+	}
+	if !all {
+		return
 	}
 	_, err = NewTacticStep(dense, layer, clusters, 0, DefaultTacticFit())
 	require.Error(t, err, "P = 0")
