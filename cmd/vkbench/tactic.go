@@ -25,7 +25,6 @@ func tactic(args []string) error {
 	kvHeads := fs.Int("kv-heads", 8, "KV heads (generated workload)")
 	dim := fs.Int("dim", 128, "head dimension (generated workload)")
 	kindsName := fs.String("kinds", "mixed", "head kinds of the generated workload: mixed (every KV group holds every kind), grouped (one kind per KV group) or late (a sparse late layer: streaming heads, a topic head in every other group)")
-	maxInitial := fs.Int("max-initial", sparse.DefaultTacticFit().MaxInitial, "the most tokens of the fit's exact part (0: no limit)")
 	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	seed := fs.Int64("seed", 1, "workload and K-means seed")
@@ -42,7 +41,7 @@ func tactic(args []string) error {
 		}
 	}
 	fit := sparse.DefaultTacticFit()
-	fit.MaxInitial, fit.MaxWindow = *maxInitial, *maxWindow
+	fit.MaxWindow = *maxWindow
 	var kinds func(q, kv int) []workload.HeadKind
 	switch *kindsName {
 	case "mixed":
