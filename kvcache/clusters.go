@@ -18,21 +18,15 @@ type Clusters struct {
 	Iterations       int // assignment steps run
 
 	Centroids *vk.Buffer // float32 [KVHeads][C][HeadDim]
-	// CentroidHalves holds the centroids rounded to fp16, packed two to a
-	// word as the keys are: [KVHeads][C][HeadDim/2].
-	CentroidHalves *vk.Buffer
-	Norms          *vk.Buffer // float32 [KVHeads][C], |centroid|²
-	Counts         *vk.Buffer // uint32 [KVHeads][C], cluster sizes
-	Starts         *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
-	Members        *vk.Buffer // uint32 [KVHeads][Count], token ids in cluster order
-	Assign         *vk.Buffer // uint32 [KVHeads][Count], cluster of token First+r
+	Norms     *vk.Buffer // float32 [KVHeads][C], |centroid|²
+	Counts    *vk.Buffer // uint32 [KVHeads][C], cluster sizes
+	Starts    *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
+	Members   *vk.Buffer // uint32 [KVHeads][Count], token ids in cluster order
+	Assign    *vk.Buffer // uint32 [KVHeads][Count], cluster of token First+r
 }
 
 // NewClusters allocates an index of c clusters over count tokens from first.
 func NewClusters(dev *vk.Device, kvHeads, headDim, c, first, count int) (*Clusters, error) {
-	if kvHeads <= 0 || headDim <= 0 || headDim%8 != 0 {
-		return nil, fmt.Errorf("kvcache: cluster index of %d heads of %d dimensions (a positive multiple of 8)", kvHeads, headDim)
-	}
 	if c <= 0 || count <= 0 || c > count || first < 0 {
 		return nil, fmt.Errorf("kvcache: %d clusters of tokens [%d, %d+%d)", c, first, first, count)
 	}
@@ -48,7 +42,6 @@ func NewClusters(dev *vk.Device, kvHeads, headDim, c, first, count int) (*Cluste
 		return b
 	}
 	x.Centroids = alloc(h * uint64(c*headDim) * 4)
-	x.CentroidHalves = alloc(h * uint64(c*headDim) * 2)
 	x.Norms = alloc(h * uint64(c) * 4)
 	x.Counts = alloc(h * uint64(c) * 4)
 	x.Starts = alloc(h * uint64(c) * 4)
@@ -63,21 +56,20 @@ func NewClusters(dev *vk.Device, kvHeads, headDim, c, first, count int) (*Cluste
 
 // Release frees the index's buffers.
 func (x *Clusters) Release() error {
-	for _, b := range []*vk.Buffer{x.Centroids, x.CentroidHalves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
+	for _, b := range []*vk.Buffer{x.Centroids, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
 		if b != nil {
 			b.Release()
 		}
 	}
-	x.Centroids, x.CentroidHalves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil, nil
+	x.Centroids, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil
 	return nil
 }
 
 // HostClusters is one KV head's index read back to the host.
 type HostClusters struct {
-	Centroids      []float32 // C×HeadDim
-	CentroidHalves []uint16  // C×HeadDim, the centroids rounded to fp16 (bits)
-	Members        [][]int32 // token ids per cluster, ascending
-	Assign         []int32   // cluster of token First+r
+	Centroids []float32 // C×HeadDim
+	Members   [][]int32 // token ids per cluster, ascending
+	Assign    []int32   // cluster of token First+r
 }
 
 // Read copies head g's index to the host.
@@ -86,7 +78,6 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 		return nil, fmt.Errorf("kvcache: head %d of %d", g, x.KVHeads)
 	}
 	cent := make([]float32, x.C*x.HeadDim)
-	halves := make([]uint32, x.C*x.HeadDim/2)
 	counts := make([]uint32, x.C)
 	starts := make([]uint32, x.C)
 	members := make([]uint32, x.Count)
@@ -94,7 +85,6 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 	c4, n4 := uint64(x.C)*4, uint64(x.Count)*4
 	for _, err := range []error{
 		x.Centroids.ReadFloat32(uint64(g)*c4*uint64(x.HeadDim), cent),
-		x.CentroidHalves.ReadUint32(uint64(g)*c4*uint64(x.HeadDim/2), halves),
 		x.Counts.ReadUint32(uint64(g)*c4, counts),
 		x.Starts.ReadUint32(uint64(g)*c4, starts),
 		x.Members.ReadUint32(uint64(g)*n4, members),
@@ -104,10 +94,7 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 			return nil, err
 		}
 	}
-	h := &HostClusters{Centroids: cent, CentroidHalves: make([]uint16, 0, 2*len(halves)), Members: make([][]int32, x.C), Assign: make([]int32, x.Count)}
-	for _, w := range halves {
-		h.CentroidHalves = append(h.CentroidHalves, uint16(w), uint16(w>>16))
-	}
+	h := &HostClusters{Centroids: cent, Members: make([][]int32, x.C), Assign: make([]int32, x.Count)}
 	for c := range h.Members {
 		if int(starts[c])+int(counts[c]) > x.Count {
 			return nil, fmt.Errorf("kvcache: cluster %d range [%d, +%d) outside %d members", c, starts[c], counts[c], x.Count)
@@ -164,7 +151,6 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 				}
 			}
 			join(j.Centroids, x.Centroids, next.Centroids, x.C, next.C, x.HeadDim)
-			join(j.CentroidHalves, x.CentroidHalves, next.CentroidHalves, x.C, next.C, x.HeadDim/2)
 			join(j.Norms, x.Norms, next.Norms, x.C, next.C, 1)
 			join(j.Counts, x.Counts, next.Counts, x.C, next.C, 1)
 			join(j.Starts, x.Starts, nil, x.C, next.C, 1)

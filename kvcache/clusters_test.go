@@ -17,7 +17,7 @@ func randomClusters(t *testing.T, dev *vk.Device, rng *rand.Rand, heads, dim, c,
 	x, err := NewClusters(dev, heads, dim, c, first, count)
 	require.NoError(t, err)
 	var cent, norms []float32
-	var counts, starts, members, assign, halves []uint32
+	var counts, starts, members, assign []uint32
 	for g := 0; g < heads; g++ {
 		a := make([]uint32, count)
 		size := make([]uint32, c)
@@ -41,16 +41,13 @@ func randomClusters(t *testing.T, dev *vk.Device, rng *rand.Rand, heads, dim, c,
 		for i := 0; i < c*dim; i++ {
 			cent = append(cent, float32(rng.NormFloat64()))
 		}
-		for i := 0; i < c*dim/2; i++ {
-			halves = append(halves, rng.Uint32())
-		}
 		for j := 0; j < c; j++ {
 			norms = append(norms, float32(rng.Float64()))
 		}
 		counts, starts = append(counts, size...), append(starts, start...)
 		members, assign = append(members, mem...), append(assign, a...)
 	}
-	for _, err := range []error{x.Centroids.WriteFloat32(0, cent), x.CentroidHalves.WriteUint32(0, halves), x.Norms.WriteFloat32(0, norms), x.Counts.WriteUint32(0, counts),
+	for _, err := range []error{x.Centroids.WriteFloat32(0, cent), x.Norms.WriteFloat32(0, norms), x.Counts.WriteUint32(0, counts),
 		x.Starts.WriteUint32(0, starts), x.Members.WriteUint32(0, members), x.Assign.WriteUint32(0, assign)} {
 		require.NoError(t, err)
 	}
@@ -78,7 +75,6 @@ func TestClustersJoin(t *testing.T) {
 		hj, err := j.Read(g)
 		require.NoError(t, err)
 		require.Equal(t, append(ha.Centroids, hb.Centroids...), hj.Centroids, "centroids of head %d", g)
-		require.Equal(t, append(ha.CentroidHalves, hb.CentroidHalves...), hj.CentroidHalves, "fp16 centroids of head %d", g)
 		require.Equal(t, append(ha.Members, hb.Members...), hj.Members, "members of head %d", g)
 		want := append([]int32(nil), ha.Assign...)
 		for _, c := range hb.Assign {

@@ -1,8 +1,7 @@
 #version 450
 // K-means update step: centroid c of head g becomes the mean of its
 // members' keys, summed in member order; a cluster without members keeps
-// its centroid. Also writes |c|², the centroid rounded to fp16 (Rounded,
-// what scoring reads), and with HALVES the centroid split into
+// its centroid. Also writes |c|², and with HALVES the centroid split into
 // two fp16 parts, hi = fp16(x) and lo = fp16(x − hi), for the
 // cooperative-matrix assignment. One workgroup of D/2 threads (one per pair
 // of dimensions, a multiple of 4) per cluster.
@@ -26,7 +25,6 @@ layout(std430, binding = 4) buffer Centroids { float cent[]; };         // [head
 layout(std430, binding = 5) buffer Norms { float cnorm[]; };            // [heads][C]
 layout(std430, binding = 6) readonly buffer Changed { uint changed[]; }; // [iterations][heads]
 layout(std430, binding = 7) writeonly buffer Halves { uint half2[]; };   // [heads][C][D]: D/2 words hi, D/2 words lo
-layout(std430, binding = 8) writeonly buffer Rounded { uint rounded[]; }; // [heads][C][D/2] fp16 pairs
 
 layout(push_constant) uniform Push {
 	uint n;
@@ -68,7 +66,6 @@ void main() {
 		x = sum / float(count);
 		cent[base + 2 * w] = x.x;
 		cent[base + 2 * w + 1] = x.y;
-		rounded[ci * (D / 2) + w] = packHalf2x16(x);
 		if (HALVES) {
 			uint hi = packHalf2x16(x);
 			half2[base + w] = hi;

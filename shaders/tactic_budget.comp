@@ -1,5 +1,4 @@
 #version 450
-#extension GL_EXT_control_flow_attributes : enable
 #extension GL_KHR_shader_subgroup_basic : enable
 #extension GL_KHR_shader_subgroup_arithmetic : enable
 // Tactic, distribution fitting (Alg. 1) and budget of one query head per
@@ -37,7 +36,6 @@ shared uint best;
 shared vec4 sgSum[SUBGROUPS * (WG / 4 - 1) + 1];  // each subgroup's total
 
 const float GAMMA = 0.5772156649;
-const uint BATCH = 4;
 
 // harmonic returns H_x = Σ_{i ≤ x} 1/i.
 float harmonic(uint x) {
@@ -71,20 +69,6 @@ float curve(float a, float b, uint lo, uint hi) {
 	return max(0.0, a * (harmonic(hi) - harmonic(lo - 1)) + b * float(hi - lo + 1));
 }
 
-// sumExpo returns Σ expo[base + x] for x in [from, to), in order, with
-// BATCH loads in flight at a time.
-float sumExpo(uint base, uint from, uint to) {
-	float sum = 0.0;
-	for (uint x0 = from; x0 < to; x0 += BATCH) {
-		float e[BATCH];
-		[[unroll]] for (uint i = 0; i < BATCH; i++) e[i] = expo[base + min(x0 + i, to - 1)];
-		[[unroll]] for (uint i = 0; i < BATCH; i++) {
-			if (x0 + i < to) sum += e[i];
-		}
-	}
-	return sum;
-}
-
 void main() {
 	uint tid = gl_LocalInvocationID.x;
 	uint h = gl_WorkGroupID.x;
@@ -104,7 +88,7 @@ void main() {
 	uint slot = SUBGROUPS != 0 ? gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID : tid;
 	uint per = (exact + WG - 1) / WG;
 	vec4 acc = vec4(0.0);
-	acc.x = sumExpo(eb, slot * per, min(exact, slot * per + per));
+	for (uint x = slot * per; x < min(exact, slot * per + per); x++) acc.x += expo[eb + x];
 	for (uint i = tid; i < pc.fixedCount; i += WG) acc.y += expoFixed[h * pc.fixedStride + i];
 	if (windows) {
 		for (uint x = u1 + tid; x < v1; x += WG) acc.z += expo[eb + x];
@@ -155,7 +139,7 @@ void main() {
 		} else {
 			uint owner = x / per;
 			float sum = owner == 0 ? 0.0 : red[owner - 1].x;
-			sum += sumExpo(eb, owner * per, x);
+			for (uint y = owner * per; y < x; y++) sum += expo[eb + y];
 			pre[j] = fixedTotal + sum;
 		}
 	}

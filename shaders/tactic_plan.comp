@@ -1,5 +1,4 @@
 #version 450
-#extension GL_EXT_control_flow_attributes : enable
 #extension GL_KHR_shader_subgroup_basic : enable
 #extension GL_KHR_shader_subgroup_arithmetic : enable
 // Tactic, ordering and sampling plan of one query head per workgroup.
@@ -25,8 +24,6 @@ layout(constant_id = 2) const uint WG = 256;    // threads, a power of two
 // it only where supported, with subgroups of 4 to WG threads); 0 uses
 // shared-memory trees.
 layout(constant_id = 3) const uint SUBGROUPS = 0;
-
-const uint BATCH = 8;
 
 layout(std430, binding = 0) readonly buffer Scores { float s[]; };      // [Hq][C]
 layout(std430, binding = 1) readonly buffer Sizes { uint sizes[]; };    // [Hkv][C]
@@ -60,17 +57,10 @@ void main() {
 	uint g = h / pc.groupSize;
 	uint sb = h * pc.C;
 
-	// Each pass over the clusters loads BATCH of a thread's clusters at
-	// once (clamped to the last cluster, the repeats then skipped), so that
-	// their loads are in flight together.
 	float m = -1.0 / 0.0, m0 = 1.0 / 0.0;
-	for (uint c0 = 0; c0 < pc.C; c0 += WG * BATCH) {
-		float x[BATCH];
-		[[unroll]] for (uint i = 0; i < BATCH; i++) x[i] = s[sb + min(c0 + i * WG + tid, pc.C - 1)];
-		[[unroll]] for (uint i = 0; i < BATCH; i++) {
-			m = max(m, x[i]);
-			m0 = min(m0, x[i]);
-		}
+	for (uint c = tid; c < pc.C; c += WG) {
+		m = max(m, s[sb + c]);
+		m0 = min(m0, s[sb + c]);
 	}
 	for (uint i = tid; i < NB; i += WG) cnt[i] = 0;
 	if (tid < 5) found[tid] = tid == 0 ? NB : NB - 1;
@@ -114,22 +104,10 @@ void main() {
 		u = ldexp(1.0, LOG2NB - e);
 	}
 
-	for (uint c0 = 0; c0 < pc.C; c0 += WG * BATCH) {
-		float x[BATCH];
-		uint z[BATCH];
-		[[unroll]] for (uint i = 0; i < BATCH; i++) {
-			uint c = min(c0 + i * WG + tid, pc.C - 1);
-			x[i] = s[sb + c];
-			z[i] = sizes[g * pc.C + c];
-		}
-		[[unroll]] for (uint i = 0; i < BATCH; i++) {
-			uint c = c0 + i * WG + tid;
-			if (c < pc.C) {
-				uint b = binOfScore(m, u, x[i]);
-				binOf[sb + c] = b;
-				atomicAdd(cnt[b], z[i]);
-			}
-		}
+	for (uint c = tid; c < pc.C; c += WG) {
+		uint b = binOfScore(m, u, s[sb + c]);
+		binOf[sb + c] = b;
+		atomicAdd(cnt[b], sizes[g * pc.C + c]);
 	}
 	barrier();
 
@@ -207,20 +185,10 @@ void main() {
 	}
 
 	// The sampled clusters and their first positions.
-	for (uint c0 = 0; c0 < pc.C; c0 += WG * BATCH) {
-		float x[BATCH];
-		uint z[BATCH];
-		[[unroll]] for (uint i = 0; i < BATCH; i++) {
-			uint c = min(c0 + i * WG + tid, pc.C - 1);
-			x[i] = s[sb + c];
-			z[i] = sizes[g * pc.C + c];
-		}
-		[[unroll]] for (uint i = 0; i < BATCH; i++) {
-			uint c = c0 + i * WG + tid;
-			uint b = binOfScore(m, u, x[i]);
-			bool take = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
-			if (c < pc.C && take) sampled[sb + atomicAdd(nSampled, 1)] = uvec2(c, stT[b] + atomicAdd(cnt[b], z[i]));
-		}
+	for (uint c = tid; c < pc.C; c += WG) {
+		uint b = binOfScore(m, u, s[sb + c]);
+		bool take = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
+		if (take) sampled[sb + atomicAdd(nSampled, 1)] = uvec2(c, stT[b] + atomicAdd(cnt[b], sizes[g * pc.C + c]));
 	}
 	barrier();
 	if (tid == 0) plan[h * 16 + 13] = nSampled;

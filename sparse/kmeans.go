@@ -85,7 +85,7 @@ func NewKMeans(dev *vk.Device, kvHeads, dim int) (*KMeans, error) {
 		{&km.scan, vk.Kernel{Name: "kmeans_scan", Bindings: 4, PushWords: 2}},
 		{&km.scatter, vk.Kernel{Name: "kmeans_scatter", Bindings: 4, PushWords: 4}},
 		{&km.sort, vk.Kernel{Name: "kmeans_sort", Bindings: 5, PushWords: 4, Specialization: []uint32{kmeansSortWG}}},
-		{&km.update, vk.Kernel{Name: "kmeans_update", Bindings: 9, PushWords: 6, Specialization: []uint32{uint32(dim), uint32(dim / 2), 0}}},
+		{&km.update, vk.Kernel{Name: "kmeans_update", Bindings: 8, PushWords: 6, Specialization: []uint32{uint32(dim), uint32(dim / 2), 0}}},
 	}
 	info := dev.Info()
 	if info.CooperativeMatrixNV && info.SubgroupSize == 32 && info.SubgroupShuffle && info.Storage16Bit && info.Float16 &&
@@ -98,7 +98,7 @@ func NewKMeans(dev *vk.Device, kvHeads, dim int) (*KMeans, error) {
 			struct {
 				p **vk.Pipeline
 				k vk.Kernel
-			}{&km.updateNV, vk.Kernel{Name: "kmeans_update", Bindings: 9, PushWords: 6, Specialization: []uint32{uint32(dim), uint32(dim / 2), 1}}})
+			}{&km.updateNV, vk.Kernel{Name: "kmeans_update", Bindings: 8, PushWords: 6, Specialization: []uint32{uint32(dim), uint32(dim / 2), 1}}})
 	}
 	for i, x := range kernels {
 		code, err := shaders.SPIRV(x.k.Name)
@@ -272,7 +272,7 @@ func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, max
 	bScan := bind(km.scan, x.Counts.All(), x.Starts.All(), cursor.All(), changed.All())
 	bScatter := bind(km.scatter, x.Assign.All(), cursor.All(), x.Members.All(), changed.All())
 	bSort := bind(km.sort, x.Starts.All(), x.Counts.All(), x.Members.All(), changed.All(), x.Assign.All())
-	bUpdate := bind(update, keys, x.Starts.All(), x.Counts.All(), x.Members.All(), x.Centroids.All(), x.Norms.All(), changed.All(), halves.All(), x.CentroidHalves.All())
+	bUpdate := bind(update, keys, x.Starts.All(), x.Counts.All(), x.Members.All(), x.Centroids.All(), x.Norms.All(), changed.All(), halves.All())
 	if err != nil {
 		return err
 	}

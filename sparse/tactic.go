@@ -229,7 +229,7 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 	if err == nil {
 		query = x.plan.query.All()
 	}
-	b.score = bind(k.score, query, clusters.CentroidHalves.All(), x.scores.All())
+	b.score = bind(k.score, query, clusters.Centroids.All(), x.scores.All())
 	b.order = bind(k.order, x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All())
 	b.sample = bind(k.sample, query, t.layer.Keys().All(), x.planBuf.All(), x.sampled.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(), x.expo.All(), x.expoFix.All())
 	b.budget = bind(k.budget, x.tokStart.All(), x.planBuf.All(), x.expo.All(), x.expoFix.All(), x.cut.All())

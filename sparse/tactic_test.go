@@ -30,7 +30,7 @@ func generated(t *testing.T, h Heads, n, queries int) *trace.Trace {
 
 // TestTacticStepMatchesReference runs whole GPU decode steps on a
 // generated layer and checks each stage: centroid scores against float64
-// products with the GPU's fp16 centroids, each head's cut against
+// products with the GPU's centroids, each head's cut against
 // TacticBinnedBudgetRef on those scores, the token lists against the union
 // of the selected clusters with sinks and tail, and the output against
 // AttendSubsetRef over that union.
@@ -69,8 +69,11 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 	for g := range index {
 		hc, err := clusters.Read(g)
 		require.NoError(t, err)
-		// The step scores the centroids rounded to fp16.
-		index[g] = &ClusterIndex{D: h.Dim, Centroids: HalvesToFloat64(hc.CentroidHalves), Members: hc.Members}
+		cent := make([]float64, len(hc.Centroids))
+		for i, x := range hc.Centroids {
+			cent[i] = float64(x)
+		}
+		index[g] = &ClusterIndex{D: h.Dim, Centroids: cent, Members: hc.Members}
 		for _, mem := range hc.Members {
 			index[g].Sizes = append(index[g].Sizes, len(mem))
 		}
