@@ -148,9 +148,10 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	// kernels use them (not with DenseOptions.TreeReduce).
 	sub := boolWord(!dense.tree && dev.Info().SubgroupSize <= wg)
 	k.order = build("tactic_plan", 6, 8, TacticBins, 10, wg, sub)
-	tpr := dense.tpr // shuffles among tpr threads work on this device
-	t.sampleTeams = sampleWorkgroup / max(16, 4*tpr)
-	k.sample = build("tactic_sample", 9, 9, sampleWorkgroup, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(sampleWorkgroup/t.sampleTeams))
+	tpr := dense.tpr       // shuffles among tpr threads work on this device
+	team := max(16, 4*tpr) // threads per sampled cluster, a power of two
+	t.sampleTeams = sampleWorkgroup / team
+	k.sample = build("tactic_sample", 9, 9, sampleWorkgroup, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team))
 	k.budget = build("tactic_budget", 5, 4, TacticBins, wg, sub)
 	if err == nil {
 		t.tacticBound, err = t.bind(clusters)
@@ -300,8 +301,8 @@ func (t *TacticStep) record(c *vk.Commands, mark func(stage int)) error {
 	mark(1)
 	c.ComputeBarrier()
 	// Workgroups per head so that the clusters of the expected samples
-	// (clusters of the mean size) are read in one round, one per team;
-	// they stride over more.
+	// (clusters of the mean size) and the fixed tokens (taken as clusters
+	// of 16) are read in one round, one per team; they stride over more.
 	work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
 	c.Dispatch(k.sample, b.sample, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc},
 		uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, t.sampleTeams)))), hq, 1)

@@ -110,7 +110,7 @@ type TacticBudget struct {
 	// Offsets[j] = Σ sizes of Order[0:j]; len(Offsets) = C+1. The cluster of
 	// rank j holds positions Offsets[j]+1 … Offsets[j+1].
 	Offsets []int
-	// ExactClusters = J0, the least j with Offsets[j] ≥ the exact part's N (step 2);
+	// ExactClusters = J0, the least j with Offsets[j] ≥ ceil(InitialFrac·n);
 	// ExactTokens = Offsets[J0] = N'. Positions 1 … N' are exact.
 	ExactClusters, ExactTokens int
 	// Win1, Win2 are the rank ranges [lo, hi) of the window clusters.

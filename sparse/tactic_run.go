@@ -35,9 +35,10 @@ type TacticRun struct {
 
 // TacticTrace runs Tactic over a trace on the GPU: it prefills a cache with
 // the keys before the trace's decode tail (TacticTailQueries, prefill
-// TacticDefaultPrefill), clusters them (sinks excluded),
-// then for each P, with the fit's parameters, appends the tail tokens one at a time and runs a step for
-// each tail query, measuring fidelity in float64. With reps > 0 it also
+// TacticDefaultPrefill), clusters them (sinks excluded), then for each P
+// appends the tail tokens one at a time and runs a step with the fit's
+// parameters for each tail query, measuring fidelity in float64. With
+// reps > 0 it also
 // times the step and dense attention at the final length. progress, if not
 // nil, is told each P before it runs.
 func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, reps int, seed uint64, progress func(p float64)) ([]TacticRun, error) {
