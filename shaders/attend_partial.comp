@@ -87,6 +87,8 @@ const uint CW = (GATHER / 2) * (WINDOW - 1) + 1;  // clusters per window
 shared uint lst[LIST];
 shared uint from[CW];
 shared uint pre[CW + 1];
+// Subgroup totals of scanSizes (subgroups of at least 4 threads).
+shared uint subTotal[(GATHER / 2) * (WG / 4 - 1) + 1];
 
 // combine returns op over the workgroup of x[g] for each g (op: 0 max, 1 sum).
 void combine(inout float x[GROUP], uint op) {
@@ -115,6 +117,32 @@ void combine(inout float x[GROUP], uint op) {
 		[[unroll]] for (uint g = 0; g < GROUP; g++) x[g] = red[g * WG];
 	}
 	barrier();
+}
+
+// scanSizes writes the exclusive prefix sums of the window's sizes (size
+// of thread tid < CW, 0 for the others) to pre[0 .. CW], with a subgroup
+// scan where SUBGROUP_REDUCE allows, a shared-memory one otherwise, and
+// returns after a barrier.
+void scanSizes(uint size) {
+	uint tid = gl_LocalInvocationID.x;
+	if (tid == 0) pre[0] = 0;
+	if (SUBGROUP_REDUCE != 0) {
+		uint incl = subgroupInclusiveAdd(size);
+		if (gl_SubgroupInvocationID == gl_SubgroupSize - 1) subTotal[gl_SubgroupID] = incl;
+		barrier();
+		for (uint i = 0; i < gl_SubgroupID; i++) incl += subTotal[i];
+		if (tid < CW) pre[tid + 1] = incl;
+		barrier();
+		return;
+	}
+	if (tid < CW) pre[tid + 1] = size;
+	barrier();
+	for (uint k = 1; k < CW; k <<= 1) {
+		uint x = tid < CW && tid >= k ? pre[tid + 1 - k] : 0;
+		barrier();
+		if (tid < CW) pre[tid + 1] += x;
+		barrier();
+	}
 }
 
 // rowOf returns the first uvec4 word of row t of the tile starting at t0.
@@ -281,10 +309,12 @@ void main() {
 		}
 	} else if (c < pc.clusterChunks) {
 		// Clusters [c·chunk, +chunk) of KV head g, CW at a time: the taken
-		// ones' member counts are scanned, then their members attended a
-		// tile at a time, each tile's token ids gathered into lst first.
+		// ones' member counts are scanned, and their members' token ids
+		// appended to lst; each full tile is attended, so that tiles stay
+		// full however few clusters a window takes.
 		uint g = pc.kvBase + kvLocal;
 		attended = 0;
+		uint fill = 0;  // token ids in lst not yet attended
 		uint cEnd = min(chunkStart + pc.chunk, pc.C);
 		for (uint w0 = chunkStart; w0 < cEnd; w0 += CW) {
 			uint cl = w0 + tid;
@@ -296,19 +326,11 @@ void main() {
 				if (take != 0) size = sizes[g * pc.C + cl];
 				from[tid] = g * pc.clustered + starts[g * pc.C + cl];
 			}
-			if (tid < CW) pre[tid + 1] = size;
-			if (tid == 0) pre[0] = 0;
-			barrier();
-			for (uint k = 1; k < CW; k <<= 1) {
-				uint x = tid < CW && tid >= k ? pre[tid + 1 - k] : 0;
-				barrier();
-				if (tid < CW) pre[tid + 1] += x;
-				barrier();
-			}
+			scanSizes(size);
 			uint total = pre[CW];
 			attended += total;
-			for (uint s0 = 0; s0 < total; s0 += TILE) {
-				uint len = min(TILE, total - s0);
+			for (uint s0 = 0; s0 < total;) {
+				uint len = min(TILE - fill, total - s0);
 				for (uint y = tid; y < len; y += WG) {
 					// The cluster j whose members hold s0 + y: pre[j] <= s0 + y < pre[j + 1].
 					uint lo = 0, hi = CW - 1;
@@ -316,13 +338,19 @@ void main() {
 						uint mid = (lo + hi + 1) / 2;
 						if (pre[mid] <= s0 + y) lo = mid; else hi = mid - 1;
 					}
-					lst[y] = members[from[lo] + s0 + y - pre[lo]];
+					lst[fill + y] = members[from[lo] + s0 + y - pre[lo]];
 				}
-				barrier();
-				attendTile(len, headBase, 0, 0, 0, m, l, acc);
+				fill += len;
+				s0 += len;
+				if (fill == TILE) {
+					barrier();
+					attendTile(TILE, headBase, 0, 0, 0, m, l, acc);
+					fill = 0;
+				}
 			}
 			barrier();  // the next window rewrites pre and from
 		}
+		if (fill > 0) attendTile(fill, headBase, 0, 0, 0, m, l, acc);
 	} else {
 		// The fixed tokens [0, first) and [clusteredEnd, n), a tile per chunk.
 		uint f0 = (c - pc.clusterChunks) * TILE;

@@ -18,7 +18,8 @@ import (
 // random share of its KV head's clusters, with 4 sinks and an 8-token
 // tail, next to dense attention over the same cache. It reports the GPU
 // median (timestamp queries) and the union's share of the tokens: the
-// cost of attention over clusters against the share it reads.
+// cost of attention over clusters against the share it reads, for the
+// chosen clusters per chunk and a few others.
 func BenchmarkClusterAttention(b *testing.B) {
 	dev := vktest.Open(b)
 	h := Heads{32, 8, 128}
@@ -94,14 +95,24 @@ func BenchmarkClusterAttention(b *testing.B) {
 					}
 				}
 			}
-			plan, err := dense.PlanClusters(layer, x, rankBuf.All(), cutBuf.All())
-			require.NoError(b, err)
-			require.NoError(b, plan.SetQuery(randomQueries(rng, h.Query*h.Dim, 0.1)))
-			b.Run(fmt.Sprintf("N%d/share%g", n, share), func(b *testing.B) {
-				b.ReportMetric(100*float64(union)/float64(h.KV*c), "union-%")
-				reportGPU(b, plan.Time)
-			})
-			plan.Release()
+			for _, per := range []int{0, 64, 128, 256, 512} {
+				d := dense
+				if per > 0 {
+					d, err = NewDenseWith(dev, h, DenseOptions{ClusterChunk: per})
+					require.NoError(b, err)
+				}
+				plan, err := d.PlanClusters(layer, x, rankBuf.All(), cutBuf.All())
+				require.NoError(b, err)
+				require.NoError(b, plan.SetQuery(randomQueries(rng, h.Query*h.Dim, 0.1)))
+				b.Run(fmt.Sprintf("N%d/share%g/chunk%d", n, share, plan.clusterChunk), func(b *testing.B) {
+					b.ReportMetric(100*float64(union)/float64(h.KV*c), "union-%")
+					reportGPU(b, plan.Time)
+				})
+				require.NoError(b, plan.Release())
+				if d != dense {
+					require.NoError(b, d.Release())
+				}
+			}
 		}
 	}
 }

@@ -26,24 +26,21 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 		first, tail int // sinks [0, first); the last tail tokens unclustered
 		clusters    int
 		big         int  // members of one oversized cluster (0: none)
-		minChunk    int  // least clusters per chunk (0: default)
+		minChunk    int  // clusters per chunk (0: chosen)
 		none        bool // KV head 0 takes no cluster: only its fixed tokens
 	}{
 		{Heads{8, 2, 64}, 3000, 3200, 4, 196, 150, 1500, 0, false},
 		{Heads{16, 4, 128}, 5000, 5000, 0, 1, 400, 0, 0, true},
 		// Chunks of more clusters than a window holds.
-		{Heads{4, 1, 128}, 4100, 4100, 1, 0, 700, 0, 150, false},
+		{Heads{4, 1, 128}, 4100, 4100, 1, 0, 700, 0, 600, false},
 		{Heads{32, 8, 16}, 9001, 9500, 4, 300, 900, 2000, 0, false},
 	} {
 		name := fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_C%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, c.clusters)
 		t.Run(name, func(t *testing.T) {
 			h := c.heads
-			dense, err := NewDense(dev, h)
+			dense, err := NewDenseWith(dev, h, DenseOptions{ClusterChunk: c.minChunk})
 			require.NoError(t, err)
 			defer dense.Release()
-			if c.minChunk > 0 {
-				dense.clusterMin = c.minChunk
-			}
 			layer, k, v := randomLayer(t, dev, rng, h, c.n, c.capacity, 1)
 			count := c.n - c.first - c.tail
 			x, err := kvcache.NewClusters(dev, h.KV, h.Dim, c.clusters, c.first, count)

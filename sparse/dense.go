@@ -33,7 +33,6 @@ type Dense struct {
 	ChunkTokens int
 	opts        DenseOptions
 	gatherMin   int // least tokens per chunk of gathered attention
-	clusterMin  int // least clusters per chunk of attention over clusters
 }
 
 // DenseOptions tune the dense kernels; zero values pick for the device.
@@ -55,6 +54,9 @@ type DenseOptions struct {
 	// value read from shared memory serving all of them; 0 = chosen with
 	// ThreadsPerRow, or 1 where ThreadsPerRow is set.
 	RowsPerThread int
+	// ClusterChunk is the clusters of a KV head that one workgroup of
+	// attention over clusters takes; 0 = chosen from the index's size.
+	ClusterChunk int
 }
 
 func boolWord(b bool) uint32 {
@@ -70,11 +72,11 @@ const (
 	scoreBudget       = 4096 // default shared floats for scores: group × tile
 	defaultMaxChunk   = 512  // chunk slots per (sequence, head)
 	targetWorkgroups  = 512
-	gatherChunkMin    = 512  // least tokens per chunk of gathered attention
-	gatherWorkgroups  = 256  // workgroups of gathered attention over long lists
-	clusterChunkMin   = 64   // least clusters per chunk of attention over clusters
-	clusterWindow     = 64   // clusters a workgroup scans at once
-	clusterWorkgroups = 1024 // workgroups of attention over many clusters
+	gatherChunkMin    = 512 // least tokens per chunk of gathered attention
+	gatherWorkgroups  = 256 // workgroups of gathered attention over long lists
+	clusterChunkMin   = 64  // least clusters per chunk of attention over clusters
+	clusterWindow     = 256 // clusters a workgroup scans at once (at most its threads)
+	clusterWorkgroups = 512 // workgroups of attention over many clusters
 	partialBindings   = 12
 	partialPushWords  = 14
 )
@@ -143,6 +145,9 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	if rpt < 1 || rpt > 8 {
 		return nil, fmt.Errorf("%w: %d rows per thread (at most 8)", vk.ErrUnsupported, rpt)
 	}
+	if opts.ClusterChunk < 0 {
+		return nil, fmt.Errorf("sparse: %d clusters per chunk", opts.ClusterChunk)
+	}
 	tree := !info.SubgroupArithmetic || info.SubgroupSize < 4 || opts.TreeReduce
 	scoreSlots := max(group*tile, 8*wg)
 	reduceSlots := group * wg
@@ -156,12 +161,13 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	case tile <= 0 || shared > int(info.SharedMemoryBytes):
 		return nil, fmt.Errorf("%w: tiles of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, tile, shared, info.SharedMemoryBytes)
 	}
-	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts, gatherMin: gatherChunkMin, clusterMin: clusterChunkMin}
+	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts, gatherMin: gatherChunkMin}
 	code, err := shaders.SPIRV("attend_partial")
 	if err != nil {
 		return nil, err
 	}
 	spec := []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt), uint32(min(wg, clusterWindow))}
+	clusterShared := 4 * (tile + 2*min(wg, clusterWindow) + 1 + wg/4) // lst, from, pre, subTotal
 	kernel := func(name string, gather uint32) *vk.Pipeline {
 		if err != nil {
 			return nil
@@ -173,7 +179,7 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	}
 	d.partial = kernel("attend_partial", 0)
 	d.gather = kernel("attend_partial (gather)", 1)
-	if shared+4*(tile+2*clusterWindow+1) <= int(info.SharedMemoryBytes) {
+	if shared+clusterShared <= int(info.SharedMemoryBytes) {
 		d.clustered = kernel("attend_partial (clusters)", 2)
 	}
 	if err == nil {
@@ -633,7 +639,7 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 	h := d.heads
 	switch {
 	case d.clustered == nil:
-		return nil, fmt.Errorf("%w: attention over clusters needs %d more bytes of shared memory than the device has", vk.ErrUnsupported, 4*(d.tile+2*clusterWindow+1))
+		return nil, fmt.Errorf("%w: attention over clusters needs more shared memory than the device has", vk.ErrUnsupported)
 	case layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
 		return nil, fmt.Errorf("sparse: the cache has %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
 	case clusters.KVHeads != h.KV || clusters.First+clusters.Count > layer.Capacity():
@@ -642,7 +648,10 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 		return nil, fmt.Errorf("sparse: ranks of %d bytes and cuts of %d for %d query heads of %d clusters", rank.Size, cut.Size, h.Query, clusters.C)
 	}
 	blocks := h.Group() / d.group
-	per := max(d.clusterMin, ceilDiv(clusters.C*h.KV*blocks, clusterWorkgroups))
+	per := d.opts.ClusterChunk
+	if per <= 0 {
+		per = max(clusterChunkMin, ceilDiv(clusters.C*h.KV*blocks, clusterWorkgroups))
+	}
 	chunks := ceilDiv(clusters.C, per) + ceilDiv(layer.Capacity()-clusters.Count, d.tile)
 	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut}
 	if err := p.allocate(); err != nil {
