@@ -329,7 +329,11 @@ void main() {
 			scanSizes(size);
 			uint total = pre[CW];
 			attended += total;
-			for (uint s0 = 0; s0 < total;) {
+			bool last = w0 + CW >= cEnd;
+			// One call of attendTile in the loop: a full tile, or what
+			// remains after the last window.
+			uint s0 = 0;
+			do {
 				uint len = min(TILE - fill, total - s0);
 				for (uint y = tid; y < len; y += WG) {
 					// The cluster j whose members hold s0 + y: pre[j] <= s0 + y < pre[j + 1].
@@ -342,15 +346,14 @@ void main() {
 				}
 				fill += len;
 				s0 += len;
-				if (fill == TILE) {
+				if (fill == TILE || (last && s0 == total && fill > 0)) {
 					barrier();
-					attendTile(TILE, headBase, 0, 0, 0, m, l, acc);
+					attendTile(fill, headBase, 0, 0, 0, m, l, acc);
 					fill = 0;
 				}
-			}
+			} while (s0 < total);
 			barrier();  // the next window rewrites pre and from
 		}
-		if (fill > 0) attendTile(fill, headBase, 0, 0, 0, m, l, acc);
 	} else {
 		// The fixed tokens [0, first) and [clusteredEnd, n), a tile per chunk.
 		uint f0 = (c - pc.clusterChunks) * TILE;

@@ -29,6 +29,7 @@ type Dense struct {
 	tpr       int  // threads sharing a K row in the score pass
 	rpt       int  // K rows each thread scores at once
 	tree      bool // reductions through shared memory only
+	window    int  // clusters scanned at once by attention over clusters
 	// ChunkTokens fixes the tokens per chunk; 0 picks it from the sizes.
 	ChunkTokens int
 	opts        DenseOptions
@@ -57,6 +58,9 @@ type DenseOptions struct {
 	// ClusterChunk is the clusters of a KV head that one workgroup of
 	// attention over clusters takes; 0 = chosen from the index's size.
 	ClusterChunk int
+	// ClusterWindow is the clusters such a workgroup scans at once (a
+	// power of two, at most Workgroup); 0 = chosen.
+	ClusterWindow int
 }
 
 func boolWord(b bool) uint32 {
@@ -75,8 +79,8 @@ const (
 	gatherChunkMin    = 512 // least tokens per chunk of gathered attention
 	gatherWorkgroups  = 256 // workgroups of gathered attention over long lists
 	clusterChunkMin   = 64  // least clusters per chunk of attention over clusters
-	clusterWindow     = 256 // clusters a workgroup scans at once (at most its threads)
-	clusterWorkgroups = 512 // workgroups of attention over many clusters
+	clusterWindow     = 64  // clusters a workgroup scans at once (at most its threads)
+	clusterWorkgroups = 256 // workgroups of attention over many clusters
 	partialBindings   = 12
 	partialPushWords  = 14
 )
@@ -145,8 +149,12 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	if rpt < 1 || rpt > 8 {
 		return nil, fmt.Errorf("%w: %d rows per thread (at most 8)", vk.ErrUnsupported, rpt)
 	}
-	if opts.ClusterChunk < 0 {
-		return nil, fmt.Errorf("sparse: %d clusters per chunk", opts.ClusterChunk)
+	window := opts.ClusterWindow
+	if window == 0 {
+		window = min(wg, clusterWindow)
+	}
+	if opts.ClusterChunk < 0 || window&(window-1) != 0 || window > wg || window < 1 {
+		return nil, fmt.Errorf("sparse: %d clusters per chunk, %d per window, for workgroups of %d", opts.ClusterChunk, opts.ClusterWindow, wg)
 	}
 	tree := !info.SubgroupArithmetic || info.SubgroupSize < 4 || opts.TreeReduce
 	scoreSlots := max(group*tile, 8*wg)
@@ -161,13 +169,13 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	case tile <= 0 || shared > int(info.SharedMemoryBytes):
 		return nil, fmt.Errorf("%w: tiles of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, tile, shared, info.SharedMemoryBytes)
 	}
-	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts, gatherMin: gatherChunkMin}
+	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts, gatherMin: gatherChunkMin, window: window}
 	code, err := shaders.SPIRV("attend_partial")
 	if err != nil {
 		return nil, err
 	}
-	spec := []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt), uint32(min(wg, clusterWindow))}
-	clusterShared := 4 * (tile + 2*min(wg, clusterWindow) + 1 + wg/4) // lst, from, pre, subTotal
+	spec := []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt), uint32(d.window)}
+	clusterShared := 4 * (tile + 2*window + 1 + wg/4) // lst, from, pre, subTotal
 	kernel := func(name string, gather uint32) *vk.Pipeline {
 		if err != nil {
 			return nil
@@ -206,7 +214,7 @@ func (d *Dense) Options() DenseOptions {
 	if o.Unroll == 0 {
 		o.Unroll = 8
 	}
-	o.RowsPerThread = d.rpt
+	o.RowsPerThread, o.ClusterWindow = d.rpt, d.window
 	return o
 }
 
