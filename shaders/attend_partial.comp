@@ -58,9 +58,6 @@ layout(std430, binding = 8) restrict readonly buffer Cut { uint cut[]; };       
 layout(std430, binding = 9) restrict readonly buffer Starts { uint starts[]; };   // [heads][C] member offsets
 layout(std430, binding = 10) restrict readonly buffer Sizes { uint sizes[]; };    // [heads][C]
 layout(std430, binding = 11) restrict readonly buffer Members { uint members[]; }; // [heads][clustered]
-// GATHER = 2: tokens each query head takes, an estimate that only spreads
-// the work over workgroups.
-layout(std430, binding = 12) restrict readonly buffer Taken { uint taken[]; };    // [Hq]
 
 layout(push_constant) uniform Push {
 	uint n;           // tokens of this sequence (GATHER: token-list stride)
@@ -72,18 +69,12 @@ layout(push_constant) uniform Push {
 	float scale;      // multiplies q·k
 	uint qHeads;      // query heads per sequence
 	uint groupSize;   // query heads per KV head
-	// GATHER = 2 (n is then the tokens stored; chunk unused): KV head g
-	// splits its clusters into k equal runs, one per workgroup, k the
-	// estimate of its taken tokens (the sum of taken[h] over its query
-	// heads, at most clustered) over chunkTokens, clamped to
-	// [minChunks, clusterChunks].
+	// GATHER = 2 (chunk is then clusters per chunk, n the tokens stored):
 	uint C;              // clusters per KV head
-	uint clusterChunks;  // the most runs of a KV head; chunks past them take the fixed tokens
+	uint clusterChunks;  // chunks of clusters; chunks past them take the fixed tokens
 	uint clustered;      // members per KV head
 	uint first;          // the clustered tokens are [first, clusteredEnd)
 	uint clusteredEnd;
-	uint chunkTokens;
-	uint minChunks;
 } pc;
 
 shared vec4 qs[GROUP * D4];
@@ -287,21 +278,6 @@ void main() {
 	uint chunkStart = c * chunk;
 	uint chunkEnd = min(chunkStart + chunk, n);
 	if (GATHER != 2 && chunkStart >= chunkEnd) return;  // GATHER 1: past this head's tokens
-	if (GATHER == 2 && c < pc.clusterChunks) {
-		// This workgroup's run of clusters [chunkStart, chunkEnd).
-		uint g = pc.kvBase + kvLocal;
-		uint est = 0;
-		for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) est += taken[h];
-		uint k = clamp((min(est, pc.clustered) + pc.chunkTokens - 1) / pc.chunkTokens, pc.minChunks, pc.clusterChunks);
-		uint per = (pc.C + k - 1) / k;
-		chunkStart = c * per;
-		chunkEnd = min(chunkStart + per, pc.C);
-		if (chunkStart >= chunkEnd) {
-			// Past the runs of this KV head: m = −∞ tells the merge to skip it.
-			if (tid < GROUP) pml[(pc.seq * pc.qHeads + h0 + tid) * pc.maxChunks + c] = vec2(-1.0 / 0.0, 0.0);
-			return;
-		}
-	}
 
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
@@ -332,14 +308,14 @@ void main() {
 			attendTile(min(TILE, chunkEnd - t0), headBase, headBase + t0 * DV, listBase, t0, m, l, acc);
 		}
 	} else if (c < pc.clusterChunks) {
-		// Clusters [chunkStart, chunkEnd) of KV head g, CW at a time: the taken
+		// Clusters [c·chunk, +chunk) of KV head g, CW at a time: the taken
 		// ones' member counts are scanned, and their members' token ids
 		// appended to lst; each full tile is attended, so that tiles stay
 		// full however few clusters a window takes.
 		uint g = pc.kvBase + kvLocal;
 		attended = 0;
 		uint fill = 0;  // token ids in lst not yet attended
-		uint cEnd = chunkEnd;
+		uint cEnd = min(chunkStart + pc.chunk, pc.C);
 		for (uint w0 = chunkStart; w0 < cEnd; w0 += CW) {
 			uint cl = w0 + tid;
 			uint size = 0;

@@ -8,8 +8,7 @@
 // y = a/x + b through them in the 1/x coordinate, the estimated
 // cumulative sum S at every bin boundary (exact below N', the fitted curve
 // above, clamped at 0), and the cut: the least bin boundary j with
-// S(j) ≥ P·S(n). The head selects the clusters of bins below the cut;
-// their tokens are counted in taken.
+// S(j) ≥ P·S(n). The head selects the clusters of bins below the cut.
 
 layout(local_size_x_id = 1) in;
 layout(constant_id = 0) const uint NB = 1024;
@@ -23,7 +22,6 @@ layout(std430, binding = 1) readonly buffer Plan { uint plan[]; };           // 
 layout(std430, binding = 2) readonly buffer Expo { float expo[]; };          // [Hq][clustered]
 layout(std430, binding = 3) readonly buffer ExpoFixed { float expoFixed[]; }; // [Hq][fixedStride]
 layout(std430, binding = 4) writeonly buffer Cut { uint cut[]; };            // [Hq]
-layout(std430, binding = 5) writeonly buffer Taken { uint taken[]; };        // [Hq]: clustered tokens of the bins below the cut
 
 layout(push_constant) uniform Push {
 	uint n;  // clustered tokens
@@ -155,8 +153,5 @@ void main() {
 		}
 	}
 	barrier();
-	if (tid == 0) {
-		cut[h] = best;
-		taken[h] = tokStart[ob + best];
-	}
+	if (tid == 0) cut[h] = best;
 }

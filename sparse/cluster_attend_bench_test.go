@@ -68,10 +68,9 @@ func BenchmarkClusterAttention(b *testing.B) {
 			require.NoError(b, err)
 			return r
 		}
-		rankBuf, cutBuf, takenBuf := buf(h.Query*c), buf(h.Query), buf(h.Query)
+		rankBuf, cutBuf := buf(h.Query*c), buf(h.Query)
 		defer rankBuf.Release()
 		defer cutBuf.Release()
-		defer takenBuf.Release()
 		rank := make([]uint32, h.Query*c)
 		for hh := 0; hh < h.Query; hh++ {
 			for i, cl := range rng.Perm(c) {
@@ -85,11 +84,6 @@ func BenchmarkClusterAttention(b *testing.B) {
 				cut[hh] = uint32(share * float64(c))
 			}
 			require.NoError(b, cutBuf.WriteUint32(0, cut))
-			taken := make([]uint32, h.Query)
-			for hh := range taken {
-				taken[hh] = uint32(share * float64(count))
-			}
-			require.NoError(b, takenBuf.WriteUint32(0, taken))
 			union := 0
 			for g := 0; g < h.KV; g++ {
 				for cl := 0; cl < c; cl++ {
@@ -101,16 +95,16 @@ func BenchmarkClusterAttention(b *testing.B) {
 					}
 				}
 			}
-			for _, o := range []DenseOptions{{}, {ClusterChunk: 64}, {ClusterChunk: 256}, {ClusterChunk: 256, ClusterWindow: 256}} {
+			for _, o := range []DenseOptions{{}, {ClusterChunk: 64}, {ClusterChunk: 128}, {ClusterChunk: 256}, {ClusterChunk: 512}, {ClusterChunk: 256, ClusterWindow: 256}} {
 				d := dense
 				if o != (DenseOptions{}) {
 					d, err = NewDenseWith(dev, h, o)
 					require.NoError(b, err)
 				}
-				plan, err := d.PlanClusters(layer, x, rankBuf.All(), cutBuf.All(), takenBuf.All())
+				plan, err := d.PlanClusters(layer, x, rankBuf.All(), cutBuf.All())
 				require.NoError(b, err)
 				require.NoError(b, plan.SetQuery(randomQueries(rng, h.Query*h.Dim, 0.1)))
-				b.Run(fmt.Sprintf("N%d/share%g/runs%d-%d/window%d", n, share, plan.minRuns, plan.maxRuns, d.window), func(b *testing.B) {
+				b.Run(fmt.Sprintf("N%d/share%g/chunk%d/window%d", n, share, plan.clusterChunk, d.window), func(b *testing.B) {
 					b.ReportMetric(100*float64(union)/float64(h.KV*c), "union-%")
 					reportGPU(b, plan.Time)
 				})

@@ -29,18 +29,14 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 		minChunk    int  // clusters per chunk (0: chosen)
 		window      int  // clusters per window (0: chosen)
 		none        bool // KV head 0 takes no cluster: only its fixed tokens
-		// spread: runs per KV head from the taken estimates (few workgroups
-		// required, 256 tokens per run), so KV heads split differently.
-		spread bool
 	}{
-		{Heads{8, 2, 64}, 3000, 3200, 4, 196, 150, 1500, 0, 0, false, false},
-		{Heads{16, 4, 128}, 5000, 5000, 0, 1, 400, 0, 0, 0, true, false},
+		{Heads{8, 2, 64}, 3000, 3200, 4, 196, 150, 1500, 0, 0, false},
+		{Heads{16, 4, 128}, 5000, 5000, 0, 1, 400, 0, 0, 0, true},
 		// Chunks of more clusters than a window holds: tiles filled
 		// across windows.
-		{Heads{4, 1, 128}, 4100, 4100, 1, 0, 700, 0, 600, 0, false, false},
-		{Heads{8, 2, 128}, 7000, 7000, 3, 50, 900, 0, 300, 32, false, false},
-		{Heads{32, 8, 16}, 9001, 9500, 4, 300, 900, 2000, 0, 0, false, false},
-		{Heads{16, 4, 64}, 9001, 9001, 4, 100, 900, 0, 0, 0, true, true},
+		{Heads{4, 1, 128}, 4100, 4100, 1, 0, 700, 0, 600, 0, false},
+		{Heads{8, 2, 128}, 7000, 7000, 3, 50, 900, 0, 300, 32, false},
+		{Heads{32, 8, 16}, 9001, 9500, 4, 300, 900, 2000, 0, 0, false},
 	} {
 		name := fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_C%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, c.clusters)
 		t.Run(name, func(t *testing.T) {
@@ -48,9 +44,6 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 			dense, err := NewDenseWith(dev, h, DenseOptions{ClusterChunk: c.minChunk, ClusterWindow: c.window})
 			require.NoError(t, err)
 			defer dense.Release()
-			if c.spread {
-				dense.clusterGroups, dense.runTokens = 1, 256
-			}
 			layer, k, v := randomLayer(t, dev, rng, h, c.n, c.capacity, 1)
 			count := c.n - c.first - c.tail
 			x, err := kvcache.NewClusters(dev, h.KV, h.Dim, c.clusters, c.first, count)
@@ -75,15 +68,11 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 				rank[i] = uint32(rng.Intn(ranks))
 			}
 			cut := make([]uint32, h.Query)
-			// Estimates of the tokens each head takes: random, since they
-			// only spread the work and must not change the output.
-			taken := make([]uint32, h.Query)
 			for i := range cut {
 				cut[i] = uint32(rng.Intn(ranks/3) + 1)
 				if c.none && i < h.Group() {
 					cut[i] = 0
 				}
-				taken[i] = uint32(rng.Intn(c.n/4 + 1))
 			}
 			rankBuf, err := dev.NewBuffer(uint64(len(rank))*4, vk.DeviceLocal)
 			require.NoError(t, err)
@@ -91,21 +80,14 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 			cutBuf, err := dev.NewBuffer(uint64(len(cut))*4, vk.DeviceLocal)
 			require.NoError(t, err)
 			defer cutBuf.Release()
-			takenBuf, err := dev.NewBuffer(uint64(len(taken))*4, vk.DeviceLocal)
-			require.NoError(t, err)
-			defer takenBuf.Release()
 			require.NoError(t, rankBuf.WriteUint32(0, rank))
 			require.NoError(t, cutBuf.WriteUint32(0, cut))
-			require.NoError(t, takenBuf.WriteUint32(0, taken))
 
-			plan, err := dense.PlanClusters(layer, x, rankBuf.All(), cutBuf.All(), takenBuf.All())
+			plan, err := dense.PlanClusters(layer, x, rankBuf.All(), cutBuf.All())
 			require.NoError(t, err)
 			defer plan.Release()
 			if c.minChunk > 0 {
-				require.Greater(t, ceilDiv(c.clusters, plan.maxRuns), dense.window, "a chunk must span several windows")
-			}
-			if c.spread {
-				require.Less(t, plan.minRuns, plan.maxRuns, "runs must follow the estimates")
+				require.Greater(t, plan.clusterChunk, dense.window, "a chunk must span several windows")
 			}
 			q := randomQueries(rng, h.Query*h.Dim, 1.5)
 			nan := math.Float32bits(float32(math.NaN()))
@@ -176,11 +158,11 @@ func TestClusterGatherRejectsBadIndex(t *testing.T) {
 	small, err := dev.NewBuffer(16, vk.DeviceLocal)
 	require.NoError(t, err)
 	defer small.Release()
-	_, err = dense.PlanClusters(layer, x, small.All(), small.All(), small.All())
+	_, err = dense.PlanClusters(layer, x, small.All(), small.All())
 	require.ErrorContains(t, err, "ranks")
 	other, err := kvcache.NewClusters(dev, 1, h.Dim, 10, 0, 100)
 	require.NoError(t, err)
 	defer other.Release()
-	_, err = dense.PlanClusters(layer, other, small.All(), small.All(), small.All())
+	_, err = dense.PlanClusters(layer, other, small.All(), small.All())
 	require.ErrorContains(t, err, "index")
 }

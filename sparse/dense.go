@@ -30,9 +30,6 @@ type Dense struct {
 	rpt       int  // K rows each thread scores at once
 	tree      bool // reductions through shared memory only
 	window    int  // clusters scanned at once by attention over clusters
-	// Attention over clusters: the least workgroups in all and the taken
-	// tokens per run it aims at (clusterRuns).
-	clusterGroups, runTokens int
 	// ChunkTokens fixes the tokens per chunk; 0 picks it from the sizes.
 	ChunkTokens int
 	opts        DenseOptions
@@ -82,11 +79,10 @@ const (
 	gatherChunkMin    = 512 // least tokens per chunk of gathered attention
 	gatherWorkgroups  = 256 // workgroups of gathered attention over long lists
 	clusterChunkMin   = 64  // least clusters per chunk of attention over clusters
-	clusterChunkMax   = 256 // most clusters per chunk, where the workgroups allow
 	clusterWindow     = 64  // clusters a workgroup scans at once (at most its threads)
 	clusterWorkgroups = 256 // workgroups of attention over many clusters
-	partialBindings   = 13
-	partialPushWords  = 16
+	partialBindings   = 12
+	partialPushWords  = 14
 )
 
 // NewDense compiles the dense attention kernels for heads.
@@ -173,7 +169,7 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	case tile <= 0 || shared > int(info.SharedMemoryBytes):
 		return nil, fmt.Errorf("%w: tiles of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, tile, shared, info.SharedMemoryBytes)
 	}
-	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts, gatherMin: gatherChunkMin, window: window, clusterGroups: clusterWorkgroups, runTokens: tile}
+	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts, gatherMin: gatherChunkMin, window: window}
 	code, err := shaders.SPIRV("attend_partial")
 	if err != nil {
 		return nil, err
@@ -257,12 +253,11 @@ type DensePlan struct {
 	// chunk, and the lists and their lengths per KV head.
 	gatherStride, gatherChunk int
 	tokens, tokCounts         *vk.Buffer
-	// With clusters (PlanClusters): the index, the least and most runs of
-	// clusters per KV head (chunks), the ranks and cuts that decide which
-	// clusters are taken, and the taken tokens' estimate per query head.
-	clusters              *kvcache.Clusters
-	minRuns, maxRuns      int
-	rank, cut, takenCount vk.Range
+	// With clusters (PlanClusters): the index, the clusters per chunk, and
+	// the ranks and cuts that decide which clusters are taken.
+	clusters     *kvcache.Clusters
+	clusterChunk int
+	rank, cut    vk.Range
 	// lastChunks is what the chunks buffer holds.
 	lastChunks []uint32
 }
@@ -330,13 +325,13 @@ func (p *DensePlan) allocate() error {
 			count := min(perBinding, h.KV-base)
 			off, size := uint64(base)*headBytes, uint64(count)*headBytes
 			pipe, lists, counts := d.partial, p.chunks.All(), p.chunks.All() // unused bindings get a valid range
-			index := []vk.Range{lists, lists, lists, lists, lists, lists}
+			index := []vk.Range{lists, lists, lists, lists, lists}
 			switch {
 			case p.gatherStride > 0:
 				pipe, lists, counts = d.gather, p.tokens.All(), p.tokCounts.All()
 			case p.clusters != nil:
 				x := p.clusters
-				pipe, index = d.clustered, []vk.Range{p.rank, p.cut, x.Starts.All(), x.Counts.All(), x.Members.All(), p.takenCount}
+				pipe, index = d.clustered, []vk.Range{p.rank, p.cut, x.Starts.All(), x.Counts.All(), x.Members.All()}
 			}
 			bind, err := pipe.Bind(append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists, counts}, index...)...)
 			if err != nil {
@@ -431,7 +426,7 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 		blocks := h.Group() / d.group
 		for _, seg := range p.segments[b] {
 			push := []uint32{uint32(n), uint32(s.HeadBytes() / 16), uint32(seg.kvBase), uint32(b), uint32(chunk), uint32(p.maxChunks),
-				math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), 0, 0, 0, 0, 0, 0, 0}
+				math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), 0, 0, 0, 0, 0}
 			c.Dispatch(d.partial, seg.bind, push, uint32(nc), uint32(seg.kvCount*blocks), 1)
 		}
 	}
@@ -633,7 +628,7 @@ func (p *DensePlan) recordGather(c *vk.Commands) error {
 	blocks := h.Group() / d.group
 	for _, seg := range p.segments[0] {
 		push := []uint32{uint32(p.gatherStride), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(p.gatherChunk), uint32(p.maxChunks),
-			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), 0, 0, 0, 0, 0, 0, 0}
+			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), 0, 0, 0, 0, 0}
 		c.Dispatch(d.gather, seg.bind, push, uint32(p.maxChunks), uint32(seg.kvCount*blocks), 1)
 	}
 	c.ComputeBarrier()
@@ -646,11 +641,9 @@ func (p *DensePlan) recordGather(c *vk.Commands) error {
 // ([0, First) and [First+Count, n)) and the members of every cluster c of
 // g that some query head h of g takes, rank[h][c] < cut[h] (uint32 ranges
 // [Hq][C] and [Hq], written by earlier kernels; the caller keeps them
-// alive). Workgroups take runs of clusters and skip those not taken, so no
-// token list is built. taken (uint32 [Hq]) estimates the tokens each query
-// head takes; it only spreads the work: a KV head whose heads take more is
-// split into more, shorter runs (DenseOptions.ClusterChunk fixes the runs).
-func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, rank, cut, taken vk.Range) (*DensePlan, error) {
+// alive). Workgroups take fixed runs of clusters and skip those not taken,
+// so no token list is built.
+func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, rank, cut vk.Range) (*DensePlan, error) {
 	h := d.heads
 	switch {
 	case d.clustered == nil:
@@ -659,31 +652,21 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 		return nil, fmt.Errorf("sparse: the cache has %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
 	case clusters.KVHeads != h.KV || clusters.First+clusters.Count > layer.Capacity():
 		return nil, fmt.Errorf("sparse: an index of %d KV heads over tokens [%d, %d) for a cache of %d heads and capacity %d", clusters.KVHeads, clusters.First, clusters.First+clusters.Count, h.KV, layer.Capacity())
-	case rank.Size < uint64(h.Query*clusters.C)*4 || cut.Size < uint64(h.Query)*4 || taken.Size < uint64(h.Query)*4:
-		return nil, fmt.Errorf("sparse: ranks of %d bytes, cuts of %d and taken counts of %d for %d query heads of %d clusters", rank.Size, cut.Size, taken.Size, h.Query, clusters.C)
+	case rank.Size < uint64(h.Query*clusters.C)*4 || cut.Size < uint64(h.Query)*4:
+		return nil, fmt.Errorf("sparse: ranks of %d bytes and cuts of %d for %d query heads of %d clusters", rank.Size, cut.Size, h.Query, clusters.C)
 	}
-	minRuns, maxRuns := clusterRuns(clusters.C, ceilDiv(d.clusterGroups, h.KV*h.Group()/d.group), d.opts.ClusterChunk)
-	chunks := maxRuns + ceilDiv(layer.Capacity()-clusters.Count, d.tile)
-	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, minRuns: minRuns, maxRuns: maxRuns, rank: rank, cut: cut, takenCount: taken}
+	blocks := h.Group() / d.group
+	per := d.opts.ClusterChunk
+	if per <= 0 {
+		per = max(clusterChunkMin, ceilDiv(clusters.C*h.KV*blocks, clusterWorkgroups))
+	}
+	chunks := ceilDiv(clusters.C, per) + ceilDiv(layer.Capacity()-clusters.Count, d.tile)
+	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut}
 	if err := p.allocate(); err != nil {
 		p.Release()
 		return nil, err
 	}
 	return p, nil
-}
-
-// clusterRuns returns the least and most runs (chunks) the C clusters of a
-// KV head are split into: runs of 64 to 256 clusters, at least perHead
-// runs where runs of 64 allow (on the NVIDIA H200 the sweep of
-// BenchmarkClusterAttention was fastest with 256 workgroups in all, few
-// long runs where little is taken and many short ones where much is).
-// fixed > 0 fixes runs of fixed clusters.
-func clusterRuns(c, perHead, fixed int) (least, most int) {
-	if fixed > 0 {
-		return ceilDiv(c, fixed), ceilDiv(c, fixed)
-	}
-	most = ceilDiv(c, clusterChunkMin)
-	return min(most, max(ceilDiv(c, clusterChunkMax), perHead)), most
 }
 
 // recordClusters records attention over the taken clusters and the fixed
@@ -695,12 +678,13 @@ func (p *DensePlan) recordClusters(c *vk.Commands) error {
 	if n < end {
 		return fmt.Errorf("sparse: the cache holds %d tokens, its clusters end at %d", n, end)
 	}
-	total := p.maxRuns + ceilDiv(n-x.Count, d.tile)
+	cc := ceilDiv(x.C, p.clusterChunk)
+	total := cc + ceilDiv(n-x.Count, d.tile)
 	blocks := h.Group() / d.group
 	for _, seg := range p.segments[0] {
-		push := []uint32{uint32(n), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, 0, uint32(p.maxChunks),
+		push := []uint32{uint32(n), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(p.clusterChunk), uint32(p.maxChunks),
 			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()),
-			uint32(x.C), uint32(p.maxRuns), uint32(x.Count), uint32(x.First), uint32(end), uint32(d.runTokens), uint32(p.minRuns)}
+			uint32(x.C), uint32(cc), uint32(x.Count), uint32(x.First), uint32(end)}
 		c.Dispatch(d.clustered, seg.bind, push, uint32(total), uint32(seg.kvCount*blocks), 1)
 	}
 	c.ComputeBarrier()

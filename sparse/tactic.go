@@ -52,7 +52,6 @@ type tacticBound struct {
 	expo     *vk.Buffer // float32 [Hq][clustered]: e(t) at each sampled position
 	expoFix  *vk.Buffer // float32 [Hq][fixedStride]: e(t) of the fixed tokens
 	cut      *vk.Buffer // uint32 [Hq]
-	taken    *vk.Buffer // uint32 [Hq]: clustered tokens below each cut
 	fixedCap int        // fixedStride: the most fixed tokens the cache can hold (capacity − clustered)
 }
 
@@ -153,7 +152,7 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	team := max(16, 4*tpr) // threads per sampled cluster, a power of two
 	t.sampleTeams = sampleWorkgroup / team
 	k.sample = build("tactic_sample", 9, 9, sampleWorkgroup, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team))
-	k.budget = build("tactic_budget", 6, 4, TacticBins, wg, sub)
+	k.budget = build("tactic_budget", 5, 4, TacticBins, wg, sub)
 	if err == nil {
 		t.tacticBound, err = t.bind(clusters)
 	}
@@ -213,10 +212,10 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 	hq, c, n := h.Query, clusters.C, clusters.Count
 	x.fixedCap = t.layer.Capacity() - n // fixed tokens: the stored ones past the clustered
 	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
-	x.tokStart, x.planBuf, x.cut, x.taken = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq), alloc(hq)
+	x.tokStart, x.planBuf, x.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
 	x.sampled, x.expo, x.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*x.fixedCap)
 	if err == nil {
-		x.plan, err = t.dense.PlanClusters(t.layer, clusters, x.binOf.All(), x.cut.All(), x.taken.All())
+		x.plan, err = t.dense.PlanClusters(t.layer, clusters, x.binOf.All(), x.cut.All())
 	}
 	bind := func(pipe *vk.Pipeline, r ...vk.Range) *vk.Binding {
 		if err != nil {
@@ -234,7 +233,7 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 	b.score = bind(k.score, query, clusters.Centroids.All(), x.scores.All())
 	b.order = bind(k.order, x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All())
 	b.sample = bind(k.sample, query, t.layer.Keys().All(), x.planBuf.All(), x.sampled.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(), x.expo.All(), x.expoFix.All())
-	b.budget = bind(k.budget, x.tokStart.All(), x.planBuf.All(), x.expo.All(), x.expoFix.All(), x.cut.All(), x.taken.All())
+	b.budget = bind(k.budget, x.tokStart.All(), x.planBuf.All(), x.expo.All(), x.expoFix.All(), x.cut.All())
 	if err != nil {
 		x.release()
 		return tacticBound{}, err

@@ -122,8 +122,6 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 		require.NoError(t, err)
 		cuts, err := step.Cuts()
 		require.NoError(t, err)
-		taken, err := readInts(step.taken, h.Query)
-		require.NoError(t, err)
 		members := make([][][]int32, h.KV)
 		for g := range members {
 			members[g] = index[g].Members
@@ -157,16 +155,13 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 				require.NoError(t, err)
 				require.InDelta(t, cut, cuts[hh], 1, "P %v: cut of head %d (GPU %d, reference %d)", p, hh, cuts[hh], cut)
 				m, u := TacticBinScale(hs)
-				own := 0 // clustered tokens below the head's cut
 				for c, x := range hs {
 					if TacticBin(m, u, x) < cuts[hh] {
-						own += len(index[g].Members[c])
 						for _, tok := range index[g].Members[c] {
 							set[tok] = true
 						}
 					}
 				}
-				require.Equal(t, own, taken[hh], "P %v: tokens taken by head %d", p, hh)
 			}
 			var expect []int32
 			for tok := range set {
