@@ -76,11 +76,11 @@ const (
 	scoreBudget       = 4096 // default shared floats for scores: group × tile
 	defaultMaxChunk   = 512  // chunk slots per (sequence, head)
 	targetWorkgroups  = 512
-	gatherChunkMin    = 512 // least tokens per chunk of gathered attention
-	gatherWorkgroups  = 256 // workgroups of gathered attention over long lists
-	clusterChunkMin   = 64  // least clusters per chunk of attention over clusters
-	clusterWindow     = 64  // clusters a workgroup scans at once (at most its threads)
-	clusterWorkgroups = 256 // workgroups of attention over many clusters
+	gatherChunkMin    = 512  // least tokens per chunk of gathered attention
+	gatherWorkgroups  = 256  // workgroups of gathered attention over long lists
+	clusterChunkMin   = 64   // least clusters per chunk of attention over clusters
+	clusterWindow     = 64   // clusters a workgroup scans at once (at most its threads)
+	clusterWorkgroups = 1024 // workgroups of attention over many clusters (runs of 64 clusters at 131 072 tokens: longer runs were slower on layers whose KV heads take very different shares)
 	partialBindings   = 12
 	partialPushWords  = 14
 )
