@@ -95,7 +95,7 @@ func BenchmarkClusterAttention(b *testing.B) {
 					}
 				}
 			}
-			for _, o := range []DenseOptions{{}, {ClusterChunk: 64}, {ClusterChunk: 128}, {ClusterChunk: 256}, {ClusterChunk: 512}, {ClusterChunk: 256, ClusterWindow: 256}} {
+			for _, o := range []DenseOptions{{}, {ClusterChunk: 128}, {ClusterChunk: 256}, {ClusterChunk: 512}, {ClusterChunk: 256, ClusterWindow: 256}} {
 				d := dense
 				if o != (DenseOptions{}) {
 					d, err = NewDenseWith(dev, h, o)

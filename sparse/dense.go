@@ -72,15 +72,18 @@ func boolWord(b bool) uint32 {
 
 // Limits of the dense kernels.
 const (
-	denseWorkgroup    = 256
-	scoreBudget       = 4096 // default shared floats for scores: group × tile
-	defaultMaxChunk   = 512  // chunk slots per (sequence, head)
-	targetWorkgroups  = 512
-	gatherChunkMin    = 512  // least tokens per chunk of gathered attention
-	gatherWorkgroups  = 256  // workgroups of gathered attention over long lists
-	clusterChunkMin   = 64   // least clusters per chunk of attention over clusters
-	clusterWindow     = 64   // clusters a workgroup scans at once (at most its threads)
-	clusterWorkgroups = 1024 // workgroups of attention over many clusters (runs of 64 clusters at 131 072 tokens: longer runs were slower on layers whose KV heads take very different shares)
+	denseWorkgroup   = 256
+	scoreBudget      = 4096 // default shared floats for scores: group × tile
+	defaultMaxChunk  = 512  // chunk slots per (sequence, head)
+	targetWorkgroups = 512
+	gatherChunkMin   = 512 // least tokens per chunk of gathered attention
+	gatherWorkgroups = 256 // workgroups of gathered attention over long lists
+	clusterChunkMin  = 64  // least clusters per chunk of attention over clusters
+	clusterWindow    = 64  // clusters a workgroup scans at once (at most its threads)
+	// Workgroups of attention over many clusters: runs of 64 clusters at
+	// 131 072 tokens (longer runs were slower on the H200 where the KV
+	// heads of a layer take very different shares).
+	clusterWorkgroups = 1024
 	partialBindings   = 12
 	partialPushWords  = 14
 )
