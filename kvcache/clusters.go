@@ -16,6 +16,10 @@ type Clusters struct {
 	C                int // clusters per head
 	First, Count     int // the clustered tokens are [First, First+Count)
 	Iterations       int // assignment steps run
+	// Contiguous reports that the layer stores the clustered range in
+	// cluster order (Layer.Reorder): slots First+Starts[c] … of a head
+	// hold cluster c's members, in Members order.
+	Contiguous bool
 
 	Centroids *vk.Buffer // float32 [KVHeads][C][HeadDim]
 	Norms     *vk.Buffer // float32 [KVHeads][C], |centroid|²
@@ -124,6 +128,7 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 		return nil, err
 	}
 	j.Iterations = max(x.Iterations, next.Iterations)
+	j.Contiguous = x.Contiguous && next.Contiguous
 	// next's starts and assignments are shifted by x's member and cluster
 	// counts, on the host: they are small (one word per cluster or token of
 	// next).

@@ -5,6 +5,7 @@
 package kvcache
 
 import (
+	"errors"
 	"fmt"
 	"math"
 
@@ -18,7 +19,11 @@ type Layer struct {
 	dev                        *vk.Device
 	kvHeads, headDim, capacity int
 	keys, values               *vk.Buffer
+	positions                  *vk.Buffer // uint32 [KVHeads][Capacity]
 	n                          int
+	// reordered lists the slot ranges [from, to) that Reorder put in
+	// cluster order.
+	reordered [][2]int
 }
 
 // NewLayer allocates a cache for capacity tokens of kvHeads heads of headDim.
@@ -39,7 +44,13 @@ func NewLayer(dev *vk.Device, kvHeads, headDim, capacity int) (*Layer, error) {
 		k.Release()
 		return nil, fmt.Errorf("kvcache: values: %w", err)
 	}
-	return &Layer{dev: dev, kvHeads: kvHeads, headDim: headDim, capacity: capacity, keys: k, values: v}, nil
+	pos, err := dev.NewBuffer(uint64(kvHeads)*uint64(capacity)*4, vk.DeviceLocal)
+	if err != nil {
+		k.Release()
+		v.Release()
+		return nil, fmt.Errorf("kvcache: positions: %w", err)
+	}
+	return &Layer{dev: dev, kvHeads: kvHeads, headDim: headDim, capacity: capacity, keys: k, values: v, positions: pos}, nil
 }
 
 // KVHeads returns the number of KV heads.
@@ -59,6 +70,10 @@ func (l *Layer) Keys() *vk.Buffer { return l.keys }
 
 // Values returns the value buffer, laid out as Keys.
 func (l *Layer) Values() *vk.Buffer { return l.values }
+
+// Positions returns the token position of every slot, uint32
+// [KVHeads][Capacity] (the first Len of each head are set).
+func (l *Layer) Positions() *vk.Buffer { return l.positions }
 
 // HeadBytes returns the bytes between consecutive heads' rows.
 func (l *Layer) HeadBytes() uint64 { return uint64(l.capacity) * uint64(l.headDim) * 2 }
@@ -110,7 +125,17 @@ func (l *Layer) Prefill(k, v []uint16, n int) error {
 			}
 		}
 	}
+	ids := make([]uint32, n)
+	for i := range ids {
+		ids[i] = uint32(i)
+	}
+	for h := 0; h < l.kvHeads; h++ {
+		if err := l.positions.WriteUint32(uint64(h*l.capacity)*4, ids); err != nil {
+			return err
+		}
+	}
 	l.n = n
+	l.reordered = nil
 	return nil
 }
 
@@ -137,6 +162,9 @@ func (l *Layer) Append(k, v []uint16) error {
 		if err := l.values.WriteUint16(off, v[h*l.headDim:(h+1)*l.headDim]); err != nil {
 			return err
 		}
+		if err := l.positions.WriteUint32(uint64(h*l.capacity+l.n)*4, []uint32{uint32(l.n)}); err != nil {
+			return err
+		}
 	}
 	l.n++
 	return nil
@@ -148,11 +176,24 @@ func (l *Layer) Truncate(n int) error {
 	if n < 0 || n > l.n {
 		return fmt.Errorf("kvcache: Truncate to %d tokens of %d", n, l.n)
 	}
+	for _, r := range l.reordered {
+		if n > r[0] && n < r[1] {
+			return fmt.Errorf("kvcache: Truncate to %d tokens inside the range [%d, %d) kept in cluster order", n, r[0], r[1])
+		}
+	}
+	kept := l.reordered[:0]
+	for _, r := range l.reordered {
+		if r[1] <= n {
+			kept = append(kept, r)
+		}
+	}
+	l.reordered = kept
 	l.n = n
 	return nil
 }
 
-// Read returns the stored keys and values, [KVHeads][Len][HeadDim].
+// Read returns the stored keys and values, [KVHeads][Len][HeadDim], in slot
+// order (ReadPositions gives each slot's token position).
 func (l *Layer) Read() (k, v []uint16, err error) {
 	rows := l.n * l.headDim
 	k = make([]uint16, l.kvHeads*rows)
@@ -174,13 +215,9 @@ func (l *Layer) Release() error {
 	if l.keys == nil {
 		return vk.ErrReleased
 	}
-	err1 := l.keys.Release()
-	err2 := l.values.Release()
-	l.keys, l.values = nil, nil
-	if err1 != nil {
-		return err1
-	}
-	return err2
+	err := errors.Join(l.keys.Release(), l.values.Release(), l.positions.Release())
+	l.keys, l.values, l.positions = nil, nil, nil
+	return err
 }
 
 // ToHalves converts float32 values to fp16 bit patterns (round to nearest

@@ -1,0 +1,119 @@
+package kvcache
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/vksparse/vksparse/shaders"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// reorderWorkgroup is the threads per workgroup of the reorder kernel.
+const reorderWorkgroup = 256
+
+// Reorder stores the tokens that x clusters in cluster order, so that a
+// cluster's keys and values are one contiguous run of slots: afterwards
+// slot x.First+Starts[g][c]+i of head g holds member i of cluster c
+// (Members[g][Starts[g][c]+i]), Positions records that member's token
+// position, and x.Contiguous is set. The range must still be in token
+// order (slot t holding position t: not reordered before) and stored. On
+// error the layer is as it was.
+func (l *Layer) Reorder(x *Clusters) error {
+	switch {
+	case x.KVHeads != l.kvHeads || x.HeadDim != l.headDim:
+		return fmt.Errorf("kvcache: Reorder by an index of %d heads of %d for a cache of %d of %d", x.KVHeads, x.HeadDim, l.kvHeads, l.headDim)
+	case x.First < 0 || x.First+x.Count > l.n:
+		return fmt.Errorf("kvcache: Reorder of tokens [%d, %d) beyond the %d stored", x.First, x.First+x.Count, l.n)
+	case x.Contiguous:
+		return fmt.Errorf("kvcache: Reorder by an index already in cluster order")
+	}
+	for _, r := range l.reordered {
+		if x.First < r[1] && r[0] < x.First+x.Count {
+			return fmt.Errorf("kvcache: Reorder of tokens [%d, %d) overlaps [%d, %d), already in cluster order", x.First, x.First+x.Count, r[0], r[1])
+		}
+	}
+	code, err := shaders.SPIRV("kv_reorder")
+	if err != nil {
+		return err
+	}
+	pipe, err := l.dev.NewPipeline(vk.Kernel{Name: "kv_reorder", SPIRV: code, Bindings: 6, PushWords: 5, Specialization: []uint32{reorderWorkgroup, uint32(l.headDim)}})
+	if err != nil {
+		return err
+	}
+	defer pipe.Release()
+	rowBytes := uint64(l.headDim) * 2
+	span := uint64(x.Count) * rowBytes
+	var bufs []*vk.Buffer
+	defer func() {
+		for _, b := range bufs {
+			b.Release()
+		}
+	}()
+	alloc := func(size uint64) *vk.Buffer {
+		if err != nil {
+			return nil
+		}
+		var b *vk.Buffer
+		b, err = l.dev.NewBuffer(size, vk.DeviceLocal)
+		bufs = append(bufs, b)
+		return b
+	}
+	srcK, srcV := alloc(span), alloc(span)
+	if err != nil {
+		return fmt.Errorf("kvcache: Reorder: %w", err)
+	}
+	var binds []*vk.Binding
+	defer func() {
+		for _, b := range binds {
+			b.Release()
+		}
+	}()
+	// Each head's rows are bound from the aligned offset at or below their
+	// start; the kernel adds the rest (push word skip, in uvec4 units).
+	align := max(l.dev.Info().StorageOffsetAlignment, 16)
+	skip := make([]uint32, l.kvHeads)
+	for g := 0; g < l.kvHeads; g++ {
+		head := uint64(g) * l.HeadBytes()
+		at := head / align * align
+		skip[g] = uint32((head - at) / 16)
+		rows := head + l.HeadBytes() - at
+		pos := uint64(g*l.capacity) * 4
+		pat := pos / align * align
+		// Positions are addressed as head·capacity + slot from the aligned offset.
+		b, err := pipe.Bind(srcK.All(), srcV.All(), l.keys.Slice(at, rows), l.values.Slice(at, rows),
+			x.Members.All(), l.positions.Slice(pat, pos+uint64(l.capacity)*4-pat))
+		if err != nil {
+			return err
+		}
+		binds = append(binds, b)
+	}
+	groups := uint32((x.Count*(l.headDim/8) + reorderWorkgroup - 1) / reorderWorkgroup)
+	err = l.dev.Run(func(c *vk.Commands) {
+		for g := 0; g < l.kvHeads; g++ {
+			from := uint64(g)*l.HeadBytes() + uint64(x.First)*rowBytes
+			c.Copy(l.keys.Slice(from, span), srcK.All())
+			c.Copy(l.values.Slice(from, span), srcV.All())
+			c.Barrier()
+			posSkip := uint32(uint64(g*l.capacity) * 4 % align / 4)
+			c.Dispatch(pipe, binds[g], []uint32{uint32(x.First), uint32(x.Count), skip[g], uint32(g * x.Count), posSkip}, groups, 1, 1)
+			c.Barrier()
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("kvcache: Reorder: %w", err)
+	}
+	l.reordered = append(l.reordered, [2]int{x.First, x.First + x.Count})
+	x.Contiguous = true
+	return nil
+}
+
+// ReadPositions returns the token position of every stored slot,
+// [KVHeads][Len].
+func (l *Layer) ReadPositions() ([]int32, error) {
+	out := make([]int32, l.kvHeads*l.n)
+	var errs []error
+	for h := 0; h < l.kvHeads; h++ {
+		errs = append(errs, l.positions.ReadInt32(uint64(h*l.capacity)*4, out[h*l.n:(h+1)*l.n]))
+	}
+	return out, errors.Join(errs...)
+}
