@@ -14,20 +14,20 @@ import (
 	"github.com/vksparse/vksparse/workload"
 )
 
-// Evaluation setup on the real traces (see ../shared/traces/README.md from
+// Evaluation setup on the real traces (see testdata/traces/README.md at
 // the repository root).
 const (
 	traceClusteredEnd = 16320 // keys [0, 16320) are the prefill
 	traceTailQueries  = 32    // the last 32 queries are decode steps
 )
 
-// tracesDir returns $VKSPARSE_TRACES or ../shared/traces relative to the
-// repository root.
+// tracesDir returns $VKSPARSE_TRACES or the repository's testdata/traces
+// (tests run in the package's folder).
 func tracesDir() string {
 	if d := os.Getenv("VKSPARSE_TRACES"); d != "" {
 		return d
 	}
-	return filepath.Join("..", "..", "shared", "traces")
+	return filepath.Join("..", "testdata", "traces")
 }
 
 // readRealTrace reads the real trace of layer name ("L1", "L4"), skipping
@@ -38,7 +38,7 @@ func readRealTrace(t *testing.T, name string) *trace.Trace {
 		if os.Getenv("VKSPARSE_REQUIRE_TRACES") != "" {
 			t.Fatalf("real trace %s missing but VKSPARSE_REQUIRE_TRACES is set: %v", path, err)
 		}
-		t.Skipf("real trace %s not available (set VKSPARSE_TRACES to the traces folder): %v", path, err)
+		t.Skipf("real trace %s not available (it lives in testdata/traces; VKSPARSE_TRACES names another folder): %v", path, err)
 	}
 	tr, err := trace.Read(path)
 	require.NoError(t, err)
