@@ -7,16 +7,21 @@
 //	vkbench tactic [flags]          Tactic decode steps on the GPU: times and fidelity
 //	vkbench fidelity [flags]        Tactic's selection by the float64 reference (CPU)
 //
+// The global flag -progress=auto|always|never (before the command) says
+// whether to draw progress lines on stderr; auto, the default, draws them
+// only when stderr is a terminal, so logs and pipes stay clean.
+//
 // VKSPARSE_DEVICE picks the device (index or name substring) and
 // VKSPARSE_VALIDATE=1 turns on the validation layer.
 package main
 
 import (
+	"flag"
 	"fmt"
 	"os"
 )
 
-const usage = `usage: vkbench <command> [flags]
+const usage = `usage: vkbench [-progress=auto|always|never] <command> [flags]
 
 commands:
   devices   list every Vulkan device with the facts kernels need
@@ -27,32 +32,45 @@ commands:
             stage times, speed-up, fidelity ("vkbench tactic -h" for flags)
   fidelity  how well Tactic's selection reaches the target mass, by the
             float64 reference on the CPU ("vkbench fidelity -h" for flags)
+
+global flags:
+  -progress auto|always|never
+            draw progress lines on stderr: auto (default) only when stderr
+            is a terminal
 `
 
 func main() {
-	if len(os.Args) < 2 {
+	flag.Usage = func() { fmt.Fprint(os.Stderr, usage) }
+	mode := flag.String("progress", "auto", "draw progress lines: auto (when stderr is a terminal), always or never")
+	flag.Parse()
+	var err error
+	if showProgress, err = progressMode(*mode, isTerminal(os.Stderr)); err != nil {
+		fmt.Fprintf(os.Stderr, "vkbench: %v\n", err)
+		os.Exit(2)
+	}
+	args := flag.Args()
+	if len(args) < 1 {
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(2)
 	}
-	var err error
-	switch os.Args[1] {
+	switch args[0] {
 	case "devices":
-		err = devices(os.Args[2:])
+		err = devices(args[1:])
 	case "attn":
-		err = attn(os.Args[2:])
+		err = attn(args[1:])
 	case "probe":
-		err = probe(os.Args[2:])
+		err = probe(args[1:])
 	case "cluster":
-		err = cluster(os.Args[2:])
+		err = cluster(args[1:])
 	case "tactic":
-		err = tactic(os.Args[2:])
+		err = tactic(args[1:])
 	case "fidelity":
-		err = fidelity(os.Args[2:])
-	case "-h", "--help", "help":
+		err = fidelity(args[1:])
+	case "help":
 		fmt.Print(usage)
 		return
 	default:
-		fmt.Fprintf(os.Stderr, "vkbench: unknown command %q\n%s", os.Args[1], usage)
+		fmt.Fprintf(os.Stderr, "vkbench: unknown command %q\n%s", args[0], usage)
 		os.Exit(2)
 	}
 	if err != nil {

@@ -88,10 +88,37 @@ func floats(s string) ([]float64, error) {
 	return out, nil
 }
 
-// progress writes a one-line status to stderr, overwritten by the next.
+// showProgress says whether progress lines are drawn; main sets it from
+// the -progress flag (by default: only when stderr is a terminal).
+var showProgress bool
+
+// progressMode turns the -progress flag's value into whether to draw
+// progress, given whether stderr is a terminal.
+func progressMode(mode string, terminal bool) (bool, error) {
+	switch mode {
+	case "auto":
+		return terminal, nil
+	case "always":
+		return true, nil
+	case "never":
+		return false, nil
+	}
+	return false, fmt.Errorf("-progress must be auto, always or never, not %q", mode)
+}
+
+// isTerminal reports whether f is a character device (a terminal, not a
+// pipe or a file).
+func isTerminal(f *os.File) bool {
+	fi, err := f.Stat()
+	return err == nil && fi.Mode()&os.ModeCharDevice != 0
+}
+
+// progress writes a one-line status to stderr, overwritten by the next,
+// when showProgress is set; otherwise it only counts.
 type progress struct {
 	total, done int
 	start       time.Time
+	drawn       bool
 }
 
 func (p *progress) step(what string) {
@@ -99,10 +126,20 @@ func (p *progress) step(what string) {
 	if p.start.IsZero() {
 		p.start = time.Now()
 	}
+	if !showProgress {
+		return
+	}
+	p.drawn = true
 	fmt.Fprintf(os.Stderr, "\r\033[K[%d/%d %s] %s", p.done, p.total, time.Since(p.start).Round(time.Second), what)
 }
 
-func (p *progress) finish() { fmt.Fprint(os.Stderr, "\r\033[K") }
+// finish clears the status line, if one was drawn.
+func (p *progress) finish() {
+	if p.drawn {
+		fmt.Fprint(os.Stderr, "\r\033[K")
+		p.drawn = false
+	}
+}
 
 func mib(b uint64) string { return fmt.Sprintf("%d MiB", b>>20) }
 
