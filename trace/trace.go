@@ -15,9 +15,13 @@
 // __metadata__ entries are kept as free-form strings. To evaluate your own
 // model, dump one layer's post-RoPE keys, values and a few decode queries in
 // this layout and pass the file to vkbench --trace.
+//
+// Read and Decode accept arbitrary bytes: a malformed or hostile file gives
+// an error, never a panic or an allocation larger than the input.
 package trace
 
 import (
+	"bufio"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
@@ -54,21 +58,54 @@ func (t *Trace) Query(i int) []float32 {
 	return t.Q[i*n : (i+1)*n]
 }
 
-// Validate checks that the shapes agree with each other.
+// product returns the product of dims, or false when a dim is negative or
+// the product overflows an int.
+func product(dims ...int) (int, bool) {
+	p := 1
+	for _, d := range dims {
+		if d < 0 || (d > 0 && p > math.MaxInt/d) {
+			return 0, false
+		}
+		p *= d
+	}
+	return p, true
+}
+
+// Validate checks that the shapes agree with each other, that the scale is
+// a positive number and that every key, value and query is finite.
 func (t *Trace) Validate() error {
+	kvElems, kvOK := product(t.KVHeads, t.Tokens, t.HeadDim)
+	qElems, qOK := product(len(t.QPos), t.QHeads, t.HeadDim)
 	switch {
 	case t.KVHeads <= 0 || t.QHeads <= 0 || t.HeadDim <= 0 || t.Tokens <= 0:
 		return fmt.Errorf("trace: non-positive shape kv_heads=%d q_heads=%d head_dim=%d tokens=%d", t.KVHeads, t.QHeads, t.HeadDim, t.Tokens)
 	case t.QHeads%t.KVHeads != 0:
 		return fmt.Errorf("trace: q_heads %d is not a multiple of kv_heads %d", t.QHeads, t.KVHeads)
-	case len(t.K) != t.KVHeads*t.Tokens*t.HeadDim || len(t.V) != len(t.K):
-		return fmt.Errorf("trace: k has %d and v %d elements, want %d", len(t.K), len(t.V), t.KVHeads*t.Tokens*t.HeadDim)
-	case len(t.Q) != len(t.QPos)*t.QHeads*t.HeadDim:
+	case !kvOK || len(t.K) != kvElems || len(t.V) != len(t.K):
+		return fmt.Errorf("trace: k has %d and v %d elements, want %d heads × %d tokens × %d", len(t.K), len(t.V), t.KVHeads, t.Tokens, t.HeadDim)
+	case !qOK || len(t.Q) != qElems:
 		return fmt.Errorf("trace: q has %d elements, want %d queries × %d heads × %d", len(t.Q), len(t.QPos), t.QHeads, t.HeadDim)
+	case !(t.Scale > 0) || math.IsInf(t.Scale, 0):
+		return fmt.Errorf("trace: scale %v is not a positive number", t.Scale)
 	}
 	for i, p := range t.QPos {
 		if p < 0 || int(p) >= t.Tokens {
 			return fmt.Errorf("trace: q_pos[%d] = %d outside [0, %d)", i, p, t.Tokens)
+		}
+	}
+	for _, x := range []struct {
+		name string
+		h    []uint16
+	}{{"k", t.K}, {"v", t.V}} {
+		for i, h := range x.h {
+			if f := float16.Frombits(h); f.IsNaN() || f.IsInf(0) {
+				return fmt.Errorf("trace: %s[%d] is %v", x.name, i, f.Float32())
+			}
+		}
+	}
+	for i, f := range t.Q {
+		if math.IsNaN(float64(f)) || math.IsInf(float64(f), 0) {
+			return fmt.Errorf("trace: q[%d] is %v", i, f)
 		}
 	}
 	return nil
@@ -89,6 +126,14 @@ func Read(path string) (*Trace, error) {
 		return nil, fmt.Errorf("trace: %w", err)
 	}
 	defer f.Close()
+	return decode(f, path)
+}
+
+// Decode reads a trace from r (the bytes of a trace file).
+func Decode(r io.Reader) (*Trace, error) { return decode(r, "input") }
+
+// decode reads a trace from f, naming it path in errors.
+func decode(f io.Reader, path string) (*Trace, error) {
 	var hlen uint64
 	if err := binary.Read(f, binary.LittleEndian, &hlen); err != nil {
 		return nil, fmt.Errorf("trace: %s: reading header length: %w", path, err)
@@ -96,9 +141,14 @@ func Read(path string) (*Trace, error) {
 	if hlen == 0 || hlen > maxHeaderBytes {
 		return nil, fmt.Errorf("trace: %s: header length %d is not plausible", path, hlen)
 	}
-	hdr := make([]byte, hlen)
-	if _, err := io.ReadFull(f, hdr); err != nil {
+	// Read what is there rather than allocating the claimed length up
+	// front: a short file cannot make us allocate 100 MiB.
+	hdr, err := io.ReadAll(io.LimitReader(f, int64(hlen)))
+	if err != nil {
 		return nil, fmt.Errorf("trace: %s: reading header: %w", path, err)
+	}
+	if uint64(len(hdr)) != hlen {
+		return nil, fmt.Errorf("trace: %s: reading header: %w (%d of %d bytes)", path, io.ErrUnexpectedEOF, len(hdr), hlen)
 	}
 	var raw map[string]json.RawMessage
 	if err := json.Unmarshal(hdr, &raw); err != nil {
@@ -129,15 +179,15 @@ func Read(path string) (*Trace, error) {
 		if th.Offsets[0] < 0 || th.Offsets[1] < th.Offsets[0] || th.Offsets[1] > len(data) {
 			return th, nil, fmt.Errorf("trace: %s: tensor %q data offsets %v outside %d bytes", path, name, th.Offsets, len(data))
 		}
-		elems := 1
-		for _, s := range th.Shape {
-			elems *= s
-		}
 		width := map[string]int{"F16": 2, "F32": 4, "I32": 4}[th.DType]
 		if width == 0 {
 			return th, nil, fmt.Errorf("trace: %s: tensor %q has unsupported dtype %s", path, name, th.DType)
 		}
 		b := data[th.Offsets[0]:th.Offsets[1]]
+		elems, ok := product(th.Shape...)
+		if !ok || elems > len(b)/width {
+			return th, nil, fmt.Errorf("trace: %s: tensor %q of shape %v and %s does not fit its %d bytes", path, name, th.Shape, th.DType, len(b))
+		}
 		if len(b) != elems*width {
 			return th, nil, fmt.Errorf("trace: %s: tensor %q holds %d bytes, shape %v of %s needs %d", path, name, len(b), th.Shape, th.DType, elems*width)
 		}
@@ -190,7 +240,7 @@ func Read(path string) (*Trace, error) {
 	t.Scale = 1 / math.Sqrt(float64(t.HeadDim))
 	if s, ok := t.Meta["scale"]; ok {
 		v, err := strconv.ParseFloat(s, 64)
-		if err != nil || !(v > 0) {
+		if err != nil || !(v > 0) || math.IsInf(v, 0) {
 			return nil, fmt.Errorf("trace: %s: metadata scale %q is not a positive number", path, s)
 		}
 		t.Scale = v
@@ -211,6 +261,27 @@ func halves(b []byte) []uint16 {
 
 // Write stores t as a trace file (q as F32, so nothing is lost).
 func Write(path string, t *Trace) error {
+	if err := t.Validate(); err != nil {
+		return err
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return fmt.Errorf("trace: %w", err)
+	}
+	w := bufio.NewWriterSize(f, 1<<20)
+	if err := Encode(w, t); err != nil {
+		f.Close()
+		return err
+	}
+	if err := w.Flush(); err != nil {
+		f.Close()
+		return fmt.Errorf("trace: %w", err)
+	}
+	return f.Close()
+}
+
+// Encode writes t to w in the layout of a trace file (q as F32).
+func Encode(w io.Writer, t *Trace) error {
 	if err := t.Validate(); err != nil {
 		return err
 	}
@@ -261,23 +332,16 @@ func Write(path string, t *Trace) error {
 	for len(hdr)%8 != 0 {
 		hdr = append(hdr, ' ')
 	}
-	f, err := os.Create(path)
-	if err != nil {
+	if err := binary.Write(w, le, uint64(len(hdr))); err != nil {
 		return fmt.Errorf("trace: %w", err)
 	}
-	if err := binary.Write(f, le, uint64(len(hdr))); err != nil {
-		f.Close()
-		return fmt.Errorf("trace: %w", err)
-	}
-	if _, err := f.Write(hdr); err != nil {
-		f.Close()
+	if _, err := w.Write(hdr); err != nil {
 		return fmt.Errorf("trace: %w", err)
 	}
 	for _, e := range entries {
-		if _, err := f.Write(e.data); err != nil {
-			f.Close()
+		if _, err := w.Write(e.data); err != nil {
 			return fmt.Errorf("trace: %w", err)
 		}
 	}
-	return f.Close()
+	return nil
 }
