@@ -88,22 +88,49 @@ func checkHalves(what string, h []uint16) error {
 	return nil
 }
 
-// Prefill replaces the cache's contents with n tokens: k and v hold fp16
-// bit patterns in [KVHeads][n][HeadDim] order.
-func (l *Layer) Prefill(k, v []uint16, n int) error {
-	want := l.kvHeads * n * l.headDim
+// checkPrefill reports why Prefill(k, v, n) must be refused by a layer of
+// kvHeads heads of headDim with room for capacity tokens (all positive,
+// as NewLayer ensures), or nil when it may go ahead. It needs no device.
+func checkPrefill(kvHeads, headDim, capacity int, k, v []uint16, n int) error {
 	switch {
 	case n <= 0:
 		return fmt.Errorf("kvcache: Prefill of %d tokens", n)
-	case n > l.capacity:
-		return fmt.Errorf("kvcache: Prefill of %d tokens exceeds capacity %d", n, l.capacity)
-	case len(k) != want || len(v) != want:
-		return fmt.Errorf("kvcache: Prefill of %d tokens needs %d keys and values (%d heads × %d × %d), got %d and %d", n, want, l.kvHeads, n, l.headDim, len(k), len(v))
+	case n > capacity:
+		return fmt.Errorf("kvcache: Prefill of %d tokens exceeds capacity %d", n, capacity)
+	}
+	if want := kvHeads * n * headDim; len(k) != want || len(v) != want {
+		return fmt.Errorf("kvcache: Prefill of %d tokens needs %d keys and values (%d heads × %d × %d), got %d and %d", n, want, kvHeads, n, headDim, len(k), len(v))
 	}
 	if err := checkHalves("k", k); err != nil {
 		return err
 	}
-	if err := checkHalves("v", v); err != nil {
+	return checkHalves("v", v)
+}
+
+// checkAppend reports why Append(k, v) must be refused by such a layer
+// holding stored tokens, or nil when it may go ahead.
+func checkAppend(kvHeads, headDim, capacity, stored int, k, v []uint16) error {
+	want := kvHeads * headDim
+	switch {
+	case len(k) != want || len(v) != want:
+		return fmt.Errorf("kvcache: Append needs %d keys and values (%d heads × %d), got %d and %d", want, kvHeads, headDim, len(k), len(v))
+	case stored >= capacity:
+		return fmt.Errorf("kvcache: Append beyond capacity %d", capacity)
+	}
+	if err := checkHalves("k", k); err != nil {
+		return err
+	}
+	return checkHalves("v", v)
+}
+
+// Prefill replaces the cache's contents with n tokens: k and v hold fp16
+// bit patterns in [KVHeads][n][HeadDim] order. Every check comes before
+// the first write: a refused call leaves the cache as it was.
+func (l *Layer) Prefill(k, v []uint16, n int) error {
+	if l.keys == nil {
+		return vk.ErrReleased
+	}
+	if err := checkPrefill(l.kvHeads, l.headDim, l.capacity, k, v, n); err != nil {
 		return err
 	}
 	rows := n * l.headDim
@@ -139,19 +166,13 @@ func (l *Layer) Prefill(k, v []uint16, n int) error {
 	return nil
 }
 
-// Append adds one token: k and v hold [KVHeads][HeadDim] fp16 bit patterns.
+// Append adds one token: k and v hold [KVHeads][HeadDim] fp16 bit
+// patterns. A refused call leaves the cache as it was.
 func (l *Layer) Append(k, v []uint16) error {
-	want := l.kvHeads * l.headDim
-	switch {
-	case len(k) != want || len(v) != want:
-		return fmt.Errorf("kvcache: Append needs %d keys and values (%d heads × %d), got %d and %d", want, l.kvHeads, l.headDim, len(k), len(v))
-	case l.n >= l.capacity:
-		return fmt.Errorf("kvcache: Append beyond capacity %d", l.capacity)
+	if l.keys == nil {
+		return vk.ErrReleased
 	}
-	if err := checkHalves("k", k); err != nil {
-		return err
-	}
-	if err := checkHalves("v", v); err != nil {
+	if err := checkAppend(l.kvHeads, l.headDim, l.capacity, l.n, k, v); err != nil {
 		return err
 	}
 	for h := 0; h < l.kvHeads; h++ {
@@ -173,6 +194,9 @@ func (l *Layer) Append(k, v []uint16) error {
 // Truncate drops the tokens from n on (0 ≤ n ≤ Len); their slots are
 // written again by later appends.
 func (l *Layer) Truncate(n int) error {
+	if l.keys == nil {
+		return vk.ErrReleased
+	}
 	if n < 0 || n > l.n {
 		return fmt.Errorf("kvcache: Truncate to %d tokens of %d", n, l.n)
 	}
@@ -195,6 +219,9 @@ func (l *Layer) Truncate(n int) error {
 // Read returns the stored keys and values, [KVHeads][Len][HeadDim], in slot
 // order (ReadPositions gives each slot's token position).
 func (l *Layer) Read() (k, v []uint16, err error) {
+	if l.keys == nil {
+		return nil, nil, vk.ErrReleased
+	}
 	rows := l.n * l.headDim
 	k = make([]uint16, l.kvHeads*rows)
 	v = make([]uint16, l.kvHeads*rows)

@@ -6,6 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/vksparse/vksparse/vk"
 	"github.com/vksparse/vksparse/vk/vktest"
 )
 
@@ -106,4 +107,22 @@ func TestToHalves(t *testing.T) {
 	require.Equal(t, []uint16{0x3c00, 0xc100, 0x7bff}, h)
 	_, err = ToHalves([]float32{70000})
 	require.Error(t, err, "overflows fp16")
+}
+
+// TestReleasedLayer checks that a released cache refuses every call with
+// vk.ErrReleased instead of touching freed memory.
+func TestReleasedLayer(t *testing.T) {
+	dev := vktest.Open(t)
+	l, err := NewLayer(dev, 1, 8, 4)
+	require.NoError(t, err)
+	require.NoError(t, l.Release())
+	one := make([]uint16, 8)
+	require.ErrorIs(t, l.Prefill(one, one, 1), vk.ErrReleased)
+	require.ErrorIs(t, l.Append(one, one), vk.ErrReleased)
+	require.ErrorIs(t, l.Truncate(0), vk.ErrReleased)
+	_, _, err = l.Read()
+	require.ErrorIs(t, err, vk.ErrReleased)
+	_, err = l.ReadPositions()
+	require.ErrorIs(t, err, vk.ErrReleased)
+	require.ErrorIs(t, l.Release(), vk.ErrReleased)
 }

@@ -174,7 +174,7 @@ func (b *Buffer) Read(offset uint64, out []byte) error {
 }
 
 func (b *Buffer) inRange(op string, offset, n uint64) error {
-	if b.buffer == nil {
+	if b == nil || b.buffer == nil {
 		return ErrReleased
 	}
 	if offset+n > b.size || offset+n < offset {
