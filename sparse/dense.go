@@ -387,16 +387,11 @@ func (p *DensePlan) chunkFor(n int) int {
 	return max(c, 1, ceilDiv(n, p.maxChunks))
 }
 
-// SetQuery uploads the queries, [batch][Hq][D] float32, after checking them.
+// SetQuery uploads the queries, [batch][Hq][D] float32, after checking them
+// (a refused query leaves the one uploaded before in place).
 func (p *DensePlan) SetQuery(q []float32) error {
-	h := p.d.heads
-	if want := len(p.seqs) * h.Query * h.Dim; len(q) != want {
-		return fmt.Errorf("sparse: query has %d values, want %d (batch %d × %d heads × %d)", len(q), want, len(p.seqs), h.Query, h.Dim)
-	}
-	for i, x := range q {
-		if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
-			return fmt.Errorf("sparse: query value %d is %v", i, x)
-		}
+	if err := checkQuery(q, len(p.seqs), p.d.heads); err != nil {
+		return err
 	}
 	return p.query.WriteFloat32(0, q)
 }

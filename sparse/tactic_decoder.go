@@ -44,22 +44,11 @@ type TacticDecoder struct {
 // decode steps at target mass p. The decoder uses dense, km and layer but
 // does not own them.
 func NewTacticDecoder(dense *Dense, km *KMeans, layer *kvcache.Layer, p float64, opts TacticDecoderOptions) (*TacticDecoder, error) {
-	if opts.Sinks == 0 {
-		opts.Sinks = TacticDefaultSinks
-	}
-	if opts.Recluster == 0 {
-		opts.Recluster = TacticDefaultRecluster
-	}
-	if opts.Fit == (TacticFit{}) {
-		opts.Fit = DefaultTacticFit()
-	}
-	if opts.Sinks < 0 || opts.Recluster < 0 {
-		return nil, fmt.Errorf("sparse: TacticDecoderOptions %+v", opts)
-	}
-	if err := checkP(p); err != nil {
+	opts, err := opts.resolve()
+	if err != nil {
 		return nil, err
 	}
-	if err := opts.Fit.validate(); err != nil {
+	if err := checkP(p); err != nil {
 		return nil, err
 	}
 	if layer.Len() <= opts.Sinks {
