@@ -34,7 +34,10 @@ type Range struct {
 	Size   uint64
 }
 
-// NewBuffer allocates size bytes of the given memory kind.
+// NewBuffer allocates size bytes of the given memory kind. A size beyond
+// the device's largest allocation is ErrUnsupported, one beyond the memory
+// heap it would come from ErrOutOfMemory, both refused before the driver
+// is asked; the driver running out of memory is ErrOutOfMemory too.
 func (d *Device) NewBuffer(size uint64, kind Memory) (*Buffer, error) {
 	if size == 0 {
 		return nil, fmt.Errorf("vk: NewBuffer: zero size")
@@ -68,11 +71,15 @@ func (d *Device) NewBuffer(size uint64, kind Memory) (*Buffer, error) {
 		vk.DestroyBuffer(d.device, buf, nil)
 		return nil, fmt.Errorf("%w: no memory type for a buffer of kind %d", ErrUnsupported, kind)
 	}
+	if heap := d.memory.MemoryHeaps[d.memory.MemoryTypes[typ].HeapIndex].Size; uint64(req.Size) > uint64(heap) {
+		vk.DestroyBuffer(d.device, buf, nil)
+		return nil, fmt.Errorf("%w: buffer of %d bytes exceeds the device's memory heap (%d bytes)", ErrOutOfMemory, size, heap)
+	}
 	var mem vk.DeviceMemory
 	mai := vk.MemoryAllocateInfo{SType: vk.StructureTypeMemoryAllocateInfo, AllocationSize: req.Size, MemoryTypeIndex: typ}
 	if err := check("vkAllocateMemory", vk.AllocateMemory(d.device, &mai, nil, &mem)); err != nil {
 		vk.DestroyBuffer(d.device, buf, nil)
-		return nil, err
+		return nil, fmt.Errorf("vk: allocating a buffer of %d bytes: %w", size, err)
 	}
 	if err := check("vkBindBufferMemory", vk.BindBufferMemory(d.device, buf, mem, 0)); err != nil {
 		vk.FreeMemory(d.device, mem, nil)

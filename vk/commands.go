@@ -10,9 +10,13 @@ import (
 )
 
 // Commands is a reusable command buffer with its fence. Recording methods
-// keep the first error, which End returns.
+// keep the first error, which End returns. Each Commands has a command
+// pool of its own, so that different goroutines may record and submit
+// different Commands of one device at once; one Commands must be used by
+// one goroutine at a time.
 type Commands struct {
 	dev   *Device
+	pool  vk.CommandPool
 	cb    vk.CommandBuffer
 	fence vk.Fence
 	err   error
@@ -20,16 +24,26 @@ type Commands struct {
 
 // NewCommands allocates a command buffer.
 func (d *Device) NewCommands() (*Commands, error) {
-	cbs := make([]vk.CommandBuffer, 1)
-	cbai := vk.CommandBufferAllocateInfo{SType: vk.StructureTypeCommandBufferAllocateInfo, CommandPool: d.pool, Level: vk.CommandBufferLevelPrimary, CommandBufferCount: 1}
-	if err := check("vkAllocateCommandBuffers", vk.AllocateCommandBuffers(d.device, &cbai, cbs)); err != nil {
+	var pool vk.CommandPool
+	pci := vk.CommandPoolCreateInfo{
+		SType:            vk.StructureTypeCommandPoolCreateInfo,
+		Flags:            vk.CommandPoolCreateFlags(vk.CommandPoolCreateResetCommandBufferBit),
+		QueueFamilyIndex: d.info.queueFamily,
+	}
+	if err := check("vkCreateCommandPool", vk.CreateCommandPool(d.device, &pci, nil, &pool)); err != nil {
 		return nil, err
 	}
-	c := &Commands{dev: d, cb: cbs[0]}
+	cbs := make([]vk.CommandBuffer, 1)
+	cbai := vk.CommandBufferAllocateInfo{SType: vk.StructureTypeCommandBufferAllocateInfo, CommandPool: pool, Level: vk.CommandBufferLevelPrimary, CommandBufferCount: 1}
+	if err := check("vkAllocateCommandBuffers", vk.AllocateCommandBuffers(d.device, &cbai, cbs)); err != nil {
+		vk.DestroyCommandPool(d.device, pool, nil)
+		return nil, err
+	}
+	c := &Commands{dev: d, pool: pool, cb: cbs[0]}
 	fci := vk.FenceCreateInfo{SType: vk.StructureTypeFenceCreateInfo}
 	var fence vk.Fence
 	if err := check("vkCreateFence", vk.CreateFence(d.device, &fci, nil, &fence)); err != nil {
-		vk.FreeCommandBuffers(d.device, d.pool, 1, cbs)
+		vk.DestroyCommandPool(d.device, pool, nil) // frees the command buffer too
 		return nil, err
 	}
 	c.fence = fence
@@ -37,14 +51,15 @@ func (d *Device) NewCommands() (*Commands, error) {
 	return c, nil
 }
 
-// Release frees the command buffer and its fence.
+// Release frees the command buffer, its pool and its fence.
 func (c *Commands) Release() error {
 	if c == nil || c.cb == nil {
 		return ErrReleased
 	}
 	vk.DestroyFence(c.dev.device, c.fence, nil)
-	vk.FreeCommandBuffers(c.dev.device, c.dev.pool, 1, []vk.CommandBuffer{c.cb})
-	c.cb = nil
+	vk.FreeCommandBuffers(c.dev.device, c.pool, 1, []vk.CommandBuffer{c.cb})
+	vk.DestroyCommandPool(c.dev.device, c.pool, nil)
+	c.cb, c.pool = nil, nil
 	c.dev.untrack(c)
 	return nil
 }
@@ -182,7 +197,12 @@ var SubmitTimeout = 2 * time.Minute
 // Submit runs the recorded commands and waits for them to finish.
 func (c *Commands) Submit() error {
 	si := []vk.SubmitInfo{{SType: vk.StructureTypeSubmitInfo, CommandBufferCount: 1, PCommandBuffers: []vk.CommandBuffer{c.cb}}}
-	if err := check("vkQueueSubmit", vk.QueueSubmit(c.dev.queue, 1, si, c.fence)); err != nil {
+	// The queue is shared by every goroutine using the device; Vulkan wants
+	// its submissions serialized. The wait below needs no lock.
+	c.dev.queueMu.Lock()
+	err := check("vkQueueSubmit", vk.QueueSubmit(c.dev.queue, 1, si, c.fence))
+	c.dev.queueMu.Unlock()
+	if err != nil {
 		return err
 	}
 	fences := []vk.Fence{c.fence}

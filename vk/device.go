@@ -7,6 +7,27 @@
 // objects still alive. Environment: VKSPARSE_DEVICE picks a device by index
 // or name substring; VKSPARSE_VALIDATE=1 turns on the Khronos validation
 // layer, whose messages are kept and returned by ValidationMessages.
+//
+// # Concurrency
+//
+// A Device is safe for concurrent use by several goroutines: its queue is
+// locked around each submission, every Commands has a command pool of its
+// own, and every Binding a descriptor pool of its own. So are a Buffer's
+// Read and Write (each stages through its own buffer and commands; writes
+// to overlapping bytes from two goroutines leave either one's bytes) and a
+// Pipeline's Bind. A Commands, a Timestamps pool and the recording into
+// them belong to one goroutine at a time. Release of any object must
+// follow every use of it, and Device.Release every other call; the GPU's
+// own reads and writes are ordered only by the barriers recorded into
+// Commands and by Submit, which waits for the work to finish.
+//
+// # Limits
+//
+// NewBuffer refuses a buffer larger than the device's largest allocation
+// (ErrUnsupported) or than its device-local memory (ErrOutOfMemory)
+// before asking the driver; Bind refuses a range larger than the device's
+// maxStorageBufferRange (ErrUnsupported). Both name the limit. A driver
+// that runs out of memory yields ErrOutOfMemory (test with errors.Is).
 package vk
 
 /*
@@ -298,7 +319,6 @@ type Device struct {
 	physical  vk.PhysicalDevice
 	device    vk.Device
 	queue     vk.Queue
-	pool      vk.CommandPool
 	memory    vk.PhysicalDeviceMemoryProperties
 	messenger C.VkDebugUtilsMessengerEXT
 	validate  bool
@@ -307,6 +327,8 @@ type Device struct {
 
 	mu   sync.Mutex
 	live map[any]string // objects not yet released, with a description
+
+	queueMu sync.Mutex // serializes use of queue
 }
 
 // Open creates a device as opts say.
@@ -349,6 +371,9 @@ func Open(opts Options) (*Device, error) {
 	for i := range d.memory.MemoryTypes {
 		d.memory.MemoryTypes[i].Deref()
 	}
+	for i := range d.memory.MemoryHeaps {
+		d.memory.MemoryHeaps[i].Deref()
+	}
 
 	features := C.vks_features(boolInt(d.info.Storage16Bit), boolInt(d.info.Float16), boolInt(d.info.Int64), boolInt(d.info.CooperativeMatrixNV))
 	if features == nil {
@@ -382,17 +407,6 @@ func Open(opts Options) (*Device, error) {
 	var q vk.Queue
 	vk.GetDeviceQueue(dev, d.info.queueFamily, 0, &q)
 	d.queue = q
-	var pool vk.CommandPool
-	pci := vk.CommandPoolCreateInfo{
-		SType:            vk.StructureTypeCommandPoolCreateInfo,
-		Flags:            vk.CommandPoolCreateFlags(vk.CommandPoolCreateResetCommandBufferBit),
-		QueueFamilyIndex: d.info.queueFamily,
-	}
-	if err := check("vkCreateCommandPool", vk.CreateCommandPool(dev, &pci, nil, &pool)); err != nil {
-		vk.DestroyDevice(dev, nil)
-		return fail(err)
-	}
-	d.pool = pool
 	return d, nil
 }
 
@@ -441,6 +455,8 @@ func (d *Device) untrack(obj any) {
 
 // WaitIdle waits until the device has finished all work.
 func (d *Device) WaitIdle() error {
+	d.queueMu.Lock()
+	defer d.queueMu.Unlock()
 	return check("vkDeviceWaitIdle", vk.DeviceWaitIdle(d.device))
 }
 
@@ -466,7 +482,6 @@ func (d *Device) Release() error {
 		errs = append(errs, fmt.Sprintf("%d objects not released: %s", len(leaked), strings.Join(leaked, ", ")))
 	}
 	before := uint64(C.vks_messages_errors())
-	vk.DestroyCommandPool(d.device, d.pool, nil)
 	vk.DestroyDevice(d.device, nil)
 	d.device = nil
 	after := d.destroyInstance()

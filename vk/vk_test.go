@@ -2,8 +2,10 @@ package vk_test
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"math/rand"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -79,6 +81,7 @@ func TestOversizedBufferIsUnsupported(t *testing.T) {
 	dev := vktest.Open(t)
 	_, err := dev.NewBuffer(dev.Info().MaxAllocation+1, vk.DeviceLocal)
 	require.ErrorIs(t, err, vk.ErrUnsupported)
+	require.ErrorContains(t, err, "largest allocation")
 }
 
 // TestDispatchAndTimestamps runs the merge kernel on a single chunk, which
@@ -155,4 +158,68 @@ func TestBadSelection(t *testing.T) {
 		t.Skip("no Vulkan loader")
 	}
 	require.ErrorIs(t, err, vk.ErrNoDevice)
+}
+
+// TestConcurrentUse has goroutines write, fill and read their own buffers
+// of one device at once (the validation layer, when on, checks that the
+// shared queue and the pools are used as Vulkan requires).
+func TestConcurrentUse(t *testing.T) {
+	dev := vktest.Open(t)
+	const workers, rounds, words = 6, 10, 3000
+	errs := make(chan error, workers)
+	for w := 0; w < workers; w++ {
+		go func(w int) {
+			errs <- func() error {
+				buf, err := dev.NewBuffer(4*words, vk.DeviceLocal)
+				if err != nil {
+					return err
+				}
+				defer buf.Release()
+				rng := rand.New(rand.NewSource(int64(w)))
+				in := make([]uint32, words)
+				out := make([]uint32, words)
+				for r := 0; r < rounds; r++ {
+					for i := range in {
+						in[i] = rng.Uint32()
+					}
+					if err := buf.WriteUint32(0, in); err != nil {
+						return err
+					}
+					if err := buf.ReadUint32(0, out); err != nil {
+						return err
+					}
+					if !slices.Equal(in, out) {
+						return fmt.Errorf("worker %d round %d read back other data", w, r)
+					}
+					fill := uint32(w*1000 + r)
+					if err := dev.Run(func(c *vk.Commands) { c.Fill(buf.All(), fill) }); err != nil {
+						return err
+					}
+					if err := buf.ReadUint32(0, out[:1]); err != nil {
+						return err
+					}
+					if out[0] != fill {
+						return fmt.Errorf("worker %d round %d: fill %d read back as %d", w, r, fill, out[0])
+					}
+				}
+				return nil
+			}()
+		}(w)
+	}
+	for w := 0; w < workers; w++ {
+		require.NoError(t, <-errs)
+	}
+	require.NoError(t, dev.WaitIdle())
+}
+
+// TestOversizedBufferIsOutOfMemory asks for more than the device-local
+// memory holds, where that is below the largest allocation.
+func TestOversizedBufferIsOutOfMemory(t *testing.T) {
+	dev := vktest.Open(t)
+	info := dev.Info()
+	if info.DeviceLocalBytes == 0 || info.DeviceLocalBytes >= info.MaxAllocation {
+		t.Skipf("device-local memory (%d bytes) is not below the largest allocation (%d bytes)", info.DeviceLocalBytes, info.MaxAllocation)
+	}
+	_, err := dev.NewBuffer(info.DeviceLocalBytes+1, vk.DeviceLocal)
+	require.ErrorIs(t, err, vk.ErrOutOfMemory)
 }
