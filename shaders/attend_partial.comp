@@ -57,7 +57,7 @@ layout(std430, binding = 7) restrict readonly buffer Rank { uint rank[]; };     
 layout(std430, binding = 8) restrict readonly buffer Cut { uint cut[]; };         // [Hq]
 layout(std430, binding = 9) restrict readonly buffer Starts { uint starts[]; };   // [heads][C] member offsets
 layout(std430, binding = 10) restrict readonly buffer Sizes { uint sizes[]; };    // [heads][C]
-layout(std430, binding = 11) restrict readonly buffer Members { uint members[]; }; // [heads][clustered]
+layout(std430, binding = 11) restrict readonly buffer Members { uint members[]; }; // [heads][clustered], unused: clusters are runs of slots
 
 layout(push_constant) uniform Push {
 	uint n;           // tokens of this sequence (GATHER: token-list stride)
@@ -324,7 +324,8 @@ void main() {
 				uint take = 0;
 				for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take |= uint(rank[h * pc.C + cl] < cut[h]);
 				if (take != 0) size = sizes[g * pc.C + cl];
-				from[tid] = g * pc.clustered + starts[g * pc.C + cl];
+				// Clusters are runs of slots (kvcache Layer.Reorder).
+				from[tid] = pc.first + starts[g * pc.C + cl];
 			}
 			scanSizes(size);
 			uint total = pre[CW];
@@ -342,7 +343,7 @@ void main() {
 						uint mid = (lo + hi + 1) / 2;
 						if (pre[mid] <= s0 + y) lo = mid; else hi = mid - 1;
 					}
-					lst[fill + y] = members[from[lo] + s0 + y - pre[lo]];
+					lst[fill + y] = from[lo] + s0 + y - pre[lo];
 				}
 				fill += len;
 				s0 += len;

@@ -34,7 +34,7 @@ layout(std430, binding = 2) readonly buffer Plan { uint plan[]; };       // [Hq]
 layout(std430, binding = 3) readonly buffer Sampled { uvec2 sampled[]; }; // [Hq][C]: (cluster, position)
 layout(std430, binding = 4) readonly buffer Starts { uint starts[]; };   // [Hkv][C] member offsets
 layout(std430, binding = 5) readonly buffer Sizes { uint sizes[]; };     // [Hkv][C]
-layout(std430, binding = 6) readonly buffer Members { uint members[]; }; // [Hkv][clustered]
+layout(std430, binding = 6) readonly buffer Members { uint members[]; }; // [Hkv][clustered], unused: clusters are runs of slots
 layout(std430, binding = 7) writeonly buffer Expo { float expo[]; };     // [Hq][clustered]
 layout(std430, binding = 8) writeonly buffer ExpoFixed { float expoFixed[]; }; // [Hq][fixedStride]
 
@@ -91,11 +91,13 @@ void main() {
 	const uint TEAMS = WG / TEAM;
 	for (uint i = gl_WorkGroupID.x * TEAMS + team; i < list; i += gl_NumWorkGroups.x * TEAMS) {
 		uvec2 cx = sampled[h * pc.C + i];
-		uint from = g * pc.clustered + starts[g * pc.C + cx.x];
+		// The layer holds clusters in cluster order (kvcache Layer.Reorder):
+		// the cluster's members are the slots from sinks + its start.
+		uint from = pc.sinks + starts[g * pc.C + cx.x];
 		uint size = sizes[g * pc.C + cx.x];
 		for (uint j0 = 0; j0 < size; j0 += PASS) {
 			uint tok[RPT];
-			[[unroll]] for (uint r = 0; r < RPT; r++) tok[r] = members[from + min(j0 + r * SLOTS + slot, size - 1)];
+			[[unroll]] for (uint r = 0; r < RPT; r++) tok[r] = from + min(j0 + r * SLOTS + slot, size - 1);
 			float ev[RPT];
 			scoreRows(g, tok, sub, m, ev);
 			[[unroll]] for (uint r = 0; r < RPT; r++) {

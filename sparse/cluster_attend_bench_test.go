@@ -48,6 +48,7 @@ func BenchmarkClusterAttention(b *testing.B) {
 			}
 		}
 		writeMembers(b, x, members)
+		require.NoError(b, layer.Reorder(x))
 		dense, err := NewDense(dev, h)
 		require.NoError(b, err)
 		defer dense.Release()

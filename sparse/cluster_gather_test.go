@@ -61,6 +61,7 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 				}
 			}
 			writeMembers(t, x, members)
+			require.NoError(t, layer.Reorder(x))
 
 			const ranks = 10
 			rank := make([]uint32, h.Query*c.clusters)

@@ -634,7 +634,8 @@ func (p *DensePlan) recordGather(c *vk.Commands) error {
 	return nil
 }
 
-// PlanClusters prepares attention of one sequence over a clustered cache:
+// PlanClusters prepares attention of one sequence over a clustered cache,
+// stored in cluster order (clusters.Contiguous, kvcache.Layer.Reorder):
 // every query head of KV head g attends the tokens outside the clusters
 // ([0, First) and [First+Count, n)) and the members of every cluster c of
 // g that some query head h of g takes, rank[h][c] < cut[h] (uint32 ranges
@@ -652,6 +653,8 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 		return nil, fmt.Errorf("sparse: an index of %d KV heads over tokens [%d, %d) for a cache of %d heads and capacity %d", clusters.KVHeads, clusters.First, clusters.First+clusters.Count, h.KV, layer.Capacity())
 	case rank.Size < uint64(h.Query*clusters.C)*4 || cut.Size < uint64(h.Query)*4:
 		return nil, fmt.Errorf("sparse: ranks of %d bytes and cuts of %d for %d query heads of %d clusters", rank.Size, cut.Size, h.Query, clusters.C)
+	case !clusters.Contiguous:
+		return nil, fmt.Errorf("sparse: attention over clusters reads them as runs of slots: put the layer in cluster order first (kvcache.Layer.Reorder)")
 	}
 	blocks := h.Group() / d.group
 	per := d.opts.ClusterChunk

@@ -58,6 +58,10 @@ func NewTacticDecoder(dense *Dense, km *KMeans, layer *kvcache.Layer, p float64,
 	if err != nil {
 		return nil, err
 	}
+	if err := layer.Reorder(clusters); err != nil {
+		clusters.Release()
+		return nil, err
+	}
 	d := &TacticDecoder{dense: dense, km: km, layer: layer, p: p, opts: opts, clusters: clusters}
 	if d.step, err = NewTacticStep(dense, layer, clusters, p, opts.Fit); err != nil {
 		clusters.Release()
@@ -84,6 +88,10 @@ func (d *TacticDecoder) Append(k, v []uint16) error {
 	}
 	tail, err := d.km.Cluster(d.layer, d.clusters.First+d.clusters.Count, d.Tail(), d.opts.KMeans)
 	if err != nil {
+		return d.undo(err)
+	}
+	if err := d.layer.Reorder(tail); err != nil {
+		tail.Release()
 		return d.undo(err)
 	}
 	joined, err := d.clusters.Join(d.dense.dev, tail)

@@ -90,6 +90,9 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, re
 		return nil, err
 	}
 	defer clusters.Release()
+	if err := layer.Reorder(clusters); err != nil {
+		return nil, err
+	}
 	clusterMs := float64(time.Since(start).Microseconds()) / 1e3
 	index := make([]*kvcache.HostClusters, heads.KV)
 	for g := range index {
@@ -103,8 +106,9 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, re
 		if progress != nil {
 			progress(p)
 		}
-		// Back to the prefill: the decode tail is appended again for each P.
-		if err := layer.Prefill(k, v, prefill); err != nil {
+		// Back to the prefill (kept in cluster order): the decode tail is
+		// appended again for each P.
+		if err := layer.Truncate(prefill); err != nil {
 			return nil, err
 		}
 		r, err := tacticRow(t, layer, clusters, index, dense, heads, first, p, fit, reps, rows, keys, values)

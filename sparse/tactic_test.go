@@ -59,6 +59,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 	clusters, err := km.Cluster(layer, sinks, n-tail-sinks, KMeansOptions{Seed: 7, AvgClusterSize: avgCluster})
 	require.NoError(t, err)
 	defer clusters.Release()
+	require.NoError(t, layer.Reorder(clusters))
 	if !all {
 		require.Greater(t, clusters.C, int(tacticWorkgroup(dev.Info())), "clusters for several per thread")
 	}
