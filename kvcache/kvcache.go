@@ -2,12 +2,36 @@
 // sequence on the device: fp16 keys and values, packed two per 32-bit word,
 // laid out [KVHeads][Capacity][HeadDim], of which the first Len rows of each
 // head are filled.
+//
+// # Concurrency
+//
+// A Layer's methods are safe for concurrent use: each holds the layer's
+// lock, so calls from several goroutines run one after another and every
+// one sees the cache as a whole call left it. A refused call changes
+// nothing. The lock does not reach the GPU: kernels that read the layer
+// (the plans of package sparse) read whatever it holds when they run, so
+// do not Prefill, Truncate or Reorder a layer while another goroutine
+// attends over it (Append only writes past the rows an earlier attention
+// reads). A Clusters index belongs to one goroutine at a time.
+//
+// # Limits
+//
+// Kernels bind a KV head's rows as one storage-buffer range, so NewLayer
+// refuses a capacity whose head (capacity × headDim × 2 bytes) exceeds the
+// device's maxStorageBufferRange (128 MiB on lavapipe), and a cache larger
+// than the device's largest allocation, with vk.ErrUnsupported, before
+// allocating anything. Dense attention binds a layer head by head; the
+// clustering and the Tactic step of package sparse bind all of a layer's
+// keys at once, so they need kvHeads × capacity × headDim × 2 bytes within
+// the range and refuse a larger layer with vk.ErrUnsupported before
+// dispatching anything.
 package kvcache
 
 import (
 	"errors"
 	"fmt"
 	"math"
+	"sync"
 
 	"github.com/x448/float16"
 
@@ -16,6 +40,7 @@ import (
 
 // Layer is one layer's KV cache for one sequence.
 type Layer struct {
+	mu                         sync.Mutex // guards n, reordered and the buffers' contents
 	dev                        *vk.Device
 	kvHeads, headDim, capacity int
 	keys, values               *vk.Buffer
@@ -33,6 +58,9 @@ func NewLayer(dev *vk.Device, kvHeads, headDim, capacity int) (*Layer, error) {
 	}
 	if headDim%8 != 0 {
 		return nil, fmt.Errorf("kvcache: headDim %d is not a multiple of 8", headDim)
+	}
+	if err := checkCapacity(dev.Info(), kvHeads, headDim, capacity); err != nil {
+		return nil, err
 	}
 	size := uint64(kvHeads) * uint64(capacity) * uint64(headDim) * 2
 	k, err := dev.NewBuffer(size, vk.DeviceLocal)
@@ -53,6 +81,22 @@ func NewLayer(dev *vk.Device, kvHeads, headDim, capacity int) (*Layer, error) {
 	return &Layer{dev: dev, kvHeads: kvHeads, headDim: headDim, capacity: capacity, keys: k, values: v, positions: pos}, nil
 }
 
+// checkCapacity refuses a cache the device cannot hold or bind: a head
+// beyond the storage-buffer range, or keys beyond the largest allocation.
+func checkCapacity(info vk.Info, kvHeads, headDim, capacity int) error {
+	row := uint64(headDim) * 2
+	if maxTokens := info.MaxStorageBufferRange / row; uint64(capacity) > maxTokens {
+		return fmt.Errorf("kvcache: %w: a KV head of %d tokens × %d dims takes %d bytes, beyond the device's maxStorageBufferRange of %d bytes (at most %d tokens per layer)",
+			vk.ErrUnsupported, capacity, headDim, uint64(capacity)*row, info.MaxStorageBufferRange, maxTokens)
+	}
+	head := uint64(capacity) * row
+	if maxHeads := info.MaxAllocation / head; uint64(kvHeads) > maxHeads {
+		return fmt.Errorf("kvcache: %w: %d KV heads of %d bytes exceed the device's largest allocation of %d bytes (at most %d heads of this capacity)",
+			vk.ErrUnsupported, kvHeads, head, info.MaxAllocation, maxHeads)
+	}
+	return nil
+}
+
 // KVHeads returns the number of KV heads.
 func (l *Layer) KVHeads() int { return l.kvHeads }
 
@@ -63,7 +107,11 @@ func (l *Layer) HeadDim() int { return l.headDim }
 func (l *Layer) Capacity() int { return l.capacity }
 
 // Len returns the number of tokens stored.
-func (l *Layer) Len() int { return l.n }
+func (l *Layer) Len() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.n
+}
 
 // Keys returns the key buffer, [KVHeads][Capacity][HeadDim] fp16.
 func (l *Layer) Keys() *vk.Buffer { return l.keys }
@@ -125,14 +173,30 @@ func checkAppend(kvHeads, headDim, capacity, stored int, k, v []uint16) error {
 
 // Prefill replaces the cache's contents with n tokens: k and v hold fp16
 // bit patterns in [KVHeads][n][HeadDim] order. Every check comes before
-// the first write: a refused call leaves the cache as it was.
+// the first write: a refused call leaves the cache as it was; one the
+// device fails part way leaves it empty.
 func (l *Layer) Prefill(k, v []uint16, n int) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	if l.keys == nil {
 		return vk.ErrReleased
 	}
 	if err := checkPrefill(l.kvHeads, l.headDim, l.capacity, k, v, n); err != nil {
 		return err
 	}
+	if err := l.write(k, v, n); err != nil {
+		// The device failed part way: whatever the slots hold now, none of
+		// it is a cache the caller filled.
+		l.n, l.reordered = 0, nil
+		return fmt.Errorf("kvcache: Prefill (the cache is left empty): %w", err)
+	}
+	l.n = n
+	l.reordered = nil
+	return nil
+}
+
+// write stores n tokens' keys, values and positions from slot 0.
+func (l *Layer) write(k, v []uint16, n int) error {
 	rows := n * l.headDim
 	if n == l.capacity {
 		if err := l.keys.WriteUint16(0, k); err != nil {
@@ -161,14 +225,15 @@ func (l *Layer) Prefill(k, v []uint16, n int) error {
 			return err
 		}
 	}
-	l.n = n
-	l.reordered = nil
 	return nil
 }
 
 // Append adds one token: k and v hold [KVHeads][HeadDim] fp16 bit
-// patterns. A refused call leaves the cache as it was.
+// patterns. A refused call, or one the device fails, leaves Len and the
+// stored tokens as they were.
 func (l *Layer) Append(k, v []uint16) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	if l.keys == nil {
 		return vk.ErrReleased
 	}
@@ -194,6 +259,8 @@ func (l *Layer) Append(k, v []uint16) error {
 // Truncate drops the tokens from n on (0 ≤ n ≤ Len); their slots are
 // written again by later appends.
 func (l *Layer) Truncate(n int) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	if l.keys == nil {
 		return vk.ErrReleased
 	}
@@ -219,6 +286,8 @@ func (l *Layer) Truncate(n int) error {
 // Read returns the stored keys and values, [KVHeads][Len][HeadDim], in slot
 // order (ReadPositions gives each slot's token position).
 func (l *Layer) Read() (k, v []uint16, err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	if l.keys == nil {
 		return nil, nil, vk.ErrReleased
 	}
@@ -239,6 +308,8 @@ func (l *Layer) Read() (k, v []uint16, err error) {
 
 // Release frees the cache's device memory.
 func (l *Layer) Release() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	if l.keys == nil {
 		return vk.ErrReleased
 	}

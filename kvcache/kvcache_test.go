@@ -1,10 +1,13 @@
 package kvcache
 
 import (
+	"fmt"
 	"math/rand"
+	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"github.com/x448/float16"
 
 	"github.com/vksparse/vksparse/vk"
 	"github.com/vksparse/vksparse/vk/vktest"
@@ -125,4 +128,80 @@ func TestReleasedLayer(t *testing.T) {
 	_, err = l.ReadPositions()
 	require.ErrorIs(t, err, vk.ErrReleased)
 	require.ErrorIs(t, l.Release(), vk.ErrReleased)
+}
+
+// TestCapacityBeyondDeviceLimits checks that NewLayer refuses, naming the
+// limit, a head larger than the device's storage-buffer range and a cache
+// larger than its largest allocation, before allocating anything.
+func TestCapacityBeyondDeviceLimits(t *testing.T) {
+	dev := vktest.Open(t)
+	info := dev.Info()
+	const dim = 256
+	fits := int(info.MaxStorageBufferRange / (dim * 2))
+	_, err := NewLayer(dev, 1, dim, fits+1)
+	require.ErrorIs(t, err, vk.ErrUnsupported)
+	require.ErrorContains(t, err, "maxStorageBufferRange")
+	require.ErrorContains(t, err, fmt.Sprintf("at most %d tokens", fits))
+
+	heads := int(info.MaxAllocation/(64*dim*2)) + 1
+	_, err = NewLayer(dev, heads, dim, 64)
+	require.ErrorIs(t, err, vk.ErrUnsupported)
+	require.ErrorContains(t, err, "largest allocation")
+}
+
+// TestConcurrentAppends appends from several goroutines at once while
+// others read: every token lands in a slot of its own, whole.
+func TestConcurrentAppends(t *testing.T) {
+	dev := vktest.Open(t)
+	const heads, dim, workers, each = 2, 8, 4, 6
+	l, err := NewLayer(dev, heads, dim, workers*each)
+	require.NoError(t, err)
+	defer l.Release()
+	var wg sync.WaitGroup
+	errs := make(chan error, 2*workers)
+	for w := 0; w < workers; w++ {
+		wg.Add(2)
+		go func(w int) {
+			defer wg.Done()
+			for i := 0; i < each; i++ {
+				// Token w·each+i holds its own number in every key and value.
+				tok := make([]uint16, heads*dim)
+				for j := range tok {
+					tok[j] = uint16(float16.Fromfloat32(float32(w*each + i)))
+				}
+				if err := l.Append(tok, tok); err != nil {
+					errs <- err
+				}
+			}
+		}(w)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < each; i++ {
+				if _, _, err := l.Read(); err != nil {
+					errs <- err
+				}
+				_ = l.Len()
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	require.Equal(t, workers*each, l.Len())
+	k, v, err := l.Read()
+	require.NoError(t, err)
+	require.Equal(t, k, v)
+	seen := map[float32]bool{}
+	for h := 0; h < heads; h++ {
+		for s := 0; s < l.Len(); s++ {
+			row := k[(h*l.Len()+s)*dim : (h*l.Len()+s+1)*dim]
+			for _, x := range row {
+				require.Equal(t, row[0], x, "slot %d of head %d mixes tokens", s, h)
+			}
+			seen[float16.Frombits(row[0]).Float32()] = true
+		}
+	}
+	require.Len(t, seen, workers*each)
 }

@@ -19,7 +19,11 @@ const reorderWorkgroup = 256
 // order (slot t holding position t: not reordered before) and stored. On
 // error the layer is as it was.
 func (l *Layer) Reorder(x *Clusters) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	switch {
+	case l.keys == nil:
+		return vk.ErrReleased
 	case x.KVHeads != l.kvHeads || x.HeadDim != l.headDim:
 		return fmt.Errorf("kvcache: Reorder by an index of %d heads of %d for a cache of %d of %d", x.KVHeads, x.HeadDim, l.kvHeads, l.headDim)
 	case x.First < 0 || x.First+x.Count > l.n:
@@ -110,6 +114,8 @@ func (l *Layer) Reorder(x *Clusters) error {
 // ReadPositions returns the token position of every stored slot,
 // [KVHeads][Len].
 func (l *Layer) ReadPositions() ([]int32, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
 	out := make([]int32, l.kvHeads*l.n)
 	var errs []error
 	for h := 0; h < l.kvHeads; h++ {
