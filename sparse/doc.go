@@ -11,4 +11,24 @@
 // Matrices are row-major []float64; a key or value matrix of n tokens and
 // head dimension d has n*d elements and token t is row t. Token ids are
 // int32 row indices into such a matrix.
+//
+// # Concurrency
+//
+// The references and the fidelity functions are pure and safe for
+// concurrent use. A Dense holds compiled kernels only: once built (and its
+// ChunkTokens set), several goroutines may make plans from it at once. A
+// plan (DensePlan), a TacticStep, a TacticDecoder and a KMeans hold their
+// own buffers and scratch between calls and belong to one goroutine at a
+// time; different ones, even over one vk.Device, may run in different
+// goroutines at once (the device locks its queue). A kvcache.Layer locks
+// its own calls, but a plan reads the layer on the GPU without that lock:
+// do not refill or truncate a layer while another goroutine attends over
+// it. Give each goroutine its own objects, or serialize the calls.
+//
+// # Limits
+//
+// Every check of an argument (shapes, NaN or Inf in queries, target mass
+// and fit options, device limits such as maxStorageBufferRange) comes
+// before anything is written or dispatched; the device's limits surface
+// as vk.ErrUnsupported or vk.ErrOutOfMemory (test with errors.Is).
 package sparse
