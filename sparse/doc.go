@@ -27,8 +27,10 @@
 //
 // # Limits
 //
-// Every check of an argument (shapes, NaN or Inf in queries, target mass
-// and fit options, device limits such as maxStorageBufferRange) comes
-// before anything is written or dispatched; the device's limits surface
-// as vk.ErrUnsupported or vk.ErrOutOfMemory (test with errors.Is).
+// Queries (length, NaN, Inf), the target mass P, TacticFit and
+// TacticDecoderOptions are checked before anything is written or
+// dispatched, and so are the device's limits when plans and clusterings
+// bind their buffers: a buffer beyond maxStorageBufferRange or the
+// largest allocation is vk.ErrUnsupported, memory running out
+// vk.ErrOutOfMemory (test with errors.Is).
 package sparse
