@@ -671,8 +671,26 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 }
 
 // recordClusters records attention over the taken clusters and the fixed
-// tokens: a chunk per run of clusters, then one per tile of fixed tokens.
+// tokens, then the merge.
 func (p *DensePlan) recordClusters(c *vk.Commands) error {
+	if err := p.recordClusterPartials(c); err != nil {
+		return err
+	}
+	c.ComputeBarrier()
+	return p.recordClusterMerge(c)
+}
+
+// recordClusterMerge records the merge of recordClusterPartials' chunks.
+func (p *DensePlan) recordClusterMerge(c *vk.Commands) error {
+	h := p.d.heads
+	c.Dispatch(p.d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group()), 0}, uint32(h.Query), 1, 1)
+	return nil
+}
+
+// recordClusterPartials records attention over the taken clusters and the
+// fixed tokens: a chunk per run of clusters, then one per tile of fixed
+// tokens, each writing its partial output.
+func (p *DensePlan) recordClusterPartials(c *vk.Commands) error {
 	h, d, x := p.d.heads, p.d, p.clusters
 	n := p.seqs[0].Len()
 	end := x.First + x.Count
@@ -688,8 +706,6 @@ func (p *DensePlan) recordClusters(c *vk.Commands) error {
 			uint32(x.C), uint32(cc), uint32(x.Count), uint32(x.First), uint32(end)}
 		c.Dispatch(d.clustered, seg.bind, push, uint32(total), uint32(seg.kvCount*blocks), 1)
 	}
-	c.ComputeBarrier()
-	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group()), 0}, uint32(h.Query), 1, 1)
 	chunks := make([]uint32, h.KV)
 	for g := range chunks {
 		chunks[g] = uint32(total)

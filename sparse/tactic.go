@@ -29,9 +29,9 @@ type TacticStep struct {
 	layer   *kvcache.Layer
 	p       float64
 	fit     TacticFit
-	kernels struct{ score, order, sample, budget *vk.Pipeline }
-	// sampleTeams is the clusters a sampling workgroup reads at once.
-	sampleTeams int
+	kernels *tacticKernels
+	// ownKernels is set when the step built its kernels (not a batch's).
+	ownKernels bool
 	tacticBound
 	query []float32 // the last query set, uploaded again with a new index
 	clock stopwatch
@@ -119,14 +119,58 @@ func tacticWorkgroup(info vk.Info) uint32 {
 	return wg
 }
 
+// tacticKernels are the selection kernels of Tactic steps, shared by the
+// steps of a batch.
+type tacticKernels struct {
+	score, order, sample, budget *vk.Pipeline
+	// sampleTeams is the clusters a sampling workgroup reads at once.
+	sampleTeams int
+}
+
+// release destroys the kernels.
+func (k *tacticKernels) release() error {
+	var errs []error
+	for _, p := range []*vk.Pipeline{k.score, k.order, k.sample, k.budget} {
+		if p != nil {
+			errs = append(errs, p.Release())
+		}
+	}
+	return errors.Join(errs...)
+}
+
 // NewTacticStep prepares decode steps at target mass p with the fit's
-// parameters over layer, clustered as clusters says.
+// parameters over layer, clustered as clusters says (the layer in cluster
+// order: kvcache.Layer.Reorder).
 func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, p float64, fit TacticFit) (*TacticStep, error) {
-	h := dense.heads
-	t := &TacticStep{dense: dense, layer: layer, p: p, fit: fit}
+	k, err := newTacticKernels(dense)
+	if err != nil {
+		return nil, err
+	}
+	t, err := newTacticStep(dense, k, layer, clusters, p, fit)
+	if err != nil {
+		k.release()
+		return nil, err
+	}
+	t.ownKernels = true
+	return t, nil
+}
+
+// newTacticStep prepares a step that uses kernels k (which it does not own).
+func newTacticStep(dense *Dense, k *tacticKernels, layer *kvcache.Layer, clusters *kvcache.Clusters, p float64, fit TacticFit) (*TacticStep, error) {
+	t := &TacticStep{dense: dense, layer: layer, p: p, fit: fit, kernels: k}
 	if err := errors.Join(t.checkClusters(clusters), checkP(p), fit.validate()); err != nil {
 		return nil, err
 	}
+	var err error
+	if t.tacticBound, err = t.bind(clusters); err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// newTacticKernels compiles the selection kernels for dense's heads.
+func newTacticKernels(dense *Dense) (*tacticKernels, error) {
+	h := dense.heads
 	var err error
 	dev := dense.dev
 	build := func(name string, bindings, push int, spec ...uint32) *vk.Pipeline {
@@ -141,7 +185,7 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 		pipe, err = dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: bindings, PushWords: push, Specialization: spec})
 		return pipe
 	}
-	k := &t.kernels
+	k := &tacticKernels{}
 	k.score = build("tactic_score", 3, 3, uint32(h.Dim))
 	wg := tacticWorkgroup(dev.Info())
 	// Subgroup reductions and scans in the per-head passes where the dense
@@ -150,17 +194,14 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	k.order = build("tactic_plan", 6, 8, TacticBins, 10, wg, sub)
 	tpr := dense.tpr       // shuffles among tpr threads work on this device
 	team := max(16, 4*tpr) // threads per sampled cluster, a power of two
-	t.sampleTeams = sampleWorkgroup / team
+	k.sampleTeams = sampleWorkgroup / team
 	k.sample = build("tactic_sample", 9, 9, sampleWorkgroup, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team))
 	k.budget = build("tactic_budget", 5, 4, TacticBins, wg, sub)
-	if err == nil {
-		t.tacticBound, err = t.bind(clusters)
-	}
 	if err != nil {
-		t.Release()
+		k.release()
 		return nil, err
 	}
-	return t, nil
+	return k, nil
 }
 
 // SetClusters moves the step onto another index of its layer (after the
@@ -225,7 +266,7 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 		b, err = pipe.Bind(r...)
 		return b
 	}
-	k, b := &t.kernels, &x.binds
+	k, b := t.kernels, &x.binds
 	var query vk.Range
 	if err == nil {
 		query = x.plan.query.All()
@@ -246,10 +287,8 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 func (t *TacticStep) Release() error {
 	t.clock.release()
 	errs := []error{t.tacticBound.release()}
-	for _, p := range []*vk.Pipeline{t.kernels.score, t.kernels.order, t.kernels.sample, t.kernels.budget} {
-		if p != nil {
-			errs = append(errs, p.Release())
-		}
+	if t.ownKernels {
+		errs = append(errs, t.kernels.release())
 	}
 	return errors.Join(errs...)
 }
@@ -282,10 +321,37 @@ var TacticStages = []string{"score", "order", "sample", "fit", "attend"}
 
 // Record appends the step's kernels to c; as DensePlan.Record, it orders
 // compute work only.
-func (t *TacticStep) Record(c *vk.Commands) error { return t.record(c, func(int) {}) }
+func (t *TacticStep) Record(c *vk.Commands) error {
+	return recordTactic(c, []*TacticStep{t}, func(int) {})
+}
 
-// record appends the kernels, calling mark(i) after stage i.
-func (t *TacticStep) record(c *vk.Commands, mark func(stage int)) error {
+// tacticStageCount is the number of dependent stages of a step: score,
+// order, sample, fit, attention over the selection, merge.
+const tacticStageCount = 6
+
+// recordTactic appends the kernels of the steps, stage by stage: each
+// stage's dispatches for every step, then one barrier, so that a batch pays
+// each stage's fixed cost once. mark(i) is called after stage i's
+// dispatches (the attention's two stages count as one, TacticStages).
+func recordTactic(c *vk.Commands, steps []*TacticStep, mark func(stage int)) error {
+	for s := 0; s < tacticStageCount; s++ {
+		for _, t := range steps {
+			if err := t.recordStage(c, s); err != nil {
+				return err
+			}
+		}
+		if s != 4 {
+			mark(min(s, 4))
+		}
+		if s < tacticStageCount-1 {
+			c.ComputeBarrier()
+		}
+	}
+	return nil
+}
+
+// recordStage appends stage s of the step (recordTactic's order).
+func (t *TacticStep) recordStage(c *vk.Commands, s int) error {
 	h, x := t.dense.heads, t.clusters
 	n := t.layer.Len()
 	end := x.First + x.Count
@@ -293,28 +359,27 @@ func (t *TacticStep) record(c *vk.Commands, mark func(stage int)) error {
 	hq, kv, cc, group := uint32(h.Query), uint32(h.KV), uint32(x.C), uint32(h.Group())
 	scale := math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))
 	need, win := windowPositions(t.fit, x.Count)
-	k, b := &t.kernels, &t.binds
-	c.Dispatch(k.score, b.score, []uint32{cc, group, scale}, uint32(ceilDiv(x.C, 32)), kv, uint32(ceilDiv(h.Group(), 8)))
-	mark(0)
-	c.ComputeBarrier()
-	c.Dispatch(k.order, b.order, []uint32{cc, group, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])}, hq, 1, 1)
-	mark(1)
-	c.ComputeBarrier()
-	// Workgroups per head so that the clusters of the expected samples
-	// (clusters of the mean size) and the fixed tokens (taken as clusters
-	// of 16) are read in one round, one per team; they stride over more.
-	work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
-	c.Dispatch(k.sample, b.sample, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc},
-		uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, t.sampleTeams)))), hq, 1)
-	mark(2)
-	c.ComputeBarrier()
-	c.Dispatch(k.budget, b.budget, []uint32{uint32(x.Count), uint32(fixed), uint32(t.fixedCap), math.Float32bits(float32(t.p))}, hq, 1, 1)
-	mark(3)
-	c.ComputeBarrier()
-	if err := t.plan.Record(c); err != nil {
-		return err
+	k, b := t.kernels, &t.binds
+	switch s {
+	case 0:
+		c.Dispatch(k.score, b.score, []uint32{cc, group, scale}, uint32(ceilDiv(x.C, 32)), kv, uint32(ceilDiv(h.Group(), 8)))
+	case 1:
+		c.Dispatch(k.order, b.order, []uint32{cc, group, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])}, hq, 1, 1)
+	case 2:
+		// Workgroups per head so that the clusters of the expected samples
+		// (clusters of the mean size) and the fixed tokens (taken as
+		// clusters of 16) are read in one round, one per team; they stride
+		// over more.
+		work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
+		c.Dispatch(k.sample, b.sample, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc},
+			uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, k.sampleTeams)))), hq, 1)
+	case 3:
+		c.Dispatch(k.budget, b.budget, []uint32{uint32(x.Count), uint32(fixed), uint32(t.fixedCap), math.Float32bits(float32(t.p))}, hq, 1, 1)
+	case 4:
+		return t.plan.recordClusterPartials(c)
+	case 5:
+		return t.plan.recordClusterMerge(c)
 	}
-	mark(4)
 	return nil
 }
 
@@ -434,7 +499,7 @@ func (t *TacticStep) TimeStages(warmup, reps int) (stages []time.Duration, total
 		c.Timestamp(stamps, 0)
 		for r := 0; r < warmup+reps; r++ {
 			c.ComputeBarrier()
-			if err := t.record(c, func(i int) { c.Timestamp(stamps, 1+r*ns+i) }); err != nil {
+			if err := recordTactic(c, []*TacticStep{t}, func(i int) { c.Timestamp(stamps, 1+r*ns+i) }); err != nil {
 				return err
 			}
 		}

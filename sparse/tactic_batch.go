@@ -1,0 +1,121 @@
+package sparse
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// TacticBatch is a Tactic decode step of B sequences at once: each
+// sequence has its own cache, length and cluster index (its own
+// TacticStep), and every stage runs as the dispatches of all B sequences
+// followed by one barrier, so that the batch pays each stage's fixed cost
+// (a dependent dispatch) once instead of B times. The sequences share the
+// selection kernels.
+type TacticBatch struct {
+	dense   *Dense
+	kernels *tacticKernels
+	steps   []*TacticStep
+	clock   stopwatch
+}
+
+// NewTacticBatch prepares batched steps at target mass p with the fit's
+// parameters: sequence i attends layers[i], clustered as clusters[i] says
+// (each layer in cluster order: kvcache.Layer.Reorder).
+func NewTacticBatch(dense *Dense, layers []*kvcache.Layer, clusters []*kvcache.Clusters, p float64, fit TacticFit) (*TacticBatch, error) {
+	if len(layers) == 0 || len(layers) != len(clusters) {
+		return nil, fmt.Errorf("sparse: a batch of %d layers and %d cluster indexes", len(layers), len(clusters))
+	}
+	for i, l := range layers {
+		for j := range i {
+			if layers[j] == l {
+				return nil, fmt.Errorf("sparse: sequences %d and %d of the batch share a cache", j, i)
+			}
+		}
+	}
+	k, err := newTacticKernels(dense)
+	if err != nil {
+		return nil, err
+	}
+	b := &TacticBatch{dense: dense, kernels: k}
+	for i := range layers {
+		t, err := newTacticStep(dense, k, layers[i], clusters[i], p, fit)
+		if err != nil {
+			b.Release()
+			return nil, fmt.Errorf("sparse: sequence %d: %w", i, err)
+		}
+		b.steps = append(b.steps, t)
+	}
+	return b, nil
+}
+
+// Len returns the number of sequences B.
+func (b *TacticBatch) Len() int { return len(b.steps) }
+
+// Step returns sequence i's step (its scores, cuts, tokens and fidelity
+// after a batched run, and SetClusters).
+func (b *TacticBatch) Step(i int) *TacticStep { return b.steps[i] }
+
+// SetQuery uploads the queries, [B][Hq][D]; on error none is changed.
+func (b *TacticBatch) SetQuery(q []float32) error {
+	h := b.dense.heads
+	per := h.Query * h.Dim
+	if err := checkQuery(q, len(b.steps), h); err != nil {
+		return err
+	}
+	for i, t := range b.steps {
+		if err := t.SetQuery(q[i*per : (i+1)*per]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Record appends the batch's kernels to c, stage by stage (it orders
+// compute work only, as DensePlan.Record).
+func (b *TacticBatch) Record(c *vk.Commands) error {
+	return recordTactic(c, b.steps, func(int) {})
+}
+
+// Attend runs a batched step for the queries q ([B][Hq][D]) and returns
+// the outputs, [B][Hq][D].
+func (b *TacticBatch) Attend(q []float32) ([]float32, error) {
+	if err := b.SetQuery(q); err != nil {
+		return nil, err
+	}
+	if err := runOnce(b.dense.dev, b.Record); err != nil {
+		return nil, err
+	}
+	out := make([]float32, len(q))
+	per := len(q) / len(b.steps)
+	for i, t := range b.steps {
+		if err := t.plan.Output().ReadFloat32(0, out[i*per:(i+1)*per]); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// Time records warmup+reps back-to-back batched steps in one submission
+// and returns the timed ones' GPU times, sorted (as DensePlan.Time).
+func (b *TacticBatch) Time(warmup, reps int) ([]time.Duration, error) {
+	return b.clock.time(b.dense.dev, warmup, reps, b.Record)
+}
+
+// Release frees the steps and the kernels (not the layers or indexes).
+func (b *TacticBatch) Release() error {
+	b.clock.release()
+	var errs []error
+	for _, t := range b.steps {
+		errs = append(errs, t.Release())
+	}
+	b.steps = nil
+	if b.kernels != nil {
+		errs = append(errs, b.kernels.release())
+		b.kernels = nil
+	}
+	return errors.Join(errs...)
+}
