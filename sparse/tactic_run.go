@@ -2,6 +2,7 @@ package sparse
 
 import (
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
@@ -31,6 +32,22 @@ type TacticRun struct {
 	GlobalOpt   float64            `json:"mean_global_optimal"`
 	RatioToOpt  float64            `json:"selected_over_cluster_optimal"`
 	RelErr      float64            `json:"mean_rel_err"`
+	// Batches holds the batched steps timed beside it (B > 1).
+	Batches []BatchRun `json:"batches,omitempty"`
+}
+
+// BatchRun is a batched Tactic step (TacticBatch) and dense attention over
+// B sequences of a trace's final length, each its own cache and index (the
+// trace clustered with seeds seed+1, … for the others), every sequence
+// given the last tail query: medians of GPU times.
+type BatchRun struct {
+	Batch     int     `json:"batch"`
+	TacticUs  float64 `json:"tactic_us"`
+	DenseUs   float64 `json:"dense_us"`
+	Speedup   float64 `json:"speedup"`
+	UnionPct  float64 `json:"union_pct"` // mean over the batch's KV heads
+	KVBytes   float64 `json:"kv_bytes"`  // K+V bytes dense attention reads
+	DenseGBps float64 `json:"dense_gb_per_s"`
 }
 
 // TacticTrace runs Tactic over a trace on the GPU: it prefills a cache with
@@ -39,9 +56,11 @@ type TacticRun struct {
 // appends the tail tokens one at a time and runs a step with the fit's
 // parameters for each tail query, measuring fidelity in float64. With
 // reps > 0 it also
-// times the step and dense attention at the final length. progress, if not
-// nil, is told each P before it runs.
-func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, reps int, seed uint64, progress func(p float64)) ([]TacticRun, error) {
+// times the step and dense attention at the final length, and for each
+// batch size B > 1 in batches a TacticBatch of B sequences beside dense
+// attention over as many. progress, if not nil, is told each P before it
+// runs.
+func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, reps int, batches []int, seed uint64, progress func(p float64)) ([]TacticRun, error) {
 	heads := Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
 	tail := TacticTailQueries(t)
 	if len(tail) == 0 {
@@ -102,6 +121,7 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, re
 	}
 
 	var out []TacticRun
+	var others *peers
 	for _, p := range ps {
 		if progress != nil {
 			progress(p)
@@ -116,6 +136,22 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, re
 			return nil, err
 		}
 		r.Tokens, r.Prefill, r.P, r.ClusterMs = last+1, prefill, p, clusterMs
+		for _, b := range batches {
+			if reps == 0 || b <= 1 {
+				continue
+			}
+			if others == nil {
+				if others, err = batchPeers(dev, km, heads, slices.Max(batches)-1, prefill, last+1, rows, seed); err != nil {
+					return nil, err
+				}
+				defer others.release()
+			}
+			br, err := timeBatch(dense, layer, clusters, others.first(b-1), p, fit, reps, t.Query(t.Queries()-1))
+			if err != nil {
+				return nil, err
+			}
+			r.Batches = append(r.Batches, br)
+		}
 		out = append(out, r)
 	}
 	return out, nil
@@ -218,5 +254,132 @@ func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters,
 	}
 	r.DenseUs = float64(times[len(times)/2].Nanoseconds()) / 1e3
 	r.Speedup = r.DenseUs / r.TacticUs
+	return r, nil
+}
+
+// peers are the other sequences of a timed batch: caches of a trace's
+// tokens with their indexes.
+type peers struct {
+	layers   []*kvcache.Layer
+	clusters []*kvcache.Clusters
+}
+
+// first returns the first n peers.
+func (x *peers) first(n int) *peers {
+	return &peers{layers: x.layers[:n], clusters: x.clusters[:n]}
+}
+
+func (x *peers) release() {
+	for _, c := range x.clusters {
+		c.Release()
+	}
+	for _, l := range x.layers {
+		l.Release()
+	}
+}
+
+// batchPeers builds count caches holding tokens [0, n) of the trace
+// (rows), each clustered over [sinks, prefill) with its own seed and put in
+// cluster order.
+func batchPeers(dev *vk.Device, km *KMeans, heads Heads, count, prefill, n int, rows func(from, to int) ([]uint16, []uint16), seed uint64) (*peers, error) {
+	x := &peers{}
+	for i := 0; i < count; i++ {
+		layer, err := kvcache.NewLayer(dev, heads.KV, heads.Dim, n)
+		if err != nil {
+			x.release()
+			return nil, err
+		}
+		x.layers = append(x.layers, layer)
+		k, v := rows(0, prefill)
+		if err := layer.Prefill(k, v, prefill); err != nil {
+			x.release()
+			return nil, err
+		}
+		c, err := km.Cluster(layer, TacticDefaultSinks, prefill-TacticDefaultSinks, KMeansOptions{Seed: seed + uint64(i) + 1})
+		if err != nil {
+			x.release()
+			return nil, err
+		}
+		x.clusters = append(x.clusters, c)
+		if err := layer.Reorder(c); err != nil {
+			x.release()
+			return nil, err
+		}
+		for layer.Len() < n {
+			k, v := rows(layer.Len(), layer.Len()+1)
+			if err := layer.Append(k, v); err != nil {
+				x.release()
+				return nil, err
+			}
+		}
+	}
+	return x, nil
+}
+
+// timeBatch times a TacticBatch over layer and the peers (every sequence
+// given query q) and dense attention over the same caches.
+func timeBatch(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, others *peers, p float64, fit TacticFit, reps int, q []float32) (BatchRun, error) {
+	var r BatchRun
+	layers := append([]*kvcache.Layer{layer}, others.layers...)
+	indexes := append([]*kvcache.Clusters{clusters}, others.clusters...)
+	b, err := NewTacticBatch(dense, layers, indexes, p, fit)
+	if err != nil {
+		return r, err
+	}
+	defer b.Release()
+	qs := make([]float32, 0, len(layers)*len(q))
+	for range layers {
+		qs = append(qs, q...)
+	}
+	if _, err := b.Attend(qs); err != nil {
+		return r, err
+	}
+	h := dense.heads
+	for i := range layers {
+		idx := make([][][]int32, h.KV)
+		for g := range idx {
+			hc, err := indexes[i].Read(g)
+			if err != nil {
+				return r, err
+			}
+			idx[g] = hc.Members
+		}
+		lists, err := b.Step(i).Tokens(idx)
+		if err != nil {
+			return r, err
+		}
+		for _, l := range lists {
+			r.UnionPct += 100 * float64(len(l)) / float64(layers[i].Len()) / float64(h.KV*len(layers))
+		}
+	}
+	for spin := time.Now(); time.Since(spin) < time.Second; {
+		if _, err := b.Time(0, 20); err != nil {
+			return r, err
+		}
+	}
+	steps, err := b.Time(10, reps)
+	if err != nil {
+		return r, err
+	}
+	plan, err := dense.Plan(layers)
+	if err != nil {
+		return r, err
+	}
+	defer plan.Release()
+	if err := plan.SetQuery(qs); err != nil {
+		return r, err
+	}
+	times, err := plan.Time(10, reps)
+	if err != nil {
+		return r, err
+	}
+	r.Batch = len(layers)
+	r.TacticUs = float64(steps[len(steps)/2].Nanoseconds()) / 1e3
+	r.DenseUs = float64(times[len(times)/2].Nanoseconds()) / 1e3
+	r.Speedup = r.DenseUs / r.TacticUs
+	for _, l := range layers {
+		r.KVBytes += float64(2 * l.Len() * h.KV * h.Dim * 2)
+	}
+	r.DenseGBps = r.KVBytes / (r.DenseUs * 1e3)
 	return r, nil
 }

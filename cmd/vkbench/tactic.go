@@ -27,6 +27,7 @@ func tactic(args []string) error {
 	kindsName := fs.String("kinds", "mixed", "head kinds of the generated workload: mixed (every KV group holds every kind), grouped (one kind per KV group) or late (a sparse late layer: streaming heads, a topic head in every other group)")
 	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
 	reps := fs.Int("reps", 50, "timed runs per row")
+	batchList := fs.String("batch", "1", "batch sizes B (comma-separated): for each B > 1 a batched step over B sequences, each its own cache and index, is timed beside dense attention over B")
 	seed := fs.Int64("seed", 1, "workload and K-means seed")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	plotPath := fs.String("plot", "", "draw speed-up and tokens selected against N into this PNG file")
@@ -39,6 +40,10 @@ func tactic(args []string) error {
 		if !(p > 0 && p <= 1) {
 			return fmt.Errorf("-p: %v is not in (0, 1]", p)
 		}
+	}
+	batches, err := ints(*batchList)
+	if err != nil {
+		return fmt.Errorf("-batch: %v", err)
 	}
 	fit := sparse.DefaultTacticFit()
 	fit.MaxWindow = *maxWindow
@@ -84,7 +89,7 @@ func tactic(args []string) error {
 	prog := &progress{total: len(traces) * len(pList)}
 	var results []stepRow
 	for i, t := range traces {
-		runs, err := sparse.TacticTrace(dev, t, pList, fit, *reps, uint64(*seed), func(p float64) { prog.step(fmt.Sprintf("tactic %s P=%v", names[i], p)) })
+		runs, err := sparse.TacticTrace(dev, t, pList, fit, *reps, batches, uint64(*seed), func(p float64) { prog.step(fmt.Sprintf("tactic %s P=%v", names[i], p)) })
 		if err != nil {
 			prog.finish()
 			return err
@@ -105,6 +110,17 @@ func tactic(args []string) error {
 			fmt.Sprintf("%.2f", r.RatioToOpt), fmt.Sprintf("%.1e", r.RelErr), st})
 	}
 	table(os.Stdout, []string{"source", "P", "dense µs", "tactic µs", "speed-up", "selected %", "union %", "mass", "success", "sel/cluster-opt", "rel err", "stages µs"}, rows)
+	var batchRows [][]string
+	for _, r := range results {
+		for _, b := range r.Batches {
+			batchRows = append(batchRows, []string{r.Source, fmt.Sprint(r.P), fmt.Sprint(b.Batch), fmt.Sprintf("%.1f", b.DenseUs), fmt.Sprintf("%.0f", b.DenseGBps),
+				fmt.Sprintf("%.1f", b.TacticUs), fmt.Sprintf("%.2f×", b.Speedup), fmt.Sprintf("%.1f", b.UnionPct)})
+		}
+	}
+	if len(batchRows) > 0 {
+		fmt.Println()
+		table(os.Stdout, []string{"source", "P", "batch", "dense µs", "dense GB/s", "tactic µs", "speed-up", "union %"}, batchRows)
+	}
 	for i, r := range results {
 		if i == 0 || r.Source != results[i-1].Source {
 			fmt.Printf("clustering %s: %.1f ms (%d tokens)\n", r.Source, r.ClusterMs, r.Prefill)
