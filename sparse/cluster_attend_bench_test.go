@@ -18,8 +18,10 @@ import (
 // random share of its KV head's clusters, with 4 sinks and an 8-token
 // tail, next to dense attention over the same cache. It reports the GPU
 // median (timestamp queries) and the union's share of the tokens: the
-// cost of attention over clusters against the share it reads, for the
-// chosen clusters per chunk and window and a few others.
+// cost of attention over clusters against the share it reads (union-GB/s:
+// the K and V bytes of the union's tokens over the median), for the
+// chosen clusters per chunk and window and a few others. The layer is in
+// cluster order, so that every cluster is a run of 16 slots.
 func BenchmarkClusterAttention(b *testing.B) {
 	dev := vktest.Open(b)
 	h := Heads{32, 8, 128}
@@ -79,7 +81,7 @@ func BenchmarkClusterAttention(b *testing.B) {
 			}
 		}
 		require.NoError(b, rankBuf.WriteUint32(0, rank))
-		for _, share := range []float64{0, 0.005, 0.02, 0.1, 0.9} {
+		for _, share := range []float64{0, 0.005, 0.02, 0.03, 0.05, 0.1, 0.9} {
 			cut := make([]uint32, h.Query)
 			for hh := range cut {
 				cut[hh] = uint32(share * float64(c))
@@ -107,7 +109,8 @@ func BenchmarkClusterAttention(b *testing.B) {
 				require.NoError(b, plan.SetQuery(randomQueries(rng, h.Query*h.Dim, 0.1)))
 				b.Run(fmt.Sprintf("N%d/share%g/chunk%d/window%d", n, share, plan.clusterChunk, d.window), func(b *testing.B) {
 					b.ReportMetric(100*float64(union)/float64(h.KV*c), "union-%")
-					reportGPU(b, plan.Time)
+					us := reportGPU(b, plan.Time)
+					b.ReportMetric(float64(union*size*h.Dim*2*2)/(us*1e3), "union-GB/s")
 				})
 				require.NoError(b, plan.Release())
 				if d != dense {
@@ -121,12 +124,14 @@ func BenchmarkClusterAttention(b *testing.B) {
 // reportGPU reports the median of 200 timed runs as gpu-µs, after a fifth
 // of a second of untimed ones, so that the clocks are up whatever the
 // host did before.
-func reportGPU(b *testing.B, timed func(warmup, reps int) ([]time.Duration, error)) {
+func reportGPU(b *testing.B, timed func(warmup, reps int) ([]time.Duration, error)) (us float64) {
 	for start := time.Now(); time.Since(start) < 200*time.Millisecond; {
 		_, err := timed(0, 50)
 		require.NoError(b, err)
 	}
 	d, err := timed(20, 200)
 	require.NoError(b, err)
-	b.ReportMetric(float64(d[len(d)/2].Nanoseconds())/1e3, "gpu-µs")
+	us = float64(d[len(d)/2].Nanoseconds()) / 1e3
+	b.ReportMetric(us, "gpu-µs")
+	return us
 }
