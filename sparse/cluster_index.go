@@ -56,22 +56,32 @@ func NewClusterIndex(centroids []float64, d int, assign []int32, first int32) (*
 }
 
 // BuildClusterIndexRef clusters tokens [first, first+count) of keys (rows of
-// dimension d) the way Tactic does at prefill: KMeansClusterCount(count,
-// avgSize) clusters, initial rows KMeansInit(count, clusters, seed) (relative
-// to first), KMeansRef with maxIter iterations, then NewClusterIndex.
+// dimension d) the way Tactic does at prefill with whole-context K-means:
+// BuildSpanClusterIndexRef with span 0.
 func BuildClusterIndexRef(keys []float64, d, first, count, avgSize, maxIter int, seed uint64) (*ClusterIndex, error) {
+	return BuildSpanClusterIndexRef(keys, d, first, count, 0, avgSize, maxIter, seed)
+}
+
+// BuildSpanClusterIndexRef clusters tokens [first, first+count) of keys
+// (rows of dimension d) within spans of span tokens, as KMeans.Cluster does
+// with KMeansOptions.Span: spans KMeansSpans(count, span, avgSize) (row r
+// is token first+r), initial rows KMeansSpanInit(spans, seed), KMeansSpanRef
+// with maxIter iterations, then NewClusterIndex. With span 0 (or ≥ count)
+// that is whole-context K-means: KMeansClusterCount(count, avgSize)
+// clusters, initial rows KMeansInit(count, clusters, seed) and KMeansRef.
+func BuildSpanClusterIndexRef(keys []float64, d, first, count, span, avgSize, maxIter int, seed uint64) (*ClusterIndex, error) {
 	if d <= 0 || first < 0 || count <= 0 || (first+count)*d > len(keys) {
 		return nil, fmt.Errorf("sparse: BuildClusterIndexRef: tokens [%d, %d) of d=%d not inside %d key elements", first, first+count, d, len(keys))
 	}
-	c, err := KMeansClusterCount(count, avgSize)
+	spans, err := KMeansSpans(count, span, avgSize)
 	if err != nil {
 		return nil, err
 	}
-	init, err := KMeansInit(count, c, seed)
+	init, err := KMeansSpanInit(spans, seed)
 	if err != nil {
 		return nil, err
 	}
-	cent, assign, _, err := KMeansRef(keys[first*d:(first+count)*d], count, d, init, maxIter)
+	cent, assign, _, err := KMeansSpanRef(keys[first*d:(first+count)*d], count, d, spans, init, maxIter)
 	if err != nil {
 		return nil, err
 	}
