@@ -1,15 +1,22 @@
 #version 450
-// K-means assignment step. For every clustered token t of KV head g:
-// a[t] = argmin_c (|c|² − 2 k_t·c), ties to the lower c, which is the
-// nearest centroid in squared Euclidean distance. It also counts each
-// cluster's members (into counts, zeroed by the update step before) and
-// how many tokens changed cluster (changed[iter][g]). A head whose previous
-// step changed nothing has converged and is skipped.
-// kmeans_assign_nv is the same step on NVIDIA's cooperative matrices.
-// A workgroup takes 128 tokens and walks all centroids in tiles of 128, as
-// a 128×128 matrix product over the dimension in steps of BK; each thread
-// holds an 8×8 block in named registers: written out, not as arrays, since
-// arrays indexed in loops ended in slow local memory on NVIDIA's compiler.
+// K-means assignment step. The clustered tokens are cut into spans of S
+// tokens (the last one may be shorter); span s's tokens [s·S, s·S+S) have
+// clusters [s·CS, s·CS+CS) (fewer in the last span) and no others. For
+// every clustered token t of KV head g, in span s:
+// a[t] = argmin over c of span s's clusters of (|c|² − 2 k_t·c), ties to
+// the lower c, which is the nearest centroid in squared Euclidean distance.
+// It also counts each cluster's members (into counts, zeroed by the update
+// step before) and how many tokens of each span changed cluster
+// (changed[iter][g][s]). A span whose previous step changed nothing has
+// converged and is skipped. With S = n and CS = C this is whole-context
+// K-means. kmeans_assign_nv is the same step on NVIDIA's cooperative
+// matrices.
+// A workgroup takes 128 tokens of one span and walks the span's centroids
+// in tiles of 128, as a 128×128 matrix product over the dimension in steps
+// of BK; each thread holds an 8×8 block in named registers: written out,
+// not as arrays, since arrays indexed in loops ended in slow local memory
+// on NVIDIA's compiler. The grid is ceil(S/128) workgroups per span along
+// x, one row per head along y.
 
 layout(local_size_x = 256) in;
 layout(constant_id = 0) const uint D = 128;  // head dimension, a multiple of BK
@@ -22,7 +29,7 @@ layout(std430, binding = 1) readonly buffer Centroids { float cent[]; }; // [hea
 layout(std430, binding = 2) readonly buffer Norms { float cnorm[]; };    // [heads][C]
 layout(std430, binding = 3) buffer Assign { uint assign[]; };            // [heads][n]
 layout(std430, binding = 4) buffer Counts { uint counts[]; };            // [heads][C]
-layout(std430, binding = 5) buffer Changed { uint changed[]; };          // [iterations][heads]
+layout(std430, binding = 5) buffer Changed { uint changed[]; };          // [iterations][heads][spans]
 
 layout(push_constant) uniform Push {
 	uint n;           // clustered tokens per head
@@ -30,6 +37,8 @@ layout(push_constant) uniform Push {
 	uint headStride;  // uint words between KV heads in Keys
 	uint C;           // clusters per head
 	uint iter;        // this step's row of changed
+	uint S;           // tokens per span
+	uint CS;          // clusters per span (but the last)
 } pc;
 
 // ks[d][i]: dimension d of tokens 4i..4i+3 of the tile; cs likewise for
@@ -49,9 +58,15 @@ void consider(float dist, uint c, inout float bd, inout uint bi) {
 void main() {
 	uint tid = gl_LocalInvocationID.x;
 	uint g = gl_WorkGroupID.y;
-	uint t0 = gl_WorkGroupID.x * T;
 	uint heads = gl_NumWorkGroups.y;
-	if (pc.iter > 0 && changed[(pc.iter - 1) * heads + g] == 0) return;
+	uint spans = (pc.n + pc.S - 1) / pc.S;
+	uint perSpan = (pc.S + T - 1) / T;  // workgroups per span
+	uint s = gl_WorkGroupID.x / perSpan;
+	uint t0 = s * pc.S + (gl_WorkGroupID.x % perSpan) * T;
+	uint tEnd = min(s * pc.S + pc.S, pc.n);  // this span's tokens end here
+	uint cBegin = s * pc.CS;                 // and its clusters span [cBegin, cEnd)
+	uint cEnd = min(cBegin + pc.CS, pc.C);
+	if (t0 >= tEnd || (pc.iter > 0 && changed[((pc.iter - 1) * heads + g) * spans + s] == 0)) return;
 	if (tid == 0) moved = 0;
 	uint tx = tid % 16;  // centroids 4tx..4tx+3 and 64+4tx..64+4tx+3 of a tile
 	uint ty = tid / 16;  // tokens 4ty..4ty+3 and 64+4ty..64+4ty+3
@@ -74,7 +89,7 @@ void main() {
 	uint bi7 = 0;
 	uint keyBase = g * pc.headStride + pc.first * (D / 2);
 
-	for (uint c0 = 0; c0 < pc.C; c0 += T) {
+	for (uint c0 = cBegin; c0 < cEnd; c0 += T) {
 		vec4 acc00 = vec4(0.0);
 		vec4 acc01 = vec4(0.0);
 		vec4 acc10 = vec4(0.0);
@@ -96,7 +111,7 @@ void main() {
 				uint tok = e / (BK / 2);
 				uint w = e % (BK / 2);
 				vec2 x = vec2(0.0);
-				if (t0 + tok < pc.n) x = unpackHalf2x16(k[keyBase + (t0 + tok) * (D / 2) + d0 / 2 + w]);
+				if (t0 + tok < tEnd) x = unpackHalf2x16(k[keyBase + (t0 + tok) * (D / 2) + d0 / 2 + w]);
 				ks[2 * w][tok / 4][tok % 4] = x.x;
 				ks[2 * w + 1][tok / 4][tok % 4] = x.y;
 			}
@@ -104,7 +119,7 @@ void main() {
 				uint cc = e / BK;
 				uint d = e % BK;
 				float x = 0.0;
-				if (c0 + cc < pc.C) x = cent[(g * pc.C + c0 + cc) * D + d0 + d];
+				if (c0 + cc < cEnd) x = cent[(g * pc.C + c0 + cc) * D + d0 + d];
 				cs[d][cc / 4][cc % 4] = x;
 			}
 			barrier();
@@ -134,7 +149,7 @@ void main() {
 		}
 		{
 			uint c = c0 + 0 + 4 * tx + 0;
-			if (c < pc.C) {
+			if (c < cEnd) {
 				float cn = cnorm[g * pc.C + c];
 				consider(cn - 2.0 * acc00.x, c, bd0, bi0);
 				consider(cn - 2.0 * acc10.x, c, bd1, bi1);
@@ -148,7 +163,7 @@ void main() {
 		}
 		{
 			uint c = c0 + 0 + 4 * tx + 1;
-			if (c < pc.C) {
+			if (c < cEnd) {
 				float cn = cnorm[g * pc.C + c];
 				consider(cn - 2.0 * acc00.y, c, bd0, bi0);
 				consider(cn - 2.0 * acc10.y, c, bd1, bi1);
@@ -162,7 +177,7 @@ void main() {
 		}
 		{
 			uint c = c0 + 0 + 4 * tx + 2;
-			if (c < pc.C) {
+			if (c < cEnd) {
 				float cn = cnorm[g * pc.C + c];
 				consider(cn - 2.0 * acc00.z, c, bd0, bi0);
 				consider(cn - 2.0 * acc10.z, c, bd1, bi1);
@@ -176,7 +191,7 @@ void main() {
 		}
 		{
 			uint c = c0 + 0 + 4 * tx + 3;
-			if (c < pc.C) {
+			if (c < cEnd) {
 				float cn = cnorm[g * pc.C + c];
 				consider(cn - 2.0 * acc00.w, c, bd0, bi0);
 				consider(cn - 2.0 * acc10.w, c, bd1, bi1);
@@ -190,7 +205,7 @@ void main() {
 		}
 		{
 			uint c = c0 + 64 + 4 * tx + 0;
-			if (c < pc.C) {
+			if (c < cEnd) {
 				float cn = cnorm[g * pc.C + c];
 				consider(cn - 2.0 * acc01.x, c, bd0, bi0);
 				consider(cn - 2.0 * acc11.x, c, bd1, bi1);
@@ -204,7 +219,7 @@ void main() {
 		}
 		{
 			uint c = c0 + 64 + 4 * tx + 1;
-			if (c < pc.C) {
+			if (c < cEnd) {
 				float cn = cnorm[g * pc.C + c];
 				consider(cn - 2.0 * acc01.y, c, bd0, bi0);
 				consider(cn - 2.0 * acc11.y, c, bd1, bi1);
@@ -218,7 +233,7 @@ void main() {
 		}
 		{
 			uint c = c0 + 64 + 4 * tx + 2;
-			if (c < pc.C) {
+			if (c < cEnd) {
 				float cn = cnorm[g * pc.C + c];
 				consider(cn - 2.0 * acc01.z, c, bd0, bi0);
 				consider(cn - 2.0 * acc11.z, c, bd1, bi1);
@@ -232,7 +247,7 @@ void main() {
 		}
 		{
 			uint c = c0 + 64 + 4 * tx + 3;
-			if (c < pc.C) {
+			if (c < cEnd) {
 				float cn = cnorm[g * pc.C + c];
 				consider(cn - 2.0 * acc01.w, c, bd0, bi0);
 				consider(cn - 2.0 * acc11.w, c, bd1, bi1);
@@ -264,7 +279,7 @@ void main() {
 	ks[tx][16 + ty][3] = bd7;
 	cs[tx][16 + ty][3] = uintBitsToFloat(bi7);
 	barrier();
-	if (tid < T && t0 + tid < pc.n) {
+	if (tid < T && t0 + tid < tEnd) {
 		float d = INF;
 		uint c = 0xffffffffu;
 		for (uint x = 0; x < 16; x++) {
@@ -281,5 +296,5 @@ void main() {
 		atomicAdd(counts[g * pc.C + c], 1);
 	}
 	barrier();
-	if (tid == 0 && moved > 0) atomicAdd(changed[pc.iter * heads + g], moved);
+	if (tid == 0 && moved > 0) atomicAdd(changed[(pc.iter * heads + g) * spans + s], moved);
 }

@@ -1,19 +1,22 @@
 #version 450
 // K-means assignment step on NVIDIA's cooperative matrices (tensor cores):
-// the same result as kmeans_assign, a[t] = argmin_c (|c|² − 2 k_t·c) with
-// ties to the lower c, counts and changed likewise, a converged head
-// skipped. The dot products k_t·c are 16×16×16 fp16 matrix products
-// accumulated in fp32: the keys are fp16 already, and each centroid comes
-// as two fp16 parts, hi + lo (kmeans_update's Halves), whose products are
-// both accumulated, so that the sum is as accurate as an fp32 one.
+// the same result as kmeans_assign, a[t] = argmin_c (|c|² − 2 k_t·c) over
+// the centroids of the token's span with ties to the lower c, counts and
+// changed likewise, a converged span skipped. The dot products k_t·c are
+// 16×16×16 fp16 matrix products accumulated in fp32: the keys are fp16
+// already, and each centroid comes as two fp16 parts, hi + lo
+// (kmeans_update's Halves), whose products are both accumulated, so that
+// the sum is as accurate as an fp32 one.
 //
 // A workgroup has SG subgroups of 32 invocations; each subgroup owns 32
 // tokens, whose keys it holds as 2×(D/16) A fragments for the whole run.
 // The workgroup walks the centroids in tiles of TN = 32, staged in shared
 // memory as fp16; each subgroup multiplies its tokens by the tile (2×2
 // accumulators), stores each 16×16 result in its scratch and takes the
-// per-token minimum from there. Needs D a multiple of 16, at most 128, a
-// subgroup size of 32, and at least 16 tokens.
+// per-token minimum from there. A workgroup's tokens lie in one span: the
+// grid is ceil(S/WG) workgroups per span along x, one row per head along
+// y. Needs D a multiple of 16, at most 128, a subgroup size of 32, and at
+// least 16 tokens in all (a span may have fewer).
 
 #extension GL_NV_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -37,7 +40,7 @@ layout(std430, binding = 1) readonly buffer Halves { uvec4 cenh[]; };     // [he
 layout(std430, binding = 2) readonly buffer Norms { float cnorm[]; };     // [heads][C]
 layout(std430, binding = 3) buffer Assign { uint assign[]; };             // [heads][n]
 layout(std430, binding = 4) buffer Counts { uint counts[]; };             // [heads][C]
-layout(std430, binding = 5) buffer Changed { uint changed[]; };           // [iterations][heads]
+layout(std430, binding = 5) buffer Changed { uint changed[]; };           // [iterations][heads][spans]
 
 layout(push_constant) uniform Push {
 	uint n;           // clustered tokens per head
@@ -45,6 +48,8 @@ layout(push_constant) uniform Push {
 	uint headStride;  // uint words between KV heads in Keys
 	uint C;           // clusters per head
 	uint iter;        // this step's row of changed
+	uint S;           // tokens per span
+	uint CS;          // clusters per span (but the last)
 } pc;
 
 shared float16_t cs[TN * RS];
@@ -66,15 +71,15 @@ const uint PRE = (TN * (D / 4) + WG - 1) / WG;  // uvec4 of a tile per invocatio
 
 // fetch loads invocation tid's part of the tile of centroids from c0: the
 // uvec4 e = tid + i·WG is uvec4 e % (D/4) of centroid c0 + e / (D/4) (zero
-// past C), and for tid < TN the norm of centroid c0 + tid.
-void fetch(uint c0, uint tid, uint g, inout uvec4 pre[PRE], inout float preNorm) {
+// from cEnd on), and for tid < TN the norm of centroid c0 + tid.
+void fetch(uint c0, uint cEnd, uint tid, uint g, inout uvec4 pre[PRE], inout float preNorm) {
 	[[unroll]] for (uint i = 0; i < PRE; i++) {
 		uint e = tid + i * WG;
 		uint cc = e / (D / 4);
 		pre[i] = uvec4(0);
-		if (e < TN * (D / 4) && c0 + cc < pc.C) pre[i] = cenh[(g * pc.C + c0 + cc) * (D / 4) + e % (D / 4)];
+		if (e < TN * (D / 4) && c0 + cc < cEnd) pre[i] = cenh[(g * pc.C + c0 + cc) * (D / 4) + e % (D / 4)];
 	}
-	if (tid < TN) preNorm = c0 + tid < pc.C ? cnorm[g * pc.C + c0 + tid] : 0.0;
+	if (tid < TN) preNorm = c0 + tid < cEnd ? cnorm[g * pc.C + c0 + tid] : 0.0;
 }
 
 void main() {
@@ -83,15 +88,24 @@ void main() {
 	uint lane = tid % 32;
 	uint g = gl_WorkGroupID.y;
 	uint heads = gl_NumWorkGroups.y;
-	if (pc.iter > 0 && changed[(pc.iter - 1) * heads + g] == 0) return;
+	uint spans = (pc.n + pc.S - 1) / pc.S;
+	uint perSpan = (pc.S + WG - 1) / WG;  // workgroups per span
+	uint s = gl_WorkGroupID.x / perSpan;
+	uint t0 = s * pc.S + (gl_WorkGroupID.x % perSpan) * WG;
+	uint tEnd = min(s * pc.S + pc.S, pc.n);  // this span's tokens end here
+	uint cBegin = s * pc.CS;                 // and its clusters span [cBegin, cEnd)
+	uint cEnd = min(cBegin + pc.CS, pc.C);
+	if (t0 >= tEnd || (pc.iter > 0 && changed[((pc.iter - 1) * heads + g) * spans + s] == 0)) return;
 	if (tid == 0) moved = 0;
 
 	// This subgroup's tokens: two blocks of 16 rows. A block that would run
-	// past n is moved back to end at n (n ≥ 16); its rows before the
-	// nominal start belong to another block and are not written.
-	uint nominal0 = gl_WorkGroupID.x * WG + sg * 32;
-	uint r0 = min(nominal0, pc.n - 16);
-	uint r1 = min(nominal0 + 16, pc.n - 16);
+	// past the span's end is moved back to end there (n ≥ 16; in a span of
+	// fewer than 16 tokens it starts in the span before); its rows before
+	// the nominal start belong to another block and are not written.
+	uint nominal0 = t0 + sg * 32;
+	uint last = max(tEnd, 16) - 16;
+	uint r0 = min(nominal0, last);
+	uint r1 = min(nominal0 + 16, last);
 	uint keyBase = g * pc.headStride * 2 + pc.first * D;
 	FRAG a0[KS];
 	FRAG a1[KS];
@@ -112,8 +126,8 @@ void main() {
 	// The next tile waits in registers while this one is multiplied.
 	uvec4 pre[PRE];
 	float preNorm = 0.0;
-	fetch(0, tid, g, pre, preNorm);
-	for (uint c0 = 0; c0 < pc.C; c0 += TN) {
+	fetch(cBegin, cEnd, tid, g, pre, preNorm);
+	for (uint c0 = cBegin; c0 < cEnd; c0 += TN) {
 		barrier();
 		[[unroll]] for (uint i = 0; i < PRE; i++) {
 			uint e = tid + i * WG;
@@ -137,7 +151,7 @@ void main() {
 		}
 		if (tid < TN) cn[tid] = preNorm;
 		barrier();
-		if (c0 + TN < pc.C) fetch(c0 + TN, tid, g, pre, preNorm);
+		if (c0 + TN < cEnd) fetch(c0 + TN, cEnd, tid, g, pre, preNorm);
 
 		ACC acc00 = ACC(0.0);
 		ACC acc01 = ACC(0.0);
@@ -177,7 +191,7 @@ void main() {
 				uint col = col0 + (x + rot) % 8;
 				uint cc = j * 16 + col;
 				ix[x] = c0 + cc;
-				d[x] = c0 + cc < pc.C ? cn[cc] - 2.0 * scratch[sg][row * 16 + col] : INF;
+				d[x] = c0 + cc < cEnd ? cn[cc] - 2.0 * scratch[sg][row * 16 + col] : INF;
 			}
 			subgroupMemoryBarrierShared();
 			subgroupBarrier();
@@ -204,12 +218,12 @@ void main() {
 	uint r = lane < 16 ? r0 + row : r1 + row;
 	uint nominal = lane < 16 ? nominal0 : nominal0 + 16;
 	uint c = lane < 16 ? bi0 : bi1;
-	if (r >= nominal && r < pc.n) {
+	if (r >= nominal && r < tEnd) {
 		uint t = g * pc.n + r;
 		if (assign[t] != c) atomicAdd(moved, 1);
 		assign[t] = c;
 		atomicAdd(counts[g * pc.C + c], 1);
 	}
 	barrier();
-	if (tid == 0 && moved > 0) atomicAdd(changed[pc.iter * heads + g], moved);
+	if (tid == 0 && moved > 0) atomicAdd(changed[(pc.iter * heads + g) * spans + s], moved);
 }

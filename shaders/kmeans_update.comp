@@ -8,9 +8,10 @@
 //
 // With init set it builds the initial centroids instead: cluster c's one
 // member is token members[c] (of head 0's list, the same rows for every
-// head). Otherwise a head whose assignment changed nothing
-// (changed[iter][g] == 0) is skipped, and with zero set each cluster's
-// count is cleared once read, ready for the next assignment to count.
+// head). Otherwise the clusters of a span whose assignment changed nothing
+// (changed[iter][g][c / CS] == 0) are skipped, and with zero set each
+// cluster's count is cleared once read, ready for the next assignment to
+// count.
 
 layout(local_size_x_id = 1) in;
 layout(constant_id = 0) const uint D = 128;
@@ -23,7 +24,7 @@ layout(std430, binding = 2) buffer Counts { uint counts[]; };           // [head
 layout(std430, binding = 3) readonly buffer Members { uint members[]; }; // [heads][n] token ids
 layout(std430, binding = 4) buffer Centroids { float cent[]; };         // [heads][C][D]
 layout(std430, binding = 5) buffer Norms { float cnorm[]; };            // [heads][C]
-layout(std430, binding = 6) readonly buffer Changed { uint changed[]; }; // [iterations][heads]
+layout(std430, binding = 6) readonly buffer Changed { uint changed[]; }; // [iterations][heads][spans]
 layout(std430, binding = 7) writeonly buffer Halves { uint half2[]; };   // [heads][C][D]: D/2 words hi, D/2 words lo
 
 layout(push_constant) uniform Push {
@@ -33,6 +34,8 @@ layout(push_constant) uniform Push {
 	uint iter;
 	uint init;  // 1: initial centroids from members[0..C)
 	uint zero;  // 1: clear counts after use
+	uint S;     // tokens per span
+	uint CS;    // clusters per span (but the last)
 } pc;
 
 shared float part[D / 2];
@@ -41,7 +44,8 @@ void main() {
 	uint w = gl_LocalInvocationID.x;  // dimensions 2w, 2w+1
 	uint c = gl_WorkGroupID.x;
 	uint g = gl_WorkGroupID.y;
-	if (pc.init == 0 && changed[pc.iter * gl_NumWorkGroups.y + g] == 0) return;
+	uint spans = (pc.n + pc.S - 1) / pc.S;
+	if (pc.init == 0 && changed[(pc.iter * gl_NumWorkGroups.y + g) * spans + c / pc.CS] == 0) return;
 	uint ci = g * pc.C + c;
 	uint count = pc.init != 0 ? 1 : counts[ci];
 	uint base = ci * D;

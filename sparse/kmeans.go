@@ -10,11 +10,41 @@ import (
 	"github.com/vksparse/vksparse/vk"
 )
 
-// KMeans clusters the keys of a layer's KV heads on the GPU, as KMeansRef
-// does on the host: the same initial rows (KMeansInit), nearest centroid in
-// squared distance (computed as |c|² − 2k·c in float32, so near ties may
-// break differently), means of members summed in ascending token order,
-// empty clusters kept, at most MaxIter assignment steps.
+// KMeans clusters the keys of a layer's KV heads on the GPU, as
+// KMeansSpanRef does on the host: within spans of KMeansOptions.Span tokens
+// (or over the whole range), the same initial rows (KMeansSpanInit),
+// nearest centroid of the token's span in squared distance (computed as
+// |c|² − 2k·c in float32, so near ties may break differently), means of
+// members summed in ascending token order, empty clusters kept, at most
+// MaxIter assignment steps, a span whose assignment changed nothing left
+// as it is.
+//
+// All spans of all heads go through the same dispatches: five per step
+// (assign, scan, scatter, sort, update) for the whole layer whatever the
+// number of spans, and one before the first step for the initial
+// centroids. What a step moves, per head of n tokens of dimension D in
+// spans of S tokens with S/16 clusters each (C = n/16 in all, fp16 keys):
+//
+//   - assign: reads the keys (2nD bytes) and, per workgroup of 128 tokens
+//     (256 on cooperative matrices), its span's centroids once (4·D·S/16
+//     bytes; nDS/512 in all, nDS/1024 on cooperative matrices, mostly
+//     from cache since a span's workgroups share them); writes the
+//     assignment (4n) and counts the clusters (n atomics); 2n·D·S/16 flops
+//     (twice that on cooperative matrices: hi and lo parts).
+//   - scan: one workgroup per span; reads the sizes (4C), writes starts
+//     and cursors (8C).
+//   - scatter: reads the assignment (4n), n atomics, writes the members
+//     (4n).
+//   - sort: reads and writes the member lists (8n; a cluster of more than
+//     1024 members rereads its span's assignment instead).
+//   - update: reads the members (4n) and gathers their keys (2nD), writes
+//     the centroids (4CD = nD/4), their norms (4C) and, on cooperative
+//     matrices, their fp16 halves (nD/4).
+//
+// For a 131 072-token layer of 8 heads, D = 128, S = 2 048: 34 Gflop and
+// about 0.6 GB of memory traffic per step (the keys twice: 0.54 GB), plus
+// 0.54 GB of centroid reads served mostly by the cache; whole-context
+// K-means (S = n) does 2.2 Tflop per step instead.
 //
 // Where the device has NVIDIA's cooperative matrices (vk.Info's
 // CooperativeMatrixNV, a subgroup of 32, 16-bit storage) and the head
@@ -30,6 +60,7 @@ type KMeans struct {
 	assign, scan, scatter, sort, update *vk.Pipeline
 	assignNV, updateNV                  *vk.Pipeline // nil without cooperative matrices
 	tensor                              bool
+	poison                              bool // tests: fill the outputs with kmeansPoison first
 	// Scratch kept from one clustering to the next (grown as needed):
 	// changed counts per step and head, scatter cursors, the centroids as
 	// fp16 parts, and host memory that changed is copied to.
@@ -40,7 +71,15 @@ type KMeans struct {
 type KMeansOptions struct {
 	AvgClusterSize int    // tokens per cluster on average; 0 = 16
 	MaxIter        int    // at most this many assignment steps; 0 = 10
-	Seed           uint64 // seeds KMeansInit
+	Seed           uint64 // seeds KMeansSpanInit
+	// Span, when positive, clusters the range within spans of Span tokens
+	// (KMeansSpans: the last one may be shorter), each with its own
+	// clusters and initial rows, so that the cost grows linearly with the
+	// range; 0 (or a span ≥ the range) clusters the whole range at once,
+	// whose cost grows with its square. KMeansDefaultSpan is the
+	// recommended span. Either way the result is one index over the whole
+	// range: span s's clusters follow span s−1's.
+	Span int
 	// Stages, when not nil, receives the GPU time of each kind of step
 	// (timestamp queries around every dispatch), summed over the steps.
 	Stages *KMeansStages
@@ -57,6 +96,10 @@ type KMeansStages struct {
 	Update  time.Duration // centroid updates
 	GPU     time.Duration // the whole submission, first to last timestamp
 }
+
+// kmeansPoison is the word tests fill an index's outputs with before a
+// clustering (a NaN as float32, an impossible token or start as uint32).
+const kmeansPoison = 0x7FC0DEAD
 
 // kmeansTensorWG is the cooperative-matrix assignment's workgroup: 8
 // subgroups of 32 invocations, 32 tokens each.
@@ -81,11 +124,11 @@ func NewKMeans(dev *vk.Device, kvHeads, dim int) (*KMeans, error) {
 		p **vk.Pipeline
 		k vk.Kernel
 	}{
-		{&km.assign, vk.Kernel{Name: "kmeans_assign", Bindings: 6, PushWords: 5, Specialization: []uint32{uint32(dim), uint32(bk)}}},
-		{&km.scan, vk.Kernel{Name: "kmeans_scan", Bindings: 4, PushWords: 2}},
-		{&km.scatter, vk.Kernel{Name: "kmeans_scatter", Bindings: 4, PushWords: 4}},
-		{&km.sort, vk.Kernel{Name: "kmeans_sort", Bindings: 5, PushWords: 4, Specialization: []uint32{kmeansSortWG}}},
-		{&km.update, vk.Kernel{Name: "kmeans_update", Bindings: 8, PushWords: 6, Specialization: []uint32{uint32(dim), uint32(dim / 2), 0}}},
+		{&km.assign, vk.Kernel{Name: "kmeans_assign", Bindings: 6, PushWords: 7, Specialization: []uint32{uint32(dim), uint32(bk)}}},
+		{&km.scan, vk.Kernel{Name: "kmeans_scan", Bindings: 4, PushWords: 4}},
+		{&km.scatter, vk.Kernel{Name: "kmeans_scatter", Bindings: 4, PushWords: 5}},
+		{&km.sort, vk.Kernel{Name: "kmeans_sort", Bindings: 5, PushWords: 6, Specialization: []uint32{kmeansSortWG}}},
+		{&km.update, vk.Kernel{Name: "kmeans_update", Bindings: 8, PushWords: 8, Specialization: []uint32{uint32(dim), uint32(dim / 2), 0}}},
 	}
 	info := dev.Info()
 	if info.CooperativeMatrixNV && info.SubgroupSize == 32 && info.SubgroupShuffle && info.Storage16Bit && info.Float16 &&
@@ -94,11 +137,11 @@ func NewKMeans(dev *vk.Device, kvHeads, dim int) (*KMeans, error) {
 			struct {
 				p **vk.Pipeline
 				k vk.Kernel
-			}{&km.assignNV, vk.Kernel{Name: "kmeans_assign_nv", Bindings: 6, PushWords: 5, Specialization: []uint32{uint32(dim), kmeansTensorWG}}},
+			}{&km.assignNV, vk.Kernel{Name: "kmeans_assign_nv", Bindings: 6, PushWords: 7, Specialization: []uint32{uint32(dim), kmeansTensorWG}}},
 			struct {
 				p **vk.Pipeline
 				k vk.Kernel
-			}{&km.updateNV, vk.Kernel{Name: "kmeans_update", Bindings: 8, PushWords: 6, Specialization: []uint32{uint32(dim), uint32(dim / 2), 1}}})
+			}{&km.updateNV, vk.Kernel{Name: "kmeans_update", Bindings: 8, PushWords: 8, Specialization: []uint32{uint32(dim), uint32(dim / 2), 1}}})
 	}
 	for i, x := range kernels {
 		code, err := shaders.SPIRV(x.k.Name)
@@ -173,11 +216,14 @@ func (km *KMeans) scratch(b **vk.Buffer, size uint64, kind vk.Memory) (*vk.Buffe
 	return nb, nil
 }
 
-// Cluster clusters tokens [first, first+count) of every KV head of layer
-// into KMeansClusterCount(count, AvgClusterSize) clusters. All steps run in
-// one submission; a head whose assignment changed nothing skips the rest
-// (its result stays what it would be), and the host learns the number of
-// steps at the end.
+// Cluster clusters tokens [first, first+count) of every KV head of layer:
+// within the spans KMeansSpans(count, Span, AvgClusterSize), into
+// KMeansClusterCount(span's tokens, AvgClusterSize) clusters each (with
+// Span 0, KMeansClusterCount(count, AvgClusterSize) clusters over the whole
+// range). All steps run in one submission; a span whose assignment changed
+// nothing skips the rest (its result stays what it would be), and the host
+// learns the number of steps at the end: Iterations is the most any span
+// ran.
 func (km *KMeans) Cluster(layer *kvcache.Layer, first, count int, opts KMeansOptions) (*kvcache.Clusters, error) {
 	start := time.Now()
 	if opts.AvgClusterSize == 0 {
@@ -191,29 +237,32 @@ func (km *KMeans) Cluster(layer *kvcache.Layer, first, count int, opts KMeansOpt
 		return nil, fmt.Errorf("sparse: KMeans built for %d heads of %d, layer has %d of %d", km.kvHeads, km.dim, layer.KVHeads(), layer.HeadDim())
 	case first < 0 || count <= 0 || first+count > layer.Len():
 		return nil, fmt.Errorf("sparse: clustering tokens [%d, %d) of a cache of %d", first, first+count, layer.Len())
-	case opts.MaxIter < 0 || opts.AvgClusterSize < 0:
+	case opts.MaxIter < 0 || opts.AvgClusterSize < 0 || opts.Span < 0:
 		return nil, fmt.Errorf("sparse: KMeansOptions %+v", opts)
 	}
-	c, err := KMeansClusterCount(count, opts.AvgClusterSize)
+	spans, err := KMeansSpans(count, opts.Span, opts.AvgClusterSize)
 	if err != nil {
 		return nil, err
 	}
-	init, err := KMeansInit(count, c, opts.Seed)
+	init, err := KMeansSpanInit(spans, opts.Seed)
 	if err != nil {
 		return nil, err
 	}
-	x, err := kvcache.NewClusters(km.dev, km.kvHeads, km.dim, c, first, count)
+	x, err := kvcache.NewClusters(km.dev, km.kvHeads, km.dim, len(init), first, count)
 	if err != nil {
 		return nil, err
 	}
-	if err := km.run(layer, x, init, opts.MaxIter, start, opts.Stages); err != nil {
+	if err := km.run(layer, x, init, spans[0].Count, spans[0].Clusters, len(spans), opts.MaxIter, start, opts.Stages); err != nil {
 		x.Release()
 		return nil, err
 	}
 	return x, nil
 }
 
-func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, maxIter int, start time.Time, stages *KMeansStages) error {
+// run clusters x's tokens from the initial rows init (relative to
+// x.First) within spans of span tokens with spanClusters clusters each
+// (but the last of the spans).
+func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, span, spanClusters, spans, maxIter int, start time.Time, stages *KMeansStages) error {
 	dev, h, c, n := km.dev, km.kvHeads, x.C, x.Count
 	tensor := km.tensor && n >= 16
 	headWords := uint32(layer.HeadBytes() / 4)
@@ -223,7 +272,8 @@ func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, max
 	for j, r := range init {
 		rows[j] = uint32(x.First + r)
 	}
-	changedBytes := uint64(4 * h * maxIter)
+	// Tokens that changed cluster, per step, head and span.
+	changedBytes := uint64(4 * h * spans * maxIter)
 	changed, err := km.scratch(&km.changed, changedBytes, vk.DeviceLocal)
 	if err != nil {
 		return err
@@ -284,9 +334,11 @@ func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, max
 		defer ts.Release()
 	}
 	hh, cc, nn, first := uint32(h), uint32(c), uint32(n), uint32(x.First)
-	assignGroups := uint32(ceilDiv(n, 128))
+	ss, cs := uint32(span), uint32(spanClusters)
+	// The assignment's workgroups each take tokens of one span.
+	assignGroups := uint32(spans * ceilDiv(span, 128))
 	if tensor {
-		assignGroups = uint32(ceilDiv(n, kmeansTensorWG))
+		assignGroups = uint32(spans * ceilDiv(span, kmeansTensorWG))
 	}
 	sortGroups := uint32(min(c, 65535)) // one workgroup per cluster, striding beyond
 	stamp := 0
@@ -301,33 +353,40 @@ func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, max
 		if ts != nil {
 			cmd.Reset(ts)
 		}
+		if km.poison {
+			// Tests: whatever the clustering leaves unwritten shows.
+			for _, b := range []*vk.Buffer{x.Centroids, x.Norms, x.Starts, x.Members} {
+				cmd.Fill(b.All(), kmeansPoison)
+			}
+			cmd.Barrier()
+		}
 		cmd.Update(x.Members.All(), rows)
 		cmd.Fill(x.Assign.All(), math.MaxUint32)
 		cmd.Fill(x.Counts.All(), 0)
 		cmd.Fill(changed.All(), 0)
 		cmd.Barrier()
 		record(cmd)
-		cmd.Dispatch(update, bUpdate, []uint32{nn, headWords, cc, 0, 1, 0}, cc, hh, 1)
+		cmd.Dispatch(update, bUpdate, []uint32{nn, headWords, cc, 0, 1, 0, ss, cs}, cc, hh, 1)
 		cmd.Barrier()
 		record(cmd)
 		for it := uint32(0); it < uint32(maxIter); it++ {
-			cmd.Dispatch(assign, bAssign, []uint32{nn, first, headWords, cc, it}, assignGroups, hh, 1)
+			cmd.Dispatch(assign, bAssign, []uint32{nn, first, headWords, cc, it, ss, cs}, assignGroups, hh, 1)
 			cmd.Barrier()
 			record(cmd)
-			cmd.Dispatch(km.scan, bScan, []uint32{cc, it}, hh, 1, 1)
+			cmd.Dispatch(km.scan, bScan, []uint32{cc, it, ss, cs}, uint32(spans), hh, 1)
 			cmd.Barrier()
 			record(cmd)
-			cmd.Dispatch(km.scatter, bScatter, []uint32{nn, first, cc, it}, uint32(ceilDiv(n, 256)), hh, 1)
+			cmd.Dispatch(km.scatter, bScatter, []uint32{nn, first, cc, it, ss}, uint32(ceilDiv(n, 256)), hh, 1)
 			cmd.Barrier()
 			record(cmd)
-			cmd.Dispatch(km.sort, bSort, []uint32{nn, cc, it, first}, sortGroups, hh, 1)
+			cmd.Dispatch(km.sort, bSort, []uint32{nn, cc, it, first, ss, cs}, sortGroups, hh, 1)
 			cmd.Barrier()
 			record(cmd)
 			zero := uint32(0)
 			if int(it) < maxIter-1 {
 				zero = 1 // the next assignment counts afresh
 			}
-			cmd.Dispatch(update, bUpdate, []uint32{nn, headWords, cc, it, 0, zero}, cc, hh, 1)
+			cmd.Dispatch(update, bUpdate, []uint32{nn, headWords, cc, it, 0, zero, ss, cs}, cc, hh, 1)
 			cmd.Barrier()
 			record(cmd)
 		}
@@ -339,15 +398,15 @@ func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, max
 	if err != nil {
 		return err
 	}
-	got := make([]uint32, h*maxIter)
+	got := make([]uint32, h*spans*maxIter)
 	if err := readback.ReadUint32(0, got); err != nil {
 		return err
 	}
-	// Steps run: up to the first in which no head's assignment changed.
+	// Steps run: up to the first in which no span of any head changed.
 	x.Iterations = maxIter
 	for it := 0; it < maxIter; it++ {
 		moved := false
-		for _, m := range got[it*h : (it+1)*h] {
+		for _, m := range got[it*h*spans : (it+1)*h*spans] {
 			moved = moved || m > 0
 		}
 		if !moved {
