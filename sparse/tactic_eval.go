@@ -31,10 +31,13 @@ type TacticEvalOptions struct {
 	P []float64 `json:"p"`
 	// Sinks is the number of leading sink tokens, 0 ≤ Sinks < Prefill.
 	Sinks int `json:"sinks"`
-	// AvgClusterSize and KMeansIters set the clustering of every KV head's
-	// prefill (BuildClusterIndexRef); KV head g uses the seed Seed+g.
+	// AvgClusterSize, KMeansIters and KMeansSpan set the clustering of
+	// every KV head's prefill (BuildSpanClusterIndexRef): K-means within
+	// spans of KMeansSpan tokens (KMeansOptions.Span), or over the whole
+	// prefill when KMeansSpan is 0. KV head g uses the seed Seed+g.
 	AvgClusterSize int    `json:"avg_cluster_size"`
 	KMeansIters    int    `json:"kmeans_iters"`
+	KMeansSpan     int    `json:"kmeans_span"`
 	Seed           uint64 `json:"seed"`
 	// Fit holds the distribution-fitting parameters.
 	Fit TacticFit `json:"fit"`
@@ -50,7 +53,8 @@ type TacticEvalOptions struct {
 
 // DefaultTacticEvalOptions returns the setup of the paper's evaluation as
 // the references implement it: P = 0.5, 0.7, 0.9, TacticDefaultSinks
-// sinks, clusters of 16 tokens on average, 10 K-means iterations, seed
+// sinks, clusters of 16 tokens on average, 10 K-means iterations over the
+// whole prefill (KMeansSpan 0, the paper's clustering), seed
 // TacticDefaultSeed, DefaultTacticFit, and Prefill and Queries derived
 // from the trace.
 func DefaultTacticEvalOptions() TacticEvalOptions {
@@ -246,7 +250,7 @@ func TacticEvaluate(t *trace.Trace, opts TacticEvalOptions) (*TacticEvaluation, 
 		h.keys = HalvesToFloat64(t.K[off : off+rows*d])
 		h.values = HalvesToFloat64(t.V[off : off+rows*d])
 		var err error
-		h.idx, err = BuildClusterIndexRef(h.keys, d, opts.Sinks, prefill-opts.Sinks, opts.AvgClusterSize, opts.KMeansIters, opts.Seed+uint64(g))
+		h.idx, err = BuildSpanClusterIndexRef(h.keys, d, opts.Sinks, prefill-opts.Sinks, opts.KMeansSpan, opts.AvgClusterSize, opts.KMeansIters, opts.Seed+uint64(g))
 		step()
 		return err
 	})
@@ -303,6 +307,8 @@ func (o *TacticEvalOptions) Validate() error {
 		return fmt.Errorf("sparse: TacticEvaluate: %d sinks", o.Sinks)
 	case o.AvgClusterSize <= 0 || o.KMeansIters < 1:
 		return fmt.Errorf("sparse: TacticEvaluate: average cluster size %d and K-means iterations %d must be positive", o.AvgClusterSize, o.KMeansIters)
+	case o.KMeansSpan < 0:
+		return fmt.Errorf("sparse: TacticEvaluate: K-means span %d is negative", o.KMeansSpan)
 	}
 	for _, p := range o.P {
 		if err := checkP(p); err != nil {

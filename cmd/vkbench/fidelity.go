@@ -26,9 +26,12 @@ type tacticResult struct {
 	HeadDim int    `json:"head_dim"`
 	Prefill int    `json:"prefill"`
 	// Queries lists the evaluated query indices.
-	Queries []int            `json:"queries"`
-	Sinks   int              `json:"sinks"`
-	Fit     sparse.TacticFit `json:"fit"`
+	Queries []int `json:"queries"`
+	Sinks   int   `json:"sinks"`
+	// Span is the K-means span of the prefill's clustering (tokens; 0:
+	// the whole prefill).
+	Span int              `json:"kmeans_span"`
+	Fit  sparse.TacticFit `json:"fit"`
 	sparse.TacticEvalResult
 	// Timing is the GPU time of one decode step by stage; this CPU-only
 	// mode leaves it out.
@@ -63,6 +66,7 @@ func fidelity(args []string) error {
 	queries := fs.Int("queries", 0, "decode queries: the generator makes this many; of a trace, the last this many of its consecutive tail (0: 8, or the whole tail)")
 	seed := fs.Int64("seed", 1, "seed of the generated layers")
 	heads := fs.Bool("heads", false, "also print the figures of every query head")
+	spans := fs.String("span", "0", fmt.Sprintf("K-means within spans of this many tokens (comma-separated to compare; 0: whole prefill, the paper's clustering; %d recommended)", sparse.KMeansDefaultSpan))
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	plotPath := fs.String("plot", "", "draw tokens selected and mass reached against P (or against N) into this PNG file")
 	fs.Usage = func() {
@@ -79,6 +83,13 @@ func fidelity(args []string) error {
 	}
 	if *queries < 0 {
 		return fmt.Errorf("-queries: %d is negative", *queries)
+	}
+	spanList, err := intsFrom(*spans, 0)
+	if err != nil {
+		return fmt.Errorf("-span: %v", err)
+	}
+	if *plotPath != "" && len(spanList) > 1 {
+		return fmt.Errorf("-plot draws one span; -span lists %d", len(spanList))
 	}
 	opts := sparse.DefaultTacticEvalOptions()
 	opts.P = pList
@@ -120,7 +131,7 @@ func fidelity(args []string) error {
 
 	prog := &progress{}
 	for _, s := range sources {
-		prog.total += s.units
+		prog.total += s.units * len(spanList)
 	}
 	var results []tacticResult
 	for _, s := range sources {
@@ -129,16 +140,19 @@ func fidelity(args []string) error {
 			prog.finish()
 			return err
 		}
-		what := fmt.Sprintf("tactic %s n=%d", s.name, tr.Tokens)
-		opts.Progress = func(int, int) { prog.step(what) }
-		ev, err := sparse.TacticEvaluate(tr, opts)
-		if err != nil {
-			prog.finish()
-			return err
-		}
-		for _, r := range ev.Results {
-			results = append(results, tacticResult{Source: s.name, Seed: s.seed, Tokens: ev.Tokens, QHeads: ev.QHeads, KVHeads: ev.KVHeads, HeadDim: ev.HeadDim,
-				Prefill: ev.Options.Prefill, Queries: ev.Options.Queries, Sinks: ev.Options.Sinks, Fit: ev.Options.Fit, TacticEvalResult: r})
+		for _, span := range spanList {
+			what := fmt.Sprintf("tactic %s n=%d span=%d", s.name, tr.Tokens, span)
+			opts.Progress = func(int, int) { prog.step(what) }
+			opts.KMeansSpan = span
+			ev, err := sparse.TacticEvaluate(tr, opts)
+			if err != nil {
+				prog.finish()
+				return err
+			}
+			for _, r := range ev.Results {
+				results = append(results, tacticResult{Source: s.name, Seed: s.seed, Tokens: ev.Tokens, QHeads: ev.QHeads, KVHeads: ev.KVHeads, HeadDim: ev.HeadDim,
+					Prefill: ev.Options.Prefill, Queries: ev.Options.Queries, Sinks: ev.Options.Sinks, Span: span, Fit: ev.Options.Fit, TacticEvalResult: r})
+			}
 		}
 	}
 	prog.finish()
@@ -166,17 +180,17 @@ func printTactic(results []tacticResult, perHead bool) {
 	pct := func(x, n float64) string { return fmt.Sprintf("%.2f%%", 100*x/n) }
 	var rows [][]string
 	for _, r := range results {
-		rows = append(rows, []string{r.Source, fmt.Sprint(r.Tokens), fmt.Sprintf("%d×%d", len(r.Queries), r.QHeads), fmt.Sprint(r.P),
+		rows = append(rows, []string{r.Source, fmt.Sprint(r.Tokens), fmt.Sprint(r.Span), fmt.Sprintf("%d×%d", len(r.Queries), r.QHeads), fmt.Sprint(r.P),
 			fmt.Sprintf("%.1f", r.Selected), pct(r.Selected, r.Attended), pct(r.Union, r.Attended), fmt.Sprintf("%.3f", r.Mass), fmt.Sprintf("%.3f", r.MinMass),
 			fmt.Sprintf("%.1f%%", 100*r.SuccessRate), fmt.Sprintf("%.3f", r.SelectedOverClusterOptimal), pct(r.ClusterOptimal, r.Attended), pct(r.GlobalOptimal, r.Attended),
 			fmt.Sprintf("%.4f", r.RelErr), fmt.Sprintf("%.3f", r.BoundWorst)})
 	}
-	table(os.Stdout, []string{"source", "tokens", "queries", "P", "selected", "sel/N", "union/N", "mass", "min mass", "success", "sel/c-opt", "c-opt/N", "g-opt/N", "rel err", "bound"}, rows)
+	table(os.Stdout, []string{"source", "tokens", "span", "queries", "P", "selected", "sel/N", "union/N", "mass", "min mass", "success", "sel/c-opt", "c-opt/N", "g-opt/N", "rel err", "bound"}, rows)
 	if !perHead {
 		return
 	}
 	for _, r := range results {
-		fmt.Printf("\n%s n=%d P=%g, per query head:\n", r.Source, r.Tokens, r.P)
+		fmt.Printf("\n%s n=%d span=%d P=%g, per query head:\n", r.Source, r.Tokens, r.Span, r.P)
 		var hr [][]string
 		for _, h := range r.Heads {
 			hr = append(hr, []string{fmt.Sprint(h.Head), fmt.Sprint(h.KVHead), h.Kind, fmt.Sprintf("%.1f", h.Selected), pct(h.Selected, h.Attended), fmt.Sprintf("%.3f", h.Mass),
