@@ -9,20 +9,28 @@ import (
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/sparse"
+	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/workload"
 )
 
 // clusterResult is one row of `vkbench cluster`.
 type clusterResult struct {
-	Tokens     int     `json:"tokens"`
-	KVHeads    int     `json:"kv_heads"`
-	HeadDim    int     `json:"head_dim"`
+	Tokens  int `json:"tokens"`
+	KVHeads int `json:"kv_heads"`
+	HeadDim int `json:"head_dim"`
+	// Span is the K-means span in tokens (0: the whole context), Spans
+	// how many spans the clustered tokens make per head.
+	Span       int     `json:"span"`
+	Spans      int     `json:"spans"`
 	Clusters   int     `json:"clusters_per_head"`
 	Iterations int     `json:"iterations"`
 	Reps       int     `json:"reps"`
 	Assign     string  `json:"assign"`    // "tensor-nv" (cooperative matrices) or "float32"
 	MedianMs   float64 `json:"median_ms"` // wall time of one layer's clustering, host waits included
 	MinMs      float64 `json:"min_ms"`
+	// GPUMedianMs is the median over the timed runs of the submission's
+	// GPU time, first to last timestamp (every step, no host time).
+	GPUMedianMs float64 `json:"gpu_median_ms"`
 	// With -stages: per kind of step, the median over the timed runs of
 	// its GPU time summed over the steps (ms); setup is host wall time.
 	Stages map[string]float64 `json:"stages_ms,omitempty"`
@@ -45,10 +53,15 @@ func cluster(args []string) error {
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	stages := fs.Bool("stages", false, "time each kind of step with timestamp queries")
 	float32Only := fs.Bool("float32", false, "assign with the float32 kernel even where cooperative matrices exist")
+	spanFlag := fs.String("span", fmt.Sprint(sparse.KMeansDefaultSpan), "cluster within spans of this many tokens, each separately (0: the whole context at once; comma-separated to compare)")
 	fs.Parse(args)
 	nList, err := ints(*ns)
 	if err != nil {
 		return fmt.Errorf("-n: %v", err)
+	}
+	spanList, err := intsFrom(*spanFlag, 0)
+	if err != nil {
+		return fmt.Errorf("-span: %v", err)
 	}
 	dev, err := openDevice()
 	if err != nil {
@@ -68,7 +81,7 @@ func cluster(args []string) error {
 	if km.Tensor() {
 		path = "tensor-nv"
 	}
-	prog := &progress{total: len(nList) * (*reps + 1)}
+	prog := &progress{total: len(nList) * len(spanList) * (*reps + 1)}
 	var results []clusterResult
 	for _, n := range nList {
 		cfg := workload.DefaultConfig(n)
@@ -81,61 +94,25 @@ func cluster(args []string) error {
 		if err != nil {
 			return err
 		}
-		r := clusterResult{Tokens: n, KVHeads: *kvHeads, HeadDim: *dim, Reps: *reps, Assign: path}
-		var times []float64
-		stageTimes := make([][]float64, len(clusterStages))
-		for i := 0; i <= *reps && err == nil; i++ {
-			prog.step(fmt.Sprintf("cluster n=%d", n))
-			if err = layer.Prefill(tr.K, tr.V, n); err != nil {
-				break
-			}
-			start := time.Now()
-			var x *kvcache.Clusters
-			opts := sparse.KMeansOptions{AvgClusterSize: *size, MaxIter: *iters, Seed: uint64(i + 1)}
-			var st sparse.KMeansStages
-			if *stages {
-				opts.Stages = &st
-			}
-			x, err = km.Cluster(layer, sparse.TacticDefaultSinks, n-sparse.TacticDefaultSinks, opts)
-			if err != nil {
-				break
-			}
-			el := time.Since(start)
-			r.Clusters, r.Iterations = x.C, x.Iterations
-			x.Release()
-			if i > 0 { // the first run warms up
-				times = append(times, float64(el.Microseconds())/1e3)
-				for j, d := range stageList(&st) {
-					stageTimes[j] = append(stageTimes[j], float64(d.Microseconds())/1e3)
-				}
-			}
-		}
+		rows, err := clusterRows(km, layer, tr, n, spanList, *size, *iters, *reps, *stages, path, prog)
 		layer.Release()
 		if err != nil {
 			prog.finish()
 			return err
 		}
-		sort.Float64s(times)
-		r.MedianMs, r.MinMs = times[len(times)/2], times[0]
-		if *stages {
-			r.Stages = map[string]float64{}
-			for j, name := range clusterStages {
-				sort.Float64s(stageTimes[j])
-				r.Stages[name] = stageTimes[j][len(stageTimes[j])/2]
-			}
-		}
-		results = append(results, r)
+		results = append(results, rows...)
 	}
 	prog.finish()
 	var rows [][]string
-	head := []string{"tokens", "kv heads", "dim", "clusters/head", "iterations", "assign", "median ms", "min ms"}
+	head := []string{"tokens", "kv heads", "dim", "span", "spans", "clusters/head", "iterations", "assign", "median ms", "min ms", "gpu median ms"}
 	if *stages {
 		for _, name := range clusterStages {
 			head = append(head, name+" ms")
 		}
 	}
 	for _, r := range results {
-		row := []string{fmt.Sprint(r.Tokens), fmt.Sprint(r.KVHeads), fmt.Sprint(r.HeadDim), fmt.Sprint(r.Clusters), fmt.Sprint(r.Iterations), r.Assign, fmt.Sprintf("%.1f", r.MedianMs), fmt.Sprintf("%.1f", r.MinMs)}
+		row := []string{fmt.Sprint(r.Tokens), fmt.Sprint(r.KVHeads), fmt.Sprint(r.HeadDim), fmt.Sprint(r.Span), fmt.Sprint(r.Spans), fmt.Sprint(r.Clusters), fmt.Sprint(r.Iterations), r.Assign,
+			fmt.Sprintf("%.2f", r.MedianMs), fmt.Sprintf("%.2f", r.MinMs), fmt.Sprintf("%.2f", r.GPUMedianMs)}
 		if *stages {
 			for _, name := range clusterStages {
 				row = append(row, fmt.Sprintf("%.2f", r.Stages[name]))
@@ -148,4 +125,57 @@ func cluster(args []string) error {
 		return writeJSON(*jsonPath, "cluster "+fmt.Sprint(args), info, results)
 	}
 	return nil
+}
+
+// clusterRows times the clustering of layer (n tokens of tr, sinks left
+// out) at each span: a warm-up run, then reps timed ones.
+func clusterRows(km *sparse.KMeans, layer *kvcache.Layer, tr *trace.Trace, n int, spanList []int, size, iters, reps int, stages bool, path string, prog *progress) ([]clusterResult, error) {
+	var out []clusterResult
+	for _, span := range spanList {
+		count := n - sparse.TacticDefaultSinks
+		spans, err := sparse.KMeansSpans(count, span, size)
+		if err != nil {
+			return nil, err
+		}
+		r := clusterResult{Tokens: n, KVHeads: layer.KVHeads(), HeadDim: layer.HeadDim(), Span: span, Spans: len(spans), Reps: reps, Assign: path}
+		var times, gpuTimes []float64
+		stageTimes := make([][]float64, len(clusterStages))
+		for i := 0; i <= reps; i++ {
+			prog.step(fmt.Sprintf("cluster n=%d span=%d", n, span))
+			if err := layer.Prefill(tr.K, tr.V, n); err != nil {
+				return nil, err
+			}
+			start := time.Now()
+			// Timestamps around every dispatch: GPU time always, per step
+			// with -stages.
+			var st sparse.KMeansStages
+			opts := sparse.KMeansOptions{AvgClusterSize: size, MaxIter: iters, Seed: uint64(i + 1), Span: span, Stages: &st}
+			x, err := km.Cluster(layer, sparse.TacticDefaultSinks, count, opts)
+			if err != nil {
+				return nil, err
+			}
+			el := time.Since(start)
+			r.Clusters, r.Iterations = x.C, x.Iterations
+			x.Release()
+			if i > 0 { // the first run warms up
+				times = append(times, float64(el.Microseconds())/1e3)
+				gpuTimes = append(gpuTimes, float64(st.GPU.Microseconds())/1e3)
+				for j, d := range stageList(&st) {
+					stageTimes[j] = append(stageTimes[j], float64(d.Microseconds())/1e3)
+				}
+			}
+		}
+		sort.Float64s(times)
+		sort.Float64s(gpuTimes)
+		r.MedianMs, r.MinMs, r.GPUMedianMs = times[len(times)/2], times[0], gpuTimes[len(gpuTimes)/2]
+		if stages {
+			r.Stages = map[string]float64{}
+			for j, name := range clusterStages {
+				sort.Float64s(stageTimes[j])
+				r.Stages[name] = stageTimes[j][len(stageTimes[j])/2]
+			}
+		}
+		out = append(out, r)
+	}
+	return out, nil
 }
