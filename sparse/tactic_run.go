@@ -52,7 +52,8 @@ type BatchRun struct {
 
 // TacticTrace runs Tactic over a trace on the GPU: it prefills a cache with
 // the keys before the trace's decode tail (TacticTailQueries, prefill
-// TacticDefaultPrefill), clusters them (sinks excluded), then for each P
+// TacticDefaultPrefill), clusters them (sinks excluded) in spans of
+// KMeansDefaultSpan tokens, then for each P
 // appends the tail tokens one at a time and runs a step with the fit's
 // parameters for each tail query, measuring fidelity in float64. With
 // reps > 0 it also
@@ -104,7 +105,7 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, re
 		return nil, err
 	}
 	start := time.Now()
-	clusters, err := km.Cluster(layer, TacticDefaultSinks, prefill-TacticDefaultSinks, KMeansOptions{Seed: seed})
+	clusters, err := km.Cluster(layer, TacticDefaultSinks, prefill-TacticDefaultSinks, KMeansOptions{Seed: seed, Span: KMeansDefaultSpan})
 	if err != nil {
 		return nil, err
 	}
@@ -295,7 +296,7 @@ func batchPeers(dev *vk.Device, km *KMeans, heads Heads, count, prefill, n int, 
 			x.release()
 			return nil, err
 		}
-		c, err := km.Cluster(layer, TacticDefaultSinks, prefill-TacticDefaultSinks, KMeansOptions{Seed: seed + uint64(i) + 1})
+		c, err := km.Cluster(layer, TacticDefaultSinks, prefill-TacticDefaultSinks, KMeansOptions{Seed: seed + uint64(i) + 1, Span: KMeansDefaultSpan})
 		if err != nil {
 			x.release()
 			return nil, err
