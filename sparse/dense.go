@@ -82,9 +82,9 @@ const (
 	clusterWindow    = 64  // taken clusters a workgroup reads at once (at most its threads)
 	// Workgroups of attention over the union of taken clusters (of all KV
 	// heads): each KV head's union is split evenly between its share.
-	unionWorkgroups  = 512
-	partialBindings  = 12
-	partialPushWords = 14
+	unionWorkgroups = 512
+	partialBindings = 12
+	partialPushWords  = 14
 )
 
 // NewDense compiles the dense attention kernels for heads.
