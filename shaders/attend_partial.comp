@@ -31,11 +31,8 @@ layout(constant_id = 7) const uint SCORE_SLOTS = 4096;
 layout(constant_id = 8) const uint REDUCE_SLOTS = 1024;
 // GATHER = 1 attends, for KV head g, the tokens tok[g*listStride + i],
 // i < tokCount[g], instead of tokens 0 .. n-1 (n is then listStride).
-// GATHER = 2 attends, for KV head g, the tokens of the GQA union of the
-// clusters its query heads take (the compact list of union_compact; the
-// layer is in cluster order, so a cluster is a run of slots), split evenly
-// between the first clusterChunks chunks, and the fixed tokens outside the
-// clusters in the chunks after them.
+// GATHER = 2 attends, for KV head g, the members of the clusters some query
+// head of g takes and the fixed tokens outside the clusters (see Rank).
 layout(constant_id = 9) const uint GATHER = 0;
 // RPT rows are scored by each thread (rows WG/TPR apart), so every q value
 // read from shared memory serves RPT K words.
@@ -54,11 +51,13 @@ layout(std430, binding = 3) restrict writeonly buffer PartialO { float po[]; }; 
 layout(std430, binding = 4) restrict writeonly buffer PartialML { vec2 pml[]; }; // [B][Hq][maxChunks]
 layout(std430, binding = 5) restrict readonly buffer Tokens { uint tok[]; };       // [heads][listStride], GATHER only
 layout(std430, binding = 6) restrict readonly buffer TokenCounts { uint tokCount[]; }; // [heads], GATHER only
-// GATHER = 2: KV head g's union as union_compact writes it: the taken
-// clusters' first slots and the union's tokens before each, and the
-// numbers of taken clusters and tokens. (Bindings 9 to 11 are unused.)
-layout(std430, binding = 7) restrict readonly buffer UnionList { uvec2 ulist[]; };   // [heads][C]
-layout(std430, binding = 8) restrict readonly buffer UnionTotal { uvec2 utotal[]; }; // [heads]
+// GATHER = 2: clusters c of KV head g, taken when rank[h][c] < cut[h] for
+// some query head h of g, and the fixed tokens.
+layout(std430, binding = 7) restrict readonly buffer Rank { uint rank[]; };       // [Hq][C]
+layout(std430, binding = 8) restrict readonly buffer Cut { uint cut[]; };         // [Hq]
+layout(std430, binding = 9) restrict readonly buffer Starts { uint starts[]; };   // [heads][C] member offsets
+layout(std430, binding = 10) restrict readonly buffer Sizes { uint sizes[]; };    // [heads][C]
+layout(std430, binding = 11) restrict readonly buffer Members { uint members[]; }; // [heads][clustered], unused: clusters are runs of slots
 
 layout(push_constant) uniform Push {
 	uint n;           // tokens of this sequence (GATHER: token-list stride)
@@ -72,7 +71,7 @@ layout(push_constant) uniform Push {
 	uint groupSize;   // query heads per KV head
 	// GATHER = 2 (chunk is then clusters per chunk, n the tokens stored):
 	uint C;              // clusters per KV head
-	uint clusterChunks;  // chunks of the union; chunks past them take the fixed tokens
+	uint clusterChunks;  // chunks of clusters; chunks past them take the fixed tokens
 	uint clustered;      // members per KV head
 	uint first;          // the clustered tokens are [first, clusteredEnd)
 	uint clusteredEnd;
@@ -81,12 +80,11 @@ layout(push_constant) uniform Push {
 shared vec4 qs[GROUP * D4];
 shared float sc[SCORE_SLOTS];
 shared float red[REDUCE_SLOTS];
-// GATHER = 2 only (one slot otherwise): a tile's slots, and a window's
-// list entries' first slots (in the chunk) and scanned token counts.
+// GATHER = 2 only (one slot otherwise): a tile's token ids, and a window's
+// clusters' member offsets and scanned counts.
 const uint LIST = (GATHER / 2) * (TILE - 1) + 1;
 const uint CW = (GATHER / 2) * (WINDOW - 1) + 1;  // clusters per window
 shared uint lst[LIST];
-shared uint found;  // GATHER = 2: the list entry holding the chunk's first token
 shared uint from[CW];
 shared uint pre[CW + 1];
 // Subgroup totals of scanSizes (subgroups of at least 4 threads).
@@ -310,68 +308,52 @@ void main() {
 			attendTile(min(TILE, chunkEnd - t0), headBase, headBase + t0 * DV, listBase, t0, m, l, acc);
 		}
 	} else if (c < pc.clusterChunks) {
-		// Tokens [u0, u1) of KV head g's union: its list entries from the
-		// one holding u0 are taken CW at a time, each clipped to the chunk;
-		// their slots are appended to lst, and each full tile is attended,
-		// so that tiles stay full however the union falls into clusters.
+		// Clusters [c·chunk, +chunk) of KV head g, CW at a time: the taken
+		// ones' member counts are scanned, and their members' token ids
+		// appended to lst; each full tile is attended, so that tiles stay
+		// full however few clusters a window takes.
 		uint g = pc.kvBase + kvLocal;
-		uint lb = g * pc.C;
-		uvec2 tot = utotal[g];
-		uint per = (tot.y + pc.clusterChunks - 1) / pc.clusterChunks;
-		uint u0 = min(c * per, tot.y), u1 = min(u0 + per, tot.y);
-		attended = u1 - u0;
-		if (attended > 0) {
-			// The last entry starting at or before u0, in two rounds of a
-			// search over the workgroup (entry 0 starts at 0).
-			if (tid == 0) found = 0;
-			barrier();
-			uint stride = (tot.x + WG - 1) / WG;
-			if (tid * stride < tot.x && ulist[lb + tid * stride].y <= u0) atomicMax(found, tid * stride);
-			barrier();
-			uint e0 = found;
-			barrier();  // every thread has read it before it changes
-			if (tid < stride && e0 + tid < tot.x && ulist[lb + e0 + tid].y <= u0) atomicMax(found, e0 + tid);
-			barrier();
-			uint fill = 0;  // slots in lst not yet attended
-			for (uint w0 = found;; w0 += CW) {
-				uint e = w0 + tid;
-				uint size = 0;
-				if (tid < CW && e < tot.x) {
-					uvec2 x = ulist[lb + e];
-					uint next = e + 1 < tot.x ? ulist[lb + e + 1].y : tot.y;
-					uint lo = max(x.y, u0), hi = min(next, u1);
-					size = hi > lo ? hi - lo : 0;
-					from[tid] = x.x + (lo - x.y);
-				}
-				uint after = w0 + CW < tot.x ? ulist[lb + w0 + CW].y : tot.y;
-				bool last = after >= u1;
-				scanSizes(size);
-				uint total = pre[CW];
-				// One call of attendTile in the loop: a full tile, or what
-				// remains after the last window.
-				uint s0 = 0;
-				do {
-					uint len = min(TILE - fill, total - s0);
-					for (uint y = tid; y < len; y += WG) {
-						// The entry j whose tokens hold s0 + y: pre[j] <= s0 + y < pre[j + 1].
-						uint lo = 0, hi = CW - 1;
-						while (lo < hi) {
-							uint mid = (lo + hi + 1) / 2;
-							if (pre[mid] <= s0 + y) lo = mid; else hi = mid - 1;
-						}
-						lst[fill + y] = from[lo] + s0 + y - pre[lo];
-					}
-					fill += len;
-					s0 += len;
-					if (fill == TILE || (last && s0 == total && fill > 0)) {
-						barrier();
-						attendTile(fill, headBase, 0, 0, 0, m, l, acc);
-						fill = 0;
-					}
-				} while (s0 < total);
-				barrier();  // the next window rewrites pre and from
-				if (last) break;
+		attended = 0;
+		uint fill = 0;  // token ids in lst not yet attended
+		uint cEnd = min(chunkStart + pc.chunk, pc.C);
+		for (uint w0 = chunkStart; w0 < cEnd; w0 += CW) {
+			uint cl = w0 + tid;
+			uint size = 0;
+			if (tid < CW && cl < cEnd) {
+				// Every head's rank loaded at once, not one after another.
+				uint take = 0;
+				for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take |= uint(rank[h * pc.C + cl] < cut[h]);
+				if (take != 0) size = sizes[g * pc.C + cl];
+				// Clusters are runs of slots (kvcache Layer.Reorder).
+				from[tid] = pc.first + starts[g * pc.C + cl];
 			}
+			scanSizes(size);
+			uint total = pre[CW];
+			attended += total;
+			bool last = w0 + CW >= cEnd;
+			// One call of attendTile in the loop: a full tile, or what
+			// remains after the last window.
+			uint s0 = 0;
+			do {
+				uint len = min(TILE - fill, total - s0);
+				for (uint y = tid; y < len; y += WG) {
+					// The cluster j whose members hold s0 + y: pre[j] <= s0 + y < pre[j + 1].
+					uint lo = 0, hi = CW - 1;
+					while (lo < hi) {
+						uint mid = (lo + hi + 1) / 2;
+						if (pre[mid] <= s0 + y) lo = mid; else hi = mid - 1;
+					}
+					lst[fill + y] = from[lo] + s0 + y - pre[lo];
+				}
+				fill += len;
+				s0 += len;
+				if (fill == TILE || (last && s0 == total && fill > 0)) {
+					barrier();
+					attendTile(fill, headBase, 0, 0, 0, m, l, acc);
+					fill = 0;
+				}
+			} while (s0 < total);
+			barrier();  // the next window rewrites pre and from
 		}
 	} else {
 		// The fixed tokens [0, first) and [clusteredEnd, n), a tile per chunk.

@@ -98,7 +98,7 @@ func BenchmarkClusterAttention(b *testing.B) {
 					}
 				}
 			}
-			for _, o := range []DenseOptions{{}, {UnionChunks: 32}, {UnionChunks: 128}, {UnionChunks: 64, ClusterWindow: 256}} {
+			for _, o := range []DenseOptions{{}, {ClusterChunk: 128}, {ClusterChunk: 256}, {ClusterChunk: 512}, {ClusterChunk: 256, ClusterWindow: 256}} {
 				d := dense
 				if o != (DenseOptions{}) {
 					d, err = NewDenseWith(dev, h, o)
@@ -107,7 +107,7 @@ func BenchmarkClusterAttention(b *testing.B) {
 				plan, err := d.PlanClusters(layer, x, rankBuf.All(), cutBuf.All())
 				require.NoError(b, err)
 				require.NoError(b, plan.SetQuery(randomQueries(rng, h.Query*h.Dim, 0.1)))
-				b.Run(fmt.Sprintf("N%d/share%g/chunks%d/window%d", n, share, plan.unionChunks, d.window), func(b *testing.B) {
+				b.Run(fmt.Sprintf("N%d/share%g/chunk%d/window%d", n, share, plan.clusterChunk, d.window), func(b *testing.B) {
 					b.ReportMetric(100*float64(union)/float64(h.KV*c), "union-%")
 					us := reportGPU(b, plan.Time)
 					b.ReportMetric(float64(union*size*h.Dim*2*2)/(us*1e3), "union-GB/s")

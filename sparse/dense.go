@@ -24,7 +24,6 @@ type Dense struct {
 	partial   *vk.Pipeline
 	gather    *vk.Pipeline // attend_partial reading rows through token lists
 	clustered *vk.Pipeline // attend_partial over taken clusters; nil where shared memory is short
-	union     *vk.Pipeline // union_compact: the union of taken clusters as a list; with clustered
 	merge     *vk.Pipeline
 	workgroup int
 	tpr       int  // threads sharing a K row in the score pass
@@ -56,11 +55,11 @@ type DenseOptions struct {
 	// value read from shared memory serving all of them; 0 = chosen with
 	// ThreadsPerRow, or 1 where ThreadsPerRow is set.
 	RowsPerThread int
-	// UnionChunks is the workgroups among which attention over clusters
-	// splits each KV head's union of taken tokens evenly; 0 = chosen.
-	UnionChunks int
-	// ClusterWindow is the taken clusters such a workgroup reads at once
-	// (a power of two, at most Workgroup); 0 = chosen.
+	// ClusterChunk is the clusters of a KV head that one workgroup of
+	// attention over clusters takes; 0 = chosen from the index's size.
+	ClusterChunk int
+	// ClusterWindow is the clusters such a workgroup scans at once (a
+	// power of two, at most Workgroup); 0 = chosen.
 	ClusterWindow int
 }
 
@@ -79,11 +78,13 @@ const (
 	targetWorkgroups = 512
 	gatherChunkMin   = 512 // least tokens per chunk of gathered attention
 	gatherWorkgroups = 256 // workgroups of gathered attention over long lists
-	clusterWindow    = 64  // taken clusters a workgroup reads at once (at most its threads)
-	// Workgroups of attention over the union of taken clusters (of all KV
-	// heads): each KV head's union is split evenly between its share.
-	unionWorkgroups = 512
-	partialBindings = 12
+	clusterChunkMin  = 64  // least clusters per chunk of attention over clusters
+	clusterWindow    = 64  // clusters a workgroup scans at once (at most its threads)
+	// Workgroups of attention over many clusters: runs of 64 clusters at
+	// 131 072 tokens (longer runs were slower on the H200 where the KV
+	// heads of a layer take very different shares).
+	clusterWorkgroups = 1024
+	partialBindings   = 12
 	partialPushWords  = 14
 )
 
@@ -155,8 +156,8 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	if window == 0 {
 		window = min(wg, clusterWindow)
 	}
-	if opts.UnionChunks < 0 || window&(window-1) != 0 || window > wg || window < 1 {
-		return nil, fmt.Errorf("sparse: %d chunks per union, %d clusters per window, for workgroups of %d", opts.UnionChunks, opts.ClusterWindow, wg)
+	if opts.ClusterChunk < 0 || window&(window-1) != 0 || window > wg || window < 1 {
+		return nil, fmt.Errorf("sparse: %d clusters per chunk, %d per window, for workgroups of %d", opts.ClusterChunk, opts.ClusterWindow, wg)
 	}
 	tree := !info.SubgroupArithmetic || info.SubgroupSize < 4 || opts.TreeReduce
 	scoreSlots := max(group*tile, 8*wg)
@@ -177,7 +178,7 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 		return nil, err
 	}
 	spec := []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt), uint32(d.window)}
-	clusterShared := 4 * (tile + 2*window + 2 + wg/4) // lst, from, pre, found, subTotal
+	clusterShared := 4 * (tile + 2*window + 1 + wg/4) // lst, from, pre, subTotal
 	kernel := func(name string, gather uint32) *vk.Pipeline {
 		if err != nil {
 			return nil
@@ -191,13 +192,6 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	d.gather = kernel("attend_partial (gather)", 1)
 	if shared+clusterShared <= int(info.SharedMemoryBytes) {
 		d.clustered = kernel("attend_partial (clusters)", 2)
-		if err == nil {
-			code, err = shaders.SPIRV("union_compact")
-		}
-		if err == nil {
-			d.union, err = dev.NewPipeline(vk.Kernel{Name: "union_compact", SPIRV: code, Bindings: 6, PushWords: 3,
-				Specialization: []uint32{uint32(unionWorkgroup(info))}})
-		}
 	}
 	if err == nil {
 		code, err = shaders.SPIRV("attend_merge")
@@ -211,16 +205,6 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 		return nil, err
 	}
 	return d, nil
-}
-
-// unionWorkgroup is the threads of union_compact's one workgroup per KV
-// head: up to 1024.
-func unionWorkgroup(info vk.Info) uint32 {
-	wg := uint32(1024)
-	for wg > 64 && wg > info.MaxWorkgroupInvocations {
-		wg /= 2
-	}
-	return wg
 }
 
 // ThreadsPerRow returns how many threads share a K row in the score pass.
@@ -246,7 +230,7 @@ func (d *Dense) Heads() Heads { return d.heads }
 // Release destroys the kernels.
 func (d *Dense) Release() error {
 	var errs []error
-	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.union, d.merge} {
+	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.merge} {
 		if p != nil {
 			errs = append(errs, p.Release())
 		}
@@ -272,14 +256,11 @@ type DensePlan struct {
 	// chunk, and the lists and their lengths per KV head.
 	gatherStride, gatherChunk int
 	tokens, tokCounts         *vk.Buffer
-	// With clusters (PlanClusters): the index, the chunks of each KV
-	// head's union, the ranks and cuts that decide which clusters are
-	// taken, and the union as a list (union_compact).
-	clusters              *kvcache.Clusters
-	unionChunks           int
-	rank, cut             vk.Range
-	unionList, unionTotal *vk.Buffer
-	unionBind             *vk.Binding
+	// With clusters (PlanClusters): the index, the clusters per chunk, and
+	// the ranks and cuts that decide which clusters are taken.
+	clusters     *kvcache.Clusters
+	clusterChunk int
+	rank, cut    vk.Range
 	// lastChunks is what the chunks buffer holds.
 	lastChunks []uint32
 }
@@ -332,13 +313,6 @@ func (p *DensePlan) allocate() error {
 		p.tokens = alloc(uint64(h.KV*p.gatherStride) * 4)
 		p.tokCounts = alloc(uint64(h.KV) * 4)
 	}
-	if x := p.clusters; x != nil {
-		p.unionList = alloc(uint64(h.KV*x.C) * 8)
-		p.unionTotal = alloc(uint64(h.KV) * 8)
-		if err == nil {
-			p.unionBind, err = d.union.Bind(p.rank, p.cut, x.Starts.All(), x.Counts.All(), p.unionList.All(), p.unionTotal.All())
-		}
-	}
 	if err != nil {
 		return err
 	}
@@ -359,7 +333,8 @@ func (p *DensePlan) allocate() error {
 			case p.gatherStride > 0:
 				pipe, lists, counts = d.gather, p.tokens.All(), p.tokCounts.All()
 			case p.clusters != nil:
-				pipe, index = d.clustered, []vk.Range{p.unionList.All(), p.unionTotal.All(), lists, lists, lists}
+				x := p.clusters
+				pipe, index = d.clustered, []vk.Range{p.rank, p.cut, x.Starts.All(), x.Counts.All(), x.Members.All()}
 			}
 			bind, err := pipe.Bind(append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists, counts}, index...)...)
 			if err != nil {
@@ -386,7 +361,7 @@ func (p *DensePlan) Release() error {
 	}
 	p.segments = nil
 	p.clock.release()
-	for _, r := range []interface{ Release() error }{p.mergeBind, p.unionBind, p.query, p.partO, p.partML, p.chunks, p.out, p.tokens, p.tokCounts, p.unionList, p.unionTotal} {
+	for _, r := range []interface{ Release() error }{p.mergeBind, p.query, p.partO, p.partML, p.chunks, p.out, p.tokens, p.tokCounts} {
 		r.Release() // each tolerates a nil receiver
 	}
 	return nil
@@ -665,10 +640,8 @@ func (p *DensePlan) recordGather(c *vk.Commands) error {
 // ([0, First) and [First+Count, n)) and the members of every cluster c of
 // g that some query head h of g takes, rank[h][c] < cut[h] (uint32 ranges
 // [Hq][C] and [Hq], written by earlier kernels; the caller keeps them
-// alive). A kernel lists each KV head's union of taken clusters with the
-// tokens before each (union_compact), and the union's tokens are split
-// evenly between the workgroups of that head, which read them as runs of
-// slots.
+// alive). Workgroups take fixed runs of clusters and skip those not taken,
+// so no token list is built.
 func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, rank, cut vk.Range) (*DensePlan, error) {
 	h := d.heads
 	switch {
@@ -683,16 +656,13 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 	case !clusters.Contiguous:
 		return nil, fmt.Errorf("sparse: attention over clusters reads them as runs of slots: put the layer in cluster order first (kvcache.Layer.Reorder)")
 	}
-	if clusters.C > d.workgroup*d.workgroup {
-		return nil, fmt.Errorf("%w: %d clusters per KV head, attention over clusters takes at most %d", vk.ErrUnsupported, clusters.C, d.workgroup*d.workgroup)
-	}
 	blocks := h.Group() / d.group
-	per := d.opts.UnionChunks
+	per := d.opts.ClusterChunk
 	if per <= 0 {
-		per = max(1, unionWorkgroups/(h.KV*blocks))
+		per = max(clusterChunkMin, ceilDiv(clusters.C*h.KV*blocks, clusterWorkgroups))
 	}
-	chunks := per + ceilDiv(layer.Capacity()-clusters.Count, d.tile)
-	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, unionChunks: per, rank: rank, cut: cut}
+	chunks := ceilDiv(clusters.C, per) + ceilDiv(layer.Capacity()-clusters.Count, d.tile)
+	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut}
 	if err := p.allocate(); err != nil {
 		p.Release()
 		return nil, err
@@ -700,23 +670,14 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 	return p, nil
 }
 
-// recordClusters records the union's list, attention over the taken
-// clusters and the fixed tokens, then the merge.
+// recordClusters records attention over the taken clusters and the fixed
+// tokens, then the merge.
 func (p *DensePlan) recordClusters(c *vk.Commands) error {
-	p.recordClusterUnion(c)
-	c.ComputeBarrier()
 	if err := p.recordClusterPartials(c); err != nil {
 		return err
 	}
 	c.ComputeBarrier()
 	return p.recordClusterMerge(c)
-}
-
-// recordClusterUnion records the listing of each KV head's union of taken
-// clusters (union_compact), one workgroup per KV head.
-func (p *DensePlan) recordClusterUnion(c *vk.Commands) {
-	x := p.clusters
-	c.Dispatch(p.d.union, p.unionBind, []uint32{uint32(x.C), uint32(p.d.heads.Group()), uint32(x.First)}, uint32(p.d.heads.KV), 1, 1)
 }
 
 // recordClusterMerge records the merge of recordClusterPartials' chunks.
@@ -736,11 +697,11 @@ func (p *DensePlan) recordClusterPartials(c *vk.Commands) error {
 	if n < end {
 		return fmt.Errorf("sparse: the cache holds %d tokens, its clusters end at %d", n, end)
 	}
-	cc := p.unionChunks
+	cc := ceilDiv(x.C, p.clusterChunk)
 	total := cc + ceilDiv(n-x.Count, d.tile)
 	blocks := h.Group() / d.group
 	for _, seg := range p.segments[0] {
-		push := []uint32{uint32(n), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, 0, uint32(p.maxChunks),
+		push := []uint32{uint32(n), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(p.clusterChunk), uint32(p.maxChunks),
 			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()),
 			uint32(x.C), uint32(cc), uint32(x.Count), uint32(x.First), uint32(end)}
 		c.Dispatch(d.clustered, seg.bind, push, uint32(total), uint32(seg.kvCount*blocks), 1)

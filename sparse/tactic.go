@@ -325,26 +325,25 @@ func (t *TacticStep) Record(c *vk.Commands) error {
 	return recordTactic(c, []*TacticStep{t}, func(int) {})
 }
 
-// tacticMarks maps the dependent stages of a step (score, order, sample,
-// fit, the union's list, attention over it, merge) to the TacticStages
-// entry that ends with it, −1 for none: the last three are "attend".
-var tacticMarks = []int{0, 1, 2, 3, -1, -1, 4}
+// tacticStageCount is the number of dependent stages of a step: score,
+// order, sample, fit, attention over the selection, merge.
+const tacticStageCount = 6
 
 // recordTactic appends the kernels of the steps, stage by stage: each
 // stage's dispatches for every step, then one barrier, so that a batch pays
-// each stage's fixed cost once. mark(i) is called after the dispatches
-// that end TacticStages[i].
+// each stage's fixed cost once. mark(i) is called after stage i's
+// dispatches (the attention's two stages count as one, TacticStages).
 func recordTactic(c *vk.Commands, steps []*TacticStep, mark func(stage int)) error {
-	for s, m := range tacticMarks {
+	for s := 0; s < tacticStageCount; s++ {
 		for _, t := range steps {
 			if err := t.recordStage(c, s); err != nil {
 				return err
 			}
 		}
-		if m >= 0 {
-			mark(m)
+		if s != 4 {
+			mark(min(s, 4))
 		}
-		if s < len(tacticMarks)-1 {
+		if s < tacticStageCount-1 {
 			c.ComputeBarrier()
 		}
 	}
@@ -377,10 +376,8 @@ func (t *TacticStep) recordStage(c *vk.Commands, s int) error {
 	case 3:
 		c.Dispatch(k.budget, b.budget, []uint32{uint32(x.Count), uint32(fixed), uint32(t.fixedCap), math.Float32bits(float32(t.p))}, hq, 1, 1)
 	case 4:
-		t.plan.recordClusterUnion(c)
-	case 5:
 		return t.plan.recordClusterPartials(c)
-	case 6:
+	case 5:
 		return t.plan.recordClusterMerge(c)
 	}
 	return nil
