@@ -1,0 +1,712 @@
+package decode
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"sync"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/sparse"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// Policy chooses how a Model attends: Dense, or Tactic. The zero Policy
+// is Dense.
+type Policy struct {
+	tactic bool
+	p      float64
+	opts   sparse.TacticDecoderOptions
+}
+
+// Dense attends every stored token.
+func Dense() Policy { return Policy{} }
+
+// Tactic attends, for each query head, the fewest clusters of keys whose
+// attention mass reaches p (0 < p ≤ 1), with the sinks and the
+// unclustered tail; opts' zero values take sparse's defaults.
+func Tactic(p float64, opts sparse.TacticDecoderOptions) Policy {
+	return Policy{tactic: true, p: p, opts: opts}
+}
+
+// IsTactic reports whether the policy is Tactic.
+func (p Policy) IsTactic() bool { return p.tactic }
+
+// P returns Tactic's target mass (0 for Dense).
+func (p Policy) P() float64 { return p.p }
+
+// Options returns Tactic's options as given.
+func (p Policy) Options() sparse.TacticDecoderOptions { return p.opts }
+
+// String names the policy.
+func (p Policy) String() string {
+	if !p.tactic {
+		return "dense"
+	}
+	return fmt.Sprintf("Tactic P = %g", p.p)
+}
+
+// Config is what a Model holds.
+type Config struct {
+	Heads    sparse.Heads // every layer's geometry
+	Layers   int          // L
+	Slots    int          // B: sequences held (and attended) at once
+	Capacity int          // most tokens of one sequence, prefill and appends
+	Policy   Policy
+}
+
+// Model is a model's decode state: L layers × B sequence slots of KV
+// cache on the device, with the batches that attend them (see the
+// package documentation).
+type Model struct {
+	mu     sync.Mutex
+	dev    *vk.Device // nil once released
+	cfg    Config
+	opts   sparse.TacticDecoderOptions // resolved (Tactic)
+	dense  *sparse.Dense
+	km     *sparse.KMeans // Tactic
+	cmd    *vk.Commands   // Attend's
+	slots  []slot
+	layers []layerBatch
+	active []int // slots whose every layer is prefilled, ascending: the batches' order
+}
+
+// slot is one sequence's state.
+type slot struct {
+	n      int // prefill length (0: no layer prefilled)
+	filled int // layers prefilled
+	seq    []seqLayer
+}
+
+// seqLayer is one layer of one slot.
+type seqLayer struct {
+	cache    *kvcache.Layer
+	filled   bool
+	clusters *kvcache.Clusters // Tactic: the index of [Sinks, end)
+	// pending is a tail clustered and stored in cluster order whose join
+	// failed; the next append joins it.
+	pending *kvcache.Clusters
+}
+
+// layerBatch is the attention of one layer over the active slots.
+type layerBatch struct {
+	batch   *sparse.TacticBatch // Tactic
+	plan    *sparse.DensePlan   // Dense
+	out     *vk.Buffer          // Tactic: float32 [Slots][Hq][D], the steps' outputs copied together
+	queried bool                // queries uploaded to this batch
+}
+
+// validate reports why cfg cannot be used, and Tactic's resolved options.
+func (cfg Config) validate() (sparse.TacticDecoderOptions, error) {
+	if err := cfg.Heads.Validate(); err != nil {
+		return sparse.TacticDecoderOptions{}, err
+	}
+	if cfg.Layers <= 0 || cfg.Slots <= 0 || cfg.Capacity <= 0 {
+		return sparse.TacticDecoderOptions{}, fmt.Errorf("decode: %d layers, %d slots and a capacity of %d tokens must be positive", cfg.Layers, cfg.Slots, cfg.Capacity)
+	}
+	if !cfg.Policy.tactic {
+		return sparse.TacticDecoderOptions{}, nil
+	}
+	if p := cfg.Policy.p; !(p > 0 && p <= 1) {
+		return sparse.TacticDecoderOptions{}, fmt.Errorf("decode: target mass P = %v outside (0, 1]", p)
+	}
+	opts, err := cfg.Policy.opts.Resolve()
+	if err != nil {
+		return opts, err
+	}
+	if opts.Sinks >= cfg.Capacity {
+		return opts, fmt.Errorf("decode: %d sinks leave no token to cluster in a capacity of %d", opts.Sinks, cfg.Capacity)
+	}
+	return opts, nil
+}
+
+// New allocates the caches of cfg.Layers × cfg.Slots sequences of
+// cfg.Capacity tokens and compiles the kernels. The Model uses dev but
+// does not own it.
+func New(dev *vk.Device, cfg Config) (*Model, error) {
+	opts, err := cfg.validate()
+	if err != nil {
+		return nil, err
+	}
+	m := &Model{dev: dev, cfg: cfg, opts: opts, slots: make([]slot, cfg.Slots), layers: make([]layerBatch, cfg.Layers)}
+	h := cfg.Heads
+	m.dense, err = sparse.NewDense(dev, h)
+	if err == nil && cfg.Policy.tactic {
+		m.km, err = sparse.NewKMeans(dev, h.KV, h.Dim)
+	}
+	if err == nil {
+		m.cmd, err = dev.NewCommands()
+	}
+	for s := range m.slots {
+		m.slots[s].seq = make([]seqLayer, cfg.Layers)
+		for l := range m.slots[s].seq {
+			if err == nil {
+				m.slots[s].seq[l].cache, err = kvcache.NewLayer(dev, h.KV, h.Dim, cfg.Capacity)
+			}
+		}
+	}
+	for l := range m.layers {
+		if err == nil && cfg.Policy.tactic {
+			m.layers[l].out, err = dev.NewBuffer(uint64(cfg.Slots*h.Query*h.Dim)*4, vk.DeviceLocal)
+		}
+	}
+	if err != nil {
+		return nil, errors.Join(fmt.Errorf("decode: %w", err), m.release())
+	}
+	return m, nil
+}
+
+// Config returns the configuration the Model was built with.
+func (m *Model) Config() Config { return m.cfg }
+
+// live refuses a released model.
+func (m *Model) live() error {
+	if m.dev == nil {
+		return vk.ErrReleased
+	}
+	return nil
+}
+
+// checkSlot refuses a slot out of range.
+func (m *Model) checkSlot(s int) error {
+	if s < 0 || s >= m.cfg.Slots {
+		return fmt.Errorf("decode: slot %d outside [0, %d)", s, m.cfg.Slots)
+	}
+	return nil
+}
+
+// checkLayer refuses a layer out of range.
+func (m *Model) checkLayer(l int) error {
+	if l < 0 || l >= m.cfg.Layers {
+		return fmt.Errorf("decode: layer %d outside [0, %d)", l, m.cfg.Layers)
+	}
+	return nil
+}
+
+// checkActive refuses a slot out of range or not active.
+func (m *Model) checkActive(s int) error {
+	if err := m.checkSlot(s); err != nil {
+		return err
+	}
+	switch sl := &m.slots[s]; {
+	case sl.filled == 0:
+		return fmt.Errorf("decode: slot %d holds no sequence (idle or freed): Prefill its layers first", s)
+	case sl.filled < m.cfg.Layers:
+		return fmt.Errorf("decode: slot %d has %d of its %d layers prefilled", s, sl.filled, m.cfg.Layers)
+	}
+	return nil
+}
+
+// finiteHalves reports the first fp16 NaN or Inf of x, named what.
+func finiteHalves(what string, x []uint16) error {
+	for i, h := range x {
+		if h&0x7c00 == 0x7c00 {
+			return fmt.Errorf("%s[%d] is not finite (fp16 bits %#04x)", what, i, h)
+		}
+	}
+	return nil
+}
+
+// Prefill stores the first n tokens of the sequence in slot's layer: k and
+// v hold fp16 bit patterns, [KVHeads][n][Dim]. Every layer of a slot is
+// prefilled with the same n; once all are, the slot is active. With Tactic
+// the tokens past the sinks are clustered and stored in cluster order. A
+// slot's layer is prefilled once per sequence: Free the slot to start
+// another.
+func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := m.live(); err != nil {
+		return err
+	}
+	if err := errors.Join(m.checkSlot(slot), m.checkLayer(layer)); err != nil {
+		return err
+	}
+	s := &m.slots[slot]
+	sl := &s.seq[layer]
+	h := m.cfg.Heads
+	want := h.KV * max(n, 0) * h.Dim
+	switch {
+	case sl.filled:
+		return fmt.Errorf("decode: slot %d layer %d already holds a sequence: Free the slot before another prefill", slot, layer)
+	case n <= 0 || n > m.cfg.Capacity:
+		return fmt.Errorf("decode: prefill of %d tokens into a capacity of %d", n, m.cfg.Capacity)
+	case m.cfg.Policy.tactic && n <= m.opts.Sinks:
+		return fmt.Errorf("decode: prefill of %d tokens leaves none to cluster past the %d sinks", n, m.opts.Sinks)
+	case s.filled > 0 && n != s.n:
+		return fmt.Errorf("decode: slot %d layer %d: prefill of %d tokens where the slot's other layers hold %d", slot, layer, n, s.n)
+	case len(k) != want || len(v) != want:
+		return fmt.Errorf("decode: prefill of %d tokens needs %d keys and values (%d KV heads × %d × %d), got %d and %d", n, want, h.KV, n, h.Dim, len(k), len(v))
+	}
+	if err := errors.Join(finiteHalves("k", k), finiteHalves("v", v)); err != nil {
+		return fmt.Errorf("decode: slot %d layer %d: %w", slot, layer, err)
+	}
+	if err := sl.cache.Prefill(k, v, n); err != nil {
+		return fmt.Errorf("decode: slot %d layer %d: %w", slot, layer, err)
+	}
+	if m.cfg.Policy.tactic {
+		x, err := m.km.Cluster(sl.cache, m.opts.Sinks, n-m.opts.Sinks, m.opts.KMeans)
+		if err == nil {
+			if err = sl.cache.Reorder(x); err != nil {
+				x.Release()
+			}
+		}
+		if err != nil {
+			return errors.Join(fmt.Errorf("decode: slot %d layer %d: clustering the prefill (undone): %w", slot, layer, err), sl.cache.Truncate(0))
+		}
+		sl.clusters = x
+	}
+	sl.filled = true
+	s.n = n
+	s.filled++
+	if s.filled == m.cfg.Layers {
+		i, _ := slices.BinarySearch(m.active, slot)
+		m.active = slices.Insert(m.active, i, slot)
+		return m.invalidate()
+	}
+	return nil
+}
+
+// invalidate releases every layer's batch (the active slots changed).
+func (m *Model) invalidate() error {
+	var errs []error
+	for l := range m.layers {
+		b := &m.layers[l]
+		if b.batch != nil {
+			errs = append(errs, b.batch.Release())
+		}
+		if b.plan != nil {
+			errs = append(errs, b.plan.Release())
+		}
+		b.batch, b.plan, b.queried = nil, nil, false
+	}
+	return errors.Join(errs...)
+}
+
+// checkToken refuses one token's keys or values for a layer of slot s: the
+// wrong length, not finite, or no room left.
+func (m *Model) checkToken(s, l int, k, v []uint16) error {
+	h := m.cfg.Heads
+	if want := h.KV * h.Dim; len(k) != want || len(v) != want {
+		return fmt.Errorf("decode: a token of layer %d needs %d keys and values (%d KV heads × %d), got %d and %d", l, want, h.KV, h.Dim, len(k), len(v))
+	}
+	if err := errors.Join(finiteHalves("k", k), finiteHalves("v", v)); err != nil {
+		return fmt.Errorf("decode: slot %d layer %d: %w", s, l, err)
+	}
+	if n := m.slots[s].seq[l].cache.Len(); n >= m.cfg.Capacity {
+		return fmt.Errorf("decode: slot %d layer %d is full (%d tokens, the capacity)", s, l, n)
+	}
+	return nil
+}
+
+// Append stores one token's keys and values (fp16 bit patterns,
+// [KVHeads][Dim] each) in an active slot's layer. With Tactic, once
+// Recluster tokens have gathered past the layer's index they are
+// clustered, stored in cluster order and join the index.
+func (m *Model) Append(slot, layer int, k, v []uint16) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := m.live(); err != nil {
+		return err
+	}
+	if err := errors.Join(m.checkLayer(layer), m.checkActive(slot)); err != nil {
+		return err
+	}
+	if err := m.checkToken(slot, layer, k, v); err != nil {
+		return err
+	}
+	if err := m.slots[slot].seq[layer].cache.Append(k, v); err != nil {
+		return fmt.Errorf("decode: slot %d layer %d: %w", slot, layer, err)
+	}
+	return m.clusterTail(slot, layer)
+}
+
+// AppendAll stores one token's keys and values in every layer of an
+// active slot: k and v hold [Layers][KVHeads][Dim] fp16 bit patterns. It
+// checks every layer's part before storing any.
+func (m *Model) AppendAll(slot int, k, v []uint16) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := m.live(); err != nil {
+		return err
+	}
+	if err := m.checkActive(slot); err != nil {
+		return err
+	}
+	h := m.cfg.Heads
+	per := h.KV * h.Dim
+	if want := m.cfg.Layers * per; len(k) != want || len(v) != want {
+		return fmt.Errorf("decode: AppendAll needs %d keys and values (%d layers × %d KV heads × %d), got %d and %d", want, m.cfg.Layers, h.KV, h.Dim, len(k), len(v))
+	}
+	for l := 0; l < m.cfg.Layers; l++ {
+		if err := m.checkToken(slot, l, k[l*per:(l+1)*per], v[l*per:(l+1)*per]); err != nil {
+			return err
+		}
+	}
+	seq := m.slots[slot].seq
+	for l := range seq {
+		if err := seq[l].cache.Append(k[l*per:(l+1)*per], v[l*per:(l+1)*per]); err != nil {
+			errs := []error{fmt.Errorf("decode: slot %d layer %d: %w", slot, l, err)}
+			for j := range l {
+				errs = append(errs, seq[j].cache.Truncate(seq[j].cache.Len()-1))
+			}
+			return errors.Join(errs...)
+		}
+	}
+	var errs []error
+	for l := range seq {
+		errs = append(errs, m.clusterTail(slot, l))
+	}
+	return errors.Join(errs...)
+}
+
+// clusterTail clusters the layer's tail, Recluster tokens at a time, while
+// it holds that many, and joins each to the index (Tactic).
+func (m *Model) clusterTail(slot, layer int) error {
+	if !m.cfg.Policy.tactic {
+		return nil
+	}
+	sl := &m.slots[slot].seq[layer]
+	fail := func(err error) error {
+		return fmt.Errorf("decode: slot %d layer %d: the token is stored, but clustering its tail failed (tried again at the next append): %w", slot, layer, err)
+	}
+	for {
+		end := sl.clusters.First + sl.clusters.Count
+		if sl.pending == nil {
+			if sl.cache.Len()-end < m.opts.Recluster {
+				return nil
+			}
+			x, err := m.km.Cluster(sl.cache, end, m.opts.Recluster, m.opts.KMeans)
+			if err != nil {
+				return fail(err)
+			}
+			if err := sl.cache.Reorder(x); err != nil {
+				x.Release()
+				return fail(err)
+			}
+			sl.pending = x
+		}
+		joined, err := sl.clusters.Join(m.dev, sl.pending)
+		if err != nil {
+			return fail(err)
+		}
+		if b := m.layers[layer].batch; b != nil {
+			i, _ := slices.BinarySearch(m.active, slot)
+			if err := b.Step(i).SetClusters(joined); err != nil {
+				joined.Release()
+				return fail(err)
+			}
+		}
+		err = errors.Join(sl.pending.Release(), sl.clusters.Release())
+		sl.pending, sl.clusters = nil, joined
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// Free ends the sequence in slot (active or partly prefilled): its layers
+// are emptied and the slot is idle, ready for another prefill.
+func (m *Model) Free(slot int) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := m.live(); err != nil {
+		return err
+	}
+	if err := m.checkSlot(slot); err != nil {
+		return err
+	}
+	s := &m.slots[slot]
+	if s.filled == 0 {
+		return fmt.Errorf("decode: slot %d holds no sequence to free", slot)
+	}
+	var errs []error
+	if i, ok := slices.BinarySearch(m.active, slot); ok {
+		m.active = slices.Delete(m.active, i, i+1)
+		errs = append(errs, m.invalidate())
+	}
+	for l := range s.seq {
+		errs = append(errs, m.empty(&s.seq[l]))
+	}
+	s.n, s.filled = 0, 0
+	return errors.Join(errs...)
+}
+
+// empty drops a slot's layer: its index and its tokens.
+func (m *Model) empty(sl *seqLayer) error {
+	var errs []error
+	for _, x := range []*kvcache.Clusters{sl.clusters, sl.pending} {
+		if x != nil {
+			errs = append(errs, x.Release())
+		}
+	}
+	sl.clusters, sl.pending = nil, nil
+	if sl.filled {
+		errs = append(errs, sl.cache.Truncate(0))
+	}
+	sl.filled = false
+	return errors.Join(errs...)
+}
+
+// Active returns the active slots in ascending order: the order of the
+// sequences in the queries and outputs of Attend, SetQuery and Output.
+func (m *Model) Active() []int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return slices.Clone(m.active)
+}
+
+// Idle returns the slots that hold no sequence, ascending.
+func (m *Model) Idle() []int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var idle []int
+	for i := range m.slots {
+		if m.slots[i].filled == 0 {
+			idle = append(idle, i)
+		}
+	}
+	return idle
+}
+
+// Len returns the tokens stored in slot's layer: 0 when that layer is not
+// prefilled, or slot or layer are out of range.
+func (m *Model) Len(slot, layer int) int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.live() != nil || m.checkSlot(slot) != nil || m.checkLayer(layer) != nil || !m.slots[slot].seq[layer].filled {
+		return 0
+	}
+	return m.slots[slot].seq[layer].cache.Len()
+}
+
+// checkQuery refuses queries for the active slots of the wrong length or
+// not finite.
+func (m *Model) checkQuery(q []float32) error {
+	h := m.cfg.Heads
+	b := len(m.active)
+	if b == 0 {
+		return fmt.Errorf("decode: no active sequence to attend")
+	}
+	if want := b * h.Query * h.Dim; len(q) != want {
+		return fmt.Errorf("decode: queries of %d values for %d active sequences × %d heads × %d (%d)", len(q), b, h.Query, h.Dim, want)
+	}
+	for i, x := range q {
+		if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
+			return fmt.Errorf("decode: query value %d is %v", i, x)
+		}
+	}
+	return nil
+}
+
+// build makes the layer's batch over the active slots, if it has none.
+func (m *Model) build(layer int) error {
+	b := &m.layers[layer]
+	if b.batch != nil || b.plan != nil {
+		return nil
+	}
+	caches := make([]*kvcache.Layer, len(m.active))
+	indexes := make([]*kvcache.Clusters, len(m.active))
+	for i, s := range m.active {
+		caches[i], indexes[i] = m.slots[s].seq[layer].cache, m.slots[s].seq[layer].clusters
+	}
+	var err error
+	if m.cfg.Policy.tactic {
+		b.batch, err = sparse.NewTacticBatch(m.dense, caches, indexes, m.cfg.Policy.p, m.opts.Fit)
+	} else {
+		b.plan, err = m.dense.Plan(caches)
+	}
+	if err != nil {
+		return fmt.Errorf("decode: layer %d: %w", layer, err)
+	}
+	return nil
+}
+
+// SetQuery uploads a layer's queries for the active slots, [B][Hq][D]
+// float32 in Active order, for the Record that follows.
+func (m *Model) SetQuery(layer int, q []float32) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.setQuery(layer, q)
+}
+
+func (m *Model) setQuery(layer int, q []float32) error {
+	if err := m.live(); err != nil {
+		return err
+	}
+	if err := m.checkLayer(layer); err != nil {
+		return err
+	}
+	if err := m.checkQuery(q); err != nil {
+		return err
+	}
+	if err := m.build(layer); err != nil {
+		return err
+	}
+	b := &m.layers[layer]
+	var err error
+	if b.batch != nil {
+		err = b.batch.SetQuery(q)
+	} else {
+		err = b.plan.SetQuery(q)
+	}
+	if err != nil {
+		return fmt.Errorf("decode: layer %d: %w", layer, err)
+	}
+	b.queried = true
+	return nil
+}
+
+// Record appends the layer's attention for the queries of the last
+// SetQuery to c; when c has run, Output holds the result. Record orders
+// what it records itself: earlier transfers in c that it reads need a
+// c.Barrier() before it, and commands after it that read Output a
+// c.Barrier() between. See the package documentation on what must wait
+// until c has run.
+func (m *Model) Record(layer int, c *vk.Commands) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.record(layer, c)
+}
+
+func (m *Model) record(layer int, c *vk.Commands) error {
+	if err := m.live(); err != nil {
+		return err
+	}
+	if err := m.checkLayer(layer); err != nil {
+		return err
+	}
+	if c == nil {
+		return fmt.Errorf("decode: Record into no command buffer")
+	}
+	b := &m.layers[layer]
+	if !b.queried {
+		return fmt.Errorf("decode: Record of layer %d before its SetQuery (queries are set again after the active slots change)", layer)
+	}
+	if b.plan != nil {
+		return b.plan.Record(c)
+	}
+	if err := b.batch.Record(c); err != nil {
+		return err
+	}
+	c.Barrier()
+	per := uint64(m.cfg.Heads.Query*m.cfg.Heads.Dim) * 4
+	for i := range b.batch.Len() {
+		c.Copy(b.batch.Step(i).Output().All(), b.out.Slice(uint64(i)*per, per))
+	}
+	return nil
+}
+
+// Output returns where Record puts the layer's attention output: float32
+// [B][Hq][D], the active slots in Active order. It is valid from the
+// layer's SetQuery until the active slots change.
+func (m *Model) Output(layer int) (vk.Range, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.output(layer)
+}
+
+func (m *Model) output(layer int) (vk.Range, error) {
+	if err := m.live(); err != nil {
+		return vk.Range{}, err
+	}
+	if err := m.checkLayer(layer); err != nil {
+		return vk.Range{}, err
+	}
+	b := &m.layers[layer]
+	if !b.queried {
+		return vk.Range{}, fmt.Errorf("decode: layer %d has no output before its SetQuery", layer)
+	}
+	if b.plan != nil {
+		return b.plan.Output().All(), nil
+	}
+	per := uint64(m.cfg.Heads.Query*m.cfg.Heads.Dim) * 4
+	return b.out.Slice(0, uint64(b.batch.Len())*per), nil
+}
+
+// ReadOutput reads the layer's output (Output) back to the host, once the
+// commands Record put in a command buffer have run.
+func (m *Model) ReadOutput(layer int) ([]float32, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.readOutput(layer)
+}
+
+func (m *Model) readOutput(layer int) ([]float32, error) {
+	r, err := m.output(layer)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]float32, r.Size/4)
+	return out, r.Buffer.ReadFloat32(r.Offset, out)
+}
+
+// Attend attends a layer's queries q ([B][Hq][D] float32, the active
+// slots in Active order) over the slots' caches, runs it and returns the
+// output, [B][Hq][D].
+func (m *Model) Attend(layer int, q []float32) ([]float32, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := m.setQuery(layer, q); err != nil {
+		return nil, err
+	}
+	c := m.cmd
+	if err := c.Begin(); err != nil {
+		return nil, err
+	}
+	if err := m.record(layer, c); err != nil {
+		c.End()
+		return nil, err
+	}
+	if err := c.End(); err != nil {
+		return nil, err
+	}
+	if err := c.Submit(); err != nil {
+		return nil, err
+	}
+	return m.readOutput(layer)
+}
+
+// Release frees everything the Model holds: batches, indexes, caches and
+// kernels (not the device).
+func (m *Model) Release() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := m.live(); err != nil {
+		return err
+	}
+	return m.release()
+}
+
+func (m *Model) release() error {
+	errs := []error{m.invalidate()}
+	for s := range m.slots {
+		for l := range m.slots[s].seq {
+			sl := &m.slots[s].seq[l]
+			errs = append(errs, m.empty(sl))
+			if sl.cache != nil {
+				errs = append(errs, sl.cache.Release())
+				sl.cache = nil
+			}
+		}
+	}
+	for l := range m.layers {
+		if m.layers[l].out != nil {
+			errs = append(errs, m.layers[l].out.Release())
+			m.layers[l].out = nil
+		}
+	}
+	if m.cmd != nil {
+		errs = append(errs, m.cmd.Release())
+	}
+	if m.km != nil {
+		errs = append(errs, m.km.Release())
+	}
+	if m.dense != nil {
+		errs = append(errs, m.dense.Release())
+	}
+	m.cmd, m.km, m.dense, m.dev = nil, nil, nil, nil
+	m.slots, m.layers, m.active = nil, nil, nil
+	return errors.Join(errs...)
+}
