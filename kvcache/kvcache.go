@@ -172,9 +172,10 @@ func checkAppend(kvHeads, headDim, capacity, stored int, k, v []uint16) error {
 }
 
 // Prefill replaces the cache's contents with n tokens: k and v hold fp16
-// bit patterns in [KVHeads][n][HeadDim] order. Every check comes before
-// the first write: a refused call leaves the cache as it was; one the
-// device fails part way leaves it empty.
+// bit patterns in [KVHeads][n][HeadDim] order, and slots are back in token
+// order (an index that Reorder used no longer describes them). Every check
+// comes before the first write: a refused call leaves the cache as it was;
+// one the device fails part way leaves it empty.
 func (l *Layer) Prefill(k, v []uint16, n int) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
