@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -71,6 +73,39 @@ type Config struct {
 	QueryCorrelation float64
 	// Kinds gives the kind of each query head; nil means DefaultKinds.
 	Kinds []HeadKind
+	// Profiles, if not nil, gives each query head its own profile in
+	// place of its kind's (the kind then only labels the head).
+	Profiles []Profile
+	// GroupShare is the share, in [0, 1], of the variance of the random
+	// and context parts of a query that the heads of one KV group have in
+	// common; 0 makes them independent.
+	GroupShare float64
+	// SemanticNoise is the std of the key noise per element of the
+	// semantic band; 0 means 1. Less noise lets the topics stand out.
+	SemanticNoise float64
+	// GroupTopics makes the heads of a KV group take their topics from one
+	// list drawn per group: a head's i-th topic is the group's i-th.
+	GroupTopics bool
+}
+
+// Profile gives, in logit units (q·k·Scale), what a query head gets from
+// each part of the keys (see the package documentation).
+type Profile struct {
+	Sink       float64   // logit of the first sink
+	Positional float64   // logit from the positional pairs at distance 0
+	Local      float64   // logit from the local context at distance 0
+	Topics     []float64 // logits of nearby tokens of the head's topics
+	// Random is the std over tokens of the logit from the random part,
+	// which lives in every pair but the positional ones.
+	Random float64
+	// SinkMass, if positive, replaces Sink: at every decode step the
+	// head's sink logit is set so that the sinks take this share (below
+	// 1) of its softmax mass over the tokens it attends.
+	SinkMass float64
+	// Context is the std over tokens of the logit from a random direction
+	// of the fast band outside the positional pairs, where the keys carry
+	// the local context: a logit that varies slowly along the context.
+	Context float64
 }
 
 // DefaultConfig returns a Llama-3-8B-like layer of the given length: 8 KV
@@ -191,6 +226,43 @@ func (c *Config) validate() error {
 			return fmt.Errorf("workload: Kinds[%d] = %d is not a head kind", h, int(k))
 		}
 	}
+	switch {
+	case c.Profiles != nil && len(c.Profiles) != c.QHeads:
+		return fmt.Errorf("workload: %d Profiles for %d query heads", len(c.Profiles), c.QHeads)
+	case !(c.GroupShare >= 0 && c.GroupShare <= 1):
+		return fmt.Errorf("workload: GroupShare %g outside [0, 1]", c.GroupShare)
+	case !(c.SemanticNoise >= 0) || math.IsInf(c.SemanticNoise, 0):
+		return fmt.Errorf("workload: SemanticNoise %g must be a finite number ≥ 0", c.SemanticNoise)
+	}
+	for h, p := range c.Profiles {
+		if err := p.validate(); err != nil {
+			return fmt.Errorf("workload: Profiles[%d]: %w", h, err)
+		}
+	}
+	return nil
+}
+
+// maxLogit bounds the logits of a Profile, far above anything useful, so
+// that the queries stay finite in float32.
+const maxLogit = 1000
+
+func (p *Profile) validate() error {
+	ok := func(x float64) bool { return math.Abs(x) <= maxLogit }
+	switch {
+	case !ok(p.Sink) || !ok(p.Positional) || !ok(p.Local):
+		return fmt.Errorf("Sink %g, Positional %g and Local %g must lie in [-%d, %d]", p.Sink, p.Positional, p.Local, maxLogit, maxLogit)
+	case !(p.Random >= 0 && p.Random <= maxLogit) || !(p.Context >= 0 && p.Context <= maxLogit):
+		return fmt.Errorf("Random %g and Context %g must lie in [0, %d]", p.Random, p.Context, maxLogit)
+	case !(p.SinkMass >= 0 && p.SinkMass < 1):
+		return fmt.Errorf("SinkMass %g outside [0, 1)", p.SinkMass)
+	case len(p.Topics) > maxGroupTopics:
+		return fmt.Errorf("%d topics, more than %d", len(p.Topics), maxGroupTopics)
+	}
+	for _, x := range p.Topics {
+		if !ok(x) {
+			return fmt.Errorf("topic logit %g outside [-%d, %d]", x, maxLogit, maxLogit)
+		}
+	}
 	return nil
 }
 
@@ -210,20 +282,11 @@ const (
 	positionalMinFreq = 1.0 / 32
 )
 
-// profile gives, in logit units (q·k·Scale), what a kind of query head
-// gets from each part of the keys.
-type profile struct {
-	sink       float64   // logit of the first sink
-	positional float64   // logit from the positional pairs at distance 0
-	local      float64   // logit from the local context at distance 0
-	topics     []float64 // logits of nearby tokens of the head's topics
-	random     float64   // std over tokens of the logit from the random part
-}
-
-var profiles = [...]profile{
-	Streaming: {sink: 14, positional: 2, local: 7.5, random: 0.3},
-	Retrieval: {sink: 8, positional: 1, local: 1, random: 1.5},
-	Topic:     {sink: 9, positional: 1, local: 2, topics: []float64{4, 3}, random: 0.7},
+// profiles gives the profile of each kind of query head.
+var profiles = [...]Profile{
+	Streaming: {Sink: 14, Positional: 2, Local: 7.5, Random: 0.3},
+	Retrieval: {Sink: 8, Positional: 1, Local: 1, Random: 1.5},
+	Topic:     {Sink: 9, Positional: 1, Local: 2, Topics: []float64{4, 3}, Random: 0.7},
 }
 
 // bands splits the head's RoPE pairs, fastest first: pairs [0, sem) are
@@ -329,6 +392,10 @@ const (
 	streamDirections
 	streamQueries
 	streamKeys // streamKeys+h for KV head h
+
+	// streamGroupQueries draws the parts of the queries that the heads of
+	// a KV group share (Config.GroupShare, Config.GroupTopics).
+	streamGroupQueries = 1 << 40
 )
 
 func newRand(seed int64, stream int) *rand.Rand {
@@ -380,7 +447,11 @@ func Generate(cfg Config) (*trace.Trace, error) {
 	for i := range t.QPos {
 		t.QPos[i] = int32(cfg.Tokens - cfg.Queries + i)
 	}
-	t.Q = makeQueries(&cfg, b, freqs, dirs, contexts, kinds, t.QPos, newRand(cfg.Seed, streamQueries))
+	var parts []queryParts
+	t.Q, parts = makeQueries(&cfg, b, freqs, dirs, contexts, topicOf, kinds, t.QPos, newRand(cfg.Seed, streamQueries))
+	if cfg.Profiles != nil {
+		calibrateQueries(&cfg, dirs, parts, t)
+	}
 
 	names := make([]string, len(kinds))
 	for h, k := range kinds {
@@ -440,11 +511,18 @@ func topicSequence(cfg *Config) []int {
 	return topicOf
 }
 
+func (c *Config) semanticNoise() float64 {
+	if c.SemanticNoise == 0 {
+		return noiseSemantic
+	}
+	return c.SemanticNoise
+}
+
 // keyNoiseStd returns the std of key noise for each element.
-func keyNoiseStd(b bands) []float64 {
+func keyNoiseStd(cfg *Config, b bands) []float64 {
 	std := make([]float64, 2*b.half)
 	for j := range b.half {
-		s := noiseSemantic
+		s := cfg.semanticNoise()
 		if j < b.sem {
 			s = noiseFast
 		}
@@ -503,7 +581,7 @@ func (c *localContext) step(rng *rand.Rand) {
 // tokens.
 func fillKeysValues(cfg *Config, b bands, freqs []float64, dirs *headDirections, topicOf []int, rng *rand.Rand, k, v []uint16) [][]float64 {
 	d := cfg.HeadDim
-	noise := keyNoiseStd(b)
+	noise := keyNoiseStd(cfg, b)
 	ctx := newLocalContext(rng, b, cfg.Window)
 	var queryContexts [][]float64
 	key := make([]float64, d)
@@ -548,13 +626,13 @@ func fillKeysValues(cfg *Config, b bands, freqs []float64, dirs *headDirections,
 
 // makeQueries returns the decode queries, [Queries][QHeads][HeadDim]. A
 // head's query at step i is the RoPE rotation, at its position, of a part
-// fixed by its kind's profile (positional and topic directions) plus a
-// random part that follows an AR(1) process from step to step; then the
-// local context at its position is added, like for the keys, and the
-// component along the sinks' key direction is set to give the profile's
-// sink logit (the sinks' large keys would turn any stray part along it
-// into a large random sink logit).
-func makeQueries(cfg *Config, b bands, freqs []float64, dirs []headDirections, contexts [][][]float64, kinds []HeadKind, qpos []int32, rng *rand.Rand) []float32 {
+// fixed by its profile (positional and topic directions) plus random parts
+// that follow an AR(1) process from step to step; then the local context
+// at its position is added, like for the keys, and the component along the
+// sinks' key direction is set to give the profile's sink logit (the sinks'
+// large keys would turn any stray part along it into a large random sink
+// logit).
+func makeQueries(cfg *Config, b bands, freqs []float64, dirs []headDirections, contexts [][][]float64, topicOf []int, kinds []HeadKind, qpos []int32, rng *rand.Rand) ([]float32, []queryParts) {
 	d := cfg.HeadDim
 	scale := 1 / math.Sqrt(float64(d))
 	group := cfg.QHeads / cfg.KVHeads
@@ -564,42 +642,69 @@ func makeQueries(cfg *Config, b bands, freqs []float64, dirs []headDirections, c
 	}
 	// The random part has std randomStd per element of randomIdx (all but
 	// the positional pairs); its logit has std randomStd·scale·sqrt(sum of
-	// the key variances over randomIdx).
+	// the key variances over randomIdx). The context part likewise over
+	// contextIdx, the fast band outside the positional pairs.
 	randomIdx := b.elems(b.pos, b.half)
+	contextIdx := b.elems(b.pos, b.sem)
 	semanticDims := float64(2 * (b.half - b.sem))
 	var keyVariance float64
 	for _, i := range randomIdx {
 		if i%b.half < b.sem {
 			keyVariance += contextStd*contextStd + noiseFast*noiseFast
 		} else {
-			keyVariance += noiseSemantic*noiseSemantic + topicNorm*topicNorm/semanticDims
+			keyVariance += cfg.semanticNoise()*cfg.semanticNoise() + topicNorm*topicNorm/semanticDims
 		}
 	}
+	contextVariance := float64(len(contextIdx)) * (contextStd*contextStd + noiseFast*noiseFast)
 
-	q := make([]float32, len(qpos)*cfg.QHeads*d)
 	rho := cfg.QueryCorrelation
 	innovation := math.Sqrt(1 - rho*rho)
+	// Parts shared by the heads of a KV group come from their own stream,
+	// drawn only when asked for, so that configs without them give the
+	// same queries as before.
+	var shared *groupParts
+	if cfg.GroupShare > 0 || cfg.GroupTopics {
+		shared = newGroupParts(cfg, d, randomIdx, contextIdx, topicOf, len(qpos), rho)
+	}
+	ownShare := math.Sqrt(1 - cfg.GroupShare)
+	groupShare := math.Sqrt(cfg.GroupShare)
+
+	q := make([]float32, len(qpos)*cfg.QHeads*d)
+	var parts []queryParts
+	if cfg.Profiles != nil {
+		parts = make([]queryParts, len(qpos)*cfg.QHeads)
+	}
 	for h, kind := range kinds {
 		p := profiles[kind]
+		if cfg.Profiles != nil {
+			p = cfg.Profiles[h]
+		}
 		kv := h / group
 		dir := &dirs[kv]
 		fixed := make([]float64, d)
 		for i := range fixed {
-			fixed[i] = p.positional / (scale * positionalNorm2) * dir.positional[i]
+			fixed[i] = p.Positional / (scale * positionalNorm2) * dir.positional[i]
 		}
 		previous := -1
-		for _, logit := range p.topics {
-			topic := rng.IntN(cfg.Topics)
-			if topic == previous {
-				topic = (topic + 1) % cfg.Topics
+		for j, logit := range p.Topics {
+			var topic int
+			if cfg.GroupTopics {
+				topic = shared.topics[kv][j%len(shared.topics[kv])]
+			} else {
+				topic = rng.IntN(cfg.Topics)
+				if topic == previous {
+					topic = (topic + 1) % cfg.Topics
+				}
+				previous = topic
 			}
-			previous = topic
 			for i, s := range dir.topics[topic] {
 				fixed[i] += logit / (scale * topicNorm) * s
 			}
 		}
-		randomStd := p.random / (scale * math.Sqrt(keyVariance))
+		randomStd := p.Random / (scale * math.Sqrt(keyVariance))
+		contextRandomStd := p.Context / (scale * math.Sqrt(contextVariance))
 		random := make([]float64, d)
+		context := make([]float64, d)
 		vec := make([]float64, d)
 		for step, pos := range qpos {
 			for _, i := range randomIdx {
@@ -609,8 +714,43 @@ func makeQueries(cfg *Config, b bands, freqs []float64, dirs []headDirections, c
 					random[i] = rho*random[i] + innovation*randomStd*rng.NormFloat64()
 				}
 			}
+			if p.Context != 0 {
+				for _, i := range contextIdx {
+					if step == 0 {
+						context[i] = rng.NormFloat64()
+					} else {
+						context[i] = rho*context[i] + innovation*rng.NormFloat64()
+					}
+				}
+			}
 			for i := range vec {
-				vec[i] = fixed[i] + random[i]
+				vec[i] = fixed[i]
+			}
+			var rpart, cpart []float64
+			if parts != nil {
+				rpart, cpart = make([]float64, d), make([]float64, d)
+			}
+			for _, i := range randomIdx {
+				x := random[i]
+				if shared != nil {
+					x = ownShare*x + groupShare*randomStd*shared.random[kv][step][i]
+				}
+				vec[i] += x
+				if rpart != nil {
+					rpart[i] = x
+				}
+			}
+			if p.Context != 0 {
+				for _, i := range contextIdx {
+					c := context[i]
+					if shared != nil {
+						c = ownShare*c + groupShare*shared.context[kv][step][i]
+					}
+					vec[i] += contextRandomStd * c
+					if cpart != nil {
+						cpart[i] = contextRandomStd * c
+					}
+				}
 			}
 			rotate(vec, freqs, int(pos))
 			c := contexts[kv][step]
@@ -618,13 +758,30 @@ func makeQueries(cfg *Config, b bands, freqs []float64, dirs []headDirections, c
 			for _, x := range c {
 				c2 += x * x
 			}
+			if parts != nil {
+				// With a profile the random and context parts leave the
+				// local context at the query's position alone, so that the
+				// local part alone sets the logits of the nearest tokens.
+				for _, part := range [][]float64{rpart, cpart} {
+					rotate(part, freqs, int(pos))
+					var along float64
+					for i, x := range c {
+						along += part[i] * x
+					}
+					for i, x := range c {
+						part[i] -= along / c2 * x
+						vec[i] -= along / c2 * x
+					}
+				}
+				parts[step*cfg.QHeads+h] = queryParts{random: rpart, context: cpart}
+			}
 			var along float64
 			for i := range vec {
-				vec[i] += p.local / (scale * c2) * c[i]
+				vec[i] += p.Local / (scale * c2) * c[i]
 				along += vec[i] * dir.sink[i]
 			}
 			for i, s := range dir.sink {
-				vec[i] += (p.sink/(scale*sinkNorm) - along) * s
+				vec[i] += (p.Sink/(scale*sinkNorm) - along) * s
 			}
 			out := q[(step*cfg.QHeads+h)*d:]
 			for i := range d {
@@ -632,5 +789,240 @@ func makeQueries(cfg *Config, b bands, freqs []float64, dirs []headDirections, c
 			}
 		}
 	}
-	return q
+	return q, parts
+}
+
+// queryParts holds the random and context parts of one query, after RoPE.
+type queryParts struct{ random, context []float64 }
+
+// groupParts holds the parts of the queries that the heads of each KV
+// group share: unit-variance random and context parts per decode step, and
+// a list of topics.
+type groupParts struct {
+	random, context [][][]float64 // [KV group][step][element]
+	topics          [][]int       // [KV group]
+}
+
+// maxGroupTopics is the length of a group's topic list (GroupTopics), and
+// groupTopicSpan the recent tokens its topics come from.
+const (
+	maxGroupTopics = 8
+	groupTopicSpan = 4096
+)
+
+func newGroupParts(cfg *Config, d int, randomIdx, contextIdx []int, topicOf []int, steps int, rho float64) *groupParts {
+	rng := newRand(cfg.Seed, streamGroupQueries)
+	innovation := math.Sqrt(1 - rho*rho)
+	g := &groupParts{}
+	ar := func(idx []int) [][]float64 {
+		out := make([][]float64, steps)
+		for step := range out {
+			out[step] = make([]float64, d)
+			for _, i := range idx {
+				if step == 0 {
+					out[step][i] = rng.NormFloat64()
+				} else {
+					out[step][i] = rho*out[step-1][i] + innovation*rng.NormFloat64()
+				}
+			}
+		}
+		return out
+	}
+	// A group's topics are those of tokens drawn uniformly from the
+	// groupTopicSpan tokens before the decode tail: topics of the recent
+	// context, the common ones more often. (Runs of a topic far away count
+	// less, as RoPE turns the semantic band over long distances.) The draws
+	// skip topics already taken and give up after a while, so short
+	// contexts may give fewer.
+	end := cfg.Tokens - cfg.Queries
+	first := max(cfg.Sinks, end-groupTopicSpan)
+	for range cfg.KVHeads {
+		g.random = append(g.random, ar(randomIdx))
+		g.context = append(g.context, ar(contextIdx))
+		var topics []int
+		for try := 0; try < 64*maxGroupTopics && len(topics) < maxGroupTopics && end > first; try++ {
+			t := topicOf[first+rng.IntN(end-first)]
+			if !slices.Contains(topics, t) {
+				topics = append(topics, t)
+			}
+		}
+		if len(topics) == 0 {
+			topics = append(topics, rng.IntN(cfg.Topics))
+		}
+		g.topics = append(g.topics, topics)
+	}
+	return g
+}
+
+// calibrateQueries makes the queries of heads with Profiles meet their
+// profile exactly over the keys they attend (as stored, in fp16): it
+// rescales each query's random and context parts so that the std of their
+// logits over the tokens after the sinks is Random and Context, then, for
+// a SinkMass, sets the part along the sinks' key direction so that the
+// sinks take that share of the softmax mass. With that part s·sink/(Scale·
+// sinkNorm), token n's logit is b_n + s·a_n, b_n the logit without it and
+// a_n = k_n·sink/sinkNorm; Newton's method on the log-odds of the sinks'
+// mass finds s.
+func calibrateQueries(cfg *Config, dirs []headDirections, parts []queryParts, t *trace.Trace) {
+	d, group := cfg.HeadDim, cfg.QHeads/cfg.KVHeads
+	halves := halfTable()
+	// slope[kv][n] = k_n·sink/sinkNorm for every token of KV head kv.
+	slope := make([][]float64, cfg.KVHeads)
+	parallel(cfg.KVHeads, func(kv int) {
+		sink := dirs[kv].sink
+		keys := t.K[kv*cfg.Tokens*d : (kv+1)*cfg.Tokens*d]
+		slope[kv] = make([]float64, cfg.Tokens)
+		for n := range slope[kv] {
+			var dot float64
+			for i, x := range keys[n*d : (n+1)*d] {
+				dot += sink[i] * float64(halves[x])
+			}
+			slope[kv][n] = dot / sinkNorm
+		}
+	})
+	parallel(cfg.QHeads, func(h int) {
+		p := cfg.Profiles[h]
+		kv := h / group
+		sink := dirs[kv].sink
+		keys := t.K[kv*cfg.Tokens*d : (kv+1)*cfg.Tokens*d]
+		logits := func(v []float64, n, stride int) []float64 {
+			out := make([]float64, 0, n/stride+1)
+			for tok := 0; tok < n; tok += stride {
+				var dot float64
+				for i, x := range keys[tok*d : (tok+1)*d] {
+					dot += v[i] * float64(halves[x])
+				}
+				out = append(out, dot*t.Scale)
+			}
+			return out
+		}
+		q := make([]float64, d)
+		for step, pos := range t.QPos {
+			out := t.Q[(step*cfg.QHeads+h)*d : (step*cfg.QHeads+h+1)*d]
+			for i := range q {
+				q[i] = float64(out[i])
+			}
+			n := int(pos) + 1
+			first := min(cfg.Sinks, n-1)
+			// The spread is estimated on at most about 16384 tokens.
+			stride := max(1, (n-first)/16384)
+			// The part along the sinks' direction is set last: take it out
+			// of the query and its parts first.
+			qp := parts[step*cfg.QHeads+h]
+			for _, v := range [][]float64{q, qp.random, qp.context} {
+				var along float64
+				for i := range v {
+					along += v[i] * sink[i]
+				}
+				for i := range v {
+					v[i] -= along * sink[i]
+				}
+			}
+			// Scale each part to its std, then both together to the std
+			// of their sum had they been independent.
+			skip := (first + stride - 1) / stride
+			sum := make([]float64, d)
+			for _, part := range []struct {
+				v    []float64
+				want float64
+			}{{qp.random, p.Random}, {qp.context, p.Context}} {
+				if sd := stdDev(logits(part.v, n, stride)[skip:]); sd > 0 {
+					for i := range sum {
+						sum[i] += part.want / sd * part.v[i]
+						q[i] -= part.v[i]
+					}
+				}
+			}
+			if sd := stdDev(logits(sum, n, stride)[skip:]); sd > 0 {
+				for i := range q {
+					q[i] += math.Hypot(p.Random, p.Context) / sd * sum[i]
+				}
+			}
+			s := p.Sink
+			if p.SinkMass > 0 && cfg.Sinks > 0 && n > cfg.Sinks {
+				s = solveSinkLogit(logits(q, n, 1), slope[kv][:n], cfg.Sinks, math.Log(p.SinkMass/(1-p.SinkMass)))
+			}
+			for i := range q {
+				q[i] += s / (t.Scale * sinkNorm) * sink[i]
+			}
+			for i := range out {
+				out[i] = float32(q[i])
+			}
+		}
+	})
+}
+
+// parallel runs f(0) … f(n−1) on GOMAXPROCS goroutines.
+func parallel(n int, f func(i int)) {
+	var wg sync.WaitGroup
+	next := make(chan int)
+	for range min(n, runtime.GOMAXPROCS(0)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range next {
+				f(i)
+			}
+		}()
+	}
+	for i := range n {
+		next <- i
+	}
+	close(next)
+	wg.Wait()
+}
+
+// stdDev returns the standard deviation of x (0 for fewer than two).
+func stdDev(x []float64) float64 {
+	if len(x) < 2 {
+		return 0
+	}
+	var mean, m2 float64
+	for _, v := range x {
+		mean += v
+	}
+	mean /= float64(len(x))
+	for _, v := range x {
+		m2 += (v - mean) * (v - mean)
+	}
+	return math.Sqrt(m2 / float64(len(x)))
+}
+
+// solveSinkLogit returns S such that the log-odds of the softmax mass of
+// tokens [0, sinks) over the rest, with logits base[n] + S·slope[n], is
+// target.
+func solveSinkLogit(base, slope []float64, sinks int, target float64) float64 {
+	// lse returns the log of Σ exp(base+S·slope) over tokens [lo, hi) and
+	// the softmax-weighted mean of slope there.
+	lse := func(s float64, lo, hi int) (float64, float64) {
+		m := math.Inf(-1)
+		for n := lo; n < hi; n++ {
+			m = max(m, base[n]+s*slope[n])
+		}
+		var z, zs float64
+		for n := lo; n < hi; n++ {
+			e := math.Exp(base[n] + s*slope[n] - m)
+			z += e
+			zs += e * slope[n]
+		}
+		return m + math.Log(z), zs / z
+	}
+	if sinks >= len(base) {
+		return 0
+	}
+	s := 10.0
+	for range 50 {
+		ls, ds := lse(s, 0, sinks)
+		lr, dr := lse(s, sinks, len(base))
+		f, df := ls-lr-target, ds-dr
+		if df <= 0 {
+			break
+		}
+		step := f / df
+		s -= step
+		if math.Abs(step) < 1e-6 {
+			break
+		}
+	}
+	return s
 }

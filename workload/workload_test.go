@@ -51,6 +51,13 @@ func TestGenerateRejectsBadConfigs(t *testing.T) {
 		"query correlation 1":  {func(c *Config) { c.QueryCorrelation = 1 }, "QueryCorrelation"},
 		"kinds length":         {func(c *Config) { c.Kinds = []HeadKind{Topic} }, "Kinds"},
 		"unknown kind":         {func(c *Config) { c.Kinds = make([]HeadKind, 8); c.Kinds[3] = 7 }, "not a head kind"},
+		"profiles length":      {func(c *Config) { c.Profiles = make([]Profile, 3) }, "Profiles"},
+		"group share":          {func(c *Config) { c.GroupShare = 1.5 }, "GroupShare"},
+		"semantic noise":       {func(c *Config) { c.SemanticNoise = -1 }, "SemanticNoise"},
+		"sink mass 1":          {func(c *Config) { c.Profiles = make([]Profile, 8); c.Profiles[2].SinkMass = 1 }, "SinkMass"},
+		"negative random":      {func(c *Config) { c.Profiles = make([]Profile, 8); c.Profiles[2].Random = -1 }, "Random"},
+		"huge sink logit":      {func(c *Config) { c.Profiles = make([]Profile, 8); c.Profiles[2].Sink = math.Inf(1) }, "Sink"},
+		"too many topics":      {func(c *Config) { c.Profiles = make([]Profile, 8); c.Profiles[2].Topics = make([]float64, 9) }, "topics"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
