@@ -17,7 +17,8 @@ import (
 // selection on one layer (generated or read from a trace) at one target
 // mass, as sparse.TacticEvaluate measures it, per query head included.
 type tacticResult struct {
-	// Source is "generator" or the trace file's base name.
+	// Source is "generator" (mixed kinds), "generator " and the -kinds
+	// name, or the trace file's base name.
 	Source  string `json:"source"`
 	Seed    int64  `json:"seed,omitempty"` // generator seed
 	Tokens  int    `json:"tokens"`
@@ -65,6 +66,7 @@ func fidelity(args []string) error {
 	tracePath := fs.String("trace", "", "evaluate this trace file (see package trace) instead of generated layers (-n and -seed are then unused)")
 	queries := fs.Int("queries", 0, "decode queries: the generator makes this many; of a trace, the last this many of its consecutive tail (0: 8, or the whole tail)")
 	seed := fs.Int64("seed", 1, "seed of the generated layers")
+	kindsName := fs.String("kinds", "mixed", kindsUsage)
 	heads := fs.Bool("heads", false, "also print the figures of every query head")
 	spans := fs.String("span", "0", fmt.Sprintf("K-means within spans of this many tokens (comma-separated to compare; 0: whole prefill, the paper's clustering; %d recommended)", sparse.KMeansDefaultSpan))
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
@@ -119,12 +121,20 @@ func fidelity(args []string) error {
 			return fmt.Errorf("-n: %v", err)
 		}
 		for _, n := range nList {
-			cfg := workload.DefaultConfig(n)
+			d := workload.DefaultConfig(n)
+			cfg, err := workload.NamedConfig(*kindsName, n, d.QHeads, d.KVHeads, d.HeadDim)
+			if err != nil {
+				return fmt.Errorf("-kinds: %v", err)
+			}
 			cfg.Seed = *seed
 			if *queries > 0 {
 				cfg.Queries = *queries
 			}
-			sources = append(sources, tacticSource{name: "generator", seed: cfg.Seed, units: cfg.KVHeads * (1 + cfg.Queries),
+			name := "generator"
+			if *kindsName != "mixed" {
+				name += " " + *kindsName
+			}
+			sources = append(sources, tacticSource{name: name, seed: cfg.Seed, units: cfg.KVHeads * (1 + cfg.Queries),
 				load: func() (*trace.Trace, error) { return workload.Generate(cfg) }})
 		}
 	}

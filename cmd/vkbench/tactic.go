@@ -16,6 +16,9 @@ type stepRow struct {
 	sparse.TacticRun
 }
 
+// kindsUsage describes the -kinds flag of tactic and fidelity.
+const kindsUsage = "the generated workload: mixed (every KV group holds every head kind), grouped (one kind per KV group), late (a sparse late layer: streaming heads, a topic head in every other group), llama or megabeam (layers calibrated to the sparsity Tactic finds in Llama-3.1-8B-Instruct and MegaBeam-Mistral-7B; see package workload)"
+
 func tactic(args []string) error {
 	fs := flag.NewFlagSet("tactic", flag.ExitOnError)
 	ns := fs.String("n", "32768", "context lengths of the generated workload (comma-separated)")
@@ -24,7 +27,7 @@ func tactic(args []string) error {
 	qHeads := fs.Int("heads", 32, "query heads (generated workload)")
 	kvHeads := fs.Int("kv-heads", 8, "KV heads (generated workload)")
 	dim := fs.Int("dim", 128, "head dimension (generated workload)")
-	kindsName := fs.String("kinds", "mixed", "head kinds of the generated workload: mixed (every KV group holds every kind), grouped (one kind per KV group) or late (a sparse late layer: streaming heads, a topic head in every other group)")
+	kindsName := fs.String("kinds", "mixed", kindsUsage)
 	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	batchList := fs.String("batch", "1", "batch sizes B (comma-separated): for each B > 1 a batched step over B sequences, each its own cache and index, is timed beside dense attention over B")
@@ -47,16 +50,8 @@ func tactic(args []string) error {
 	}
 	fit := sparse.DefaultTacticFit()
 	fit.MaxWindow = *maxWindow
-	var kinds func(q, kv int) []workload.HeadKind
-	switch *kindsName {
-	case "mixed":
-		kinds = workload.DefaultKinds
-	case "grouped":
-		kinds = workload.GroupedKinds
-	case "late":
-		kinds = workload.LateKinds
-	default:
-		return fmt.Errorf("-kinds: %q is not mixed, grouped or late", *kindsName)
+	if _, err := workload.NamedConfig(*kindsName, 1, *qHeads, *kvHeads, *dim); err != nil {
+		return fmt.Errorf("-kinds: %v", err)
 	}
 	var traces []*trace.Trace
 	var names []string
@@ -72,8 +67,11 @@ func tactic(args []string) error {
 			return fmt.Errorf("-n: %v", err)
 		}
 		for _, n := range nList {
-			cfg := workload.DefaultConfig(n)
-			cfg.QHeads, cfg.KVHeads, cfg.HeadDim, cfg.Seed, cfg.Kinds = *qHeads, *kvHeads, *dim, *seed, kinds(*qHeads, *kvHeads)
+			cfg, err := workload.NamedConfig(*kindsName, n, *qHeads, *kvHeads, *dim)
+			if err != nil {
+				return err
+			}
+			cfg.Seed = *seed
 			t, err := workload.Generate(cfg)
 			if err != nil {
 				return err
