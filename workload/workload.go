@@ -84,7 +84,8 @@ type Config struct {
 	// semantic band; 0 means 1. Less noise lets the topics stand out.
 	SemanticNoise float64
 	// GroupTopics makes the heads of a KV group take their topics from one
-	// list drawn per group: a head's i-th topic is the group's i-th.
+	// list drawn per group, the topics of tokens drawn from the 4096 before
+	// the decode tail: a head's i-th topic is the group's i-th.
 	GroupTopics bool
 }
 
