@@ -94,13 +94,7 @@ func kmeansSpanCase(t *testing.T, dev *vk.Device, km *KMeans, layer *kvcache.Lay
 				if got.Assign[r] == want[r] {
 					continue
 				}
-				k := rows[r*dim : (r+1)*dim]
-				a, b := init[got.Assign[r]], init[want[r]]
-				da, db := 0.0, 0.0
-				for d := range k {
-					da += (k[d] - rows[a*dim+d]) * (k[d] - rows[a*dim+d])
-					db += (k[d] - rows[b*dim+d]) * (k[d] - rows[b*dim+d])
-				}
+				da, db := initDistances(rows, dim, r, int(init[got.Assign[r]]), int(init[want[r]]))
 				require.InDelta(t, db, da, 1e-3*(1+db), "%s: head %d row %d: GPU cluster %d (d² %g), reference %d (d² %g); %d differ, first: %s", what, g, r, got.Assign[r], da, want[r], db, bad, firstBad)
 			}
 			require.LessOrEqual(t, bad, count/100, "%s: head %d: too many near ties; first: %s", what, g, firstBad)

@@ -109,13 +109,7 @@ func kmeansFirstStep(t *testing.T, dev *vk.Device, dim int) {
 			if got.Assign[r] == want[r] {
 				continue
 			}
-			k := rows[r*dim : (r+1)*dim]
-			a, b := init[got.Assign[r]], init[want[r]]
-			da, db := 0.0, 0.0
-			for d := range k {
-				da += (k[d] - rows[a*dim+d]) * (k[d] - rows[a*dim+d])
-				db += (k[d] - rows[b*dim+d]) * (k[d] - rows[b*dim+d])
-			}
+			da, db := initDistances(rows, dim, r, int(init[got.Assign[r]]), int(init[want[r]]))
 			require.InDelta(t, db, da, 1e-3*(1+db), "head %d token %d: GPU cluster %d (d² %g), reference %d (d² %g)", g, r, got.Assign[r], da, want[r], db)
 			ties++
 		}
@@ -249,12 +243,7 @@ func TestKMeansTensorMatchesFloat32(t *testing.T) {
 				if a == b {
 					continue
 				}
-				k := rows[r*dim : (r+1)*dim]
-				da, db := 0.0, 0.0
-				for d := range k {
-					ea, eb := k[d]-rows[init[a]*dim+d], k[d]-rows[init[b]*dim+d]
-					da, db = da+ea*ea, db+eb*eb
-				}
+				da, db := initDistances(rows, dim, r, int(init[a]), int(init[b]))
 				require.InDelta(t, db, da, 1e-4*(1+db), "dim %d head %d token %d: tensor cluster %d (d² %g), float32 %d (d² %g)", dim, g, r, a, da, b, db)
 				diff++
 			}
@@ -382,4 +371,16 @@ func TestKMeansLargeClustersHeads(t *testing.T) {
 			require.Equal(t, got, runs[1][g], "tensor %v head %d: a second run differs", tensor, g)
 		}
 	}
+}
+
+// initDistances returns the squared distances of row r of rows (of
+// dimension dim) to rows a and b, the initial centroids a near tie is
+// judged between.
+func initDistances(rows []float64, dim, r, a, b int) (da, db float64) {
+	k := rows[r*dim : (r+1)*dim]
+	for d := range k {
+		ea, eb := k[d]-rows[a*dim+d], k[d]-rows[b*dim+d]
+		da, db = da+ea*ea, db+eb*eb
+	}
+	return da, db
 }
