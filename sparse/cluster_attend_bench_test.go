@@ -20,8 +20,8 @@ import (
 // median (timestamp queries) and the union's share of the tokens: the
 // cost of attention over clusters against the share it reads (union-GB/s:
 // the K and V bytes of the union's tokens over the median), for the
-// chosen clusters per chunk and window and a few others. The layer is in
-// cluster order, so that every cluster is a run of 16 slots.
+// chosen clusters per chunk, window and tile and a few others. The layer
+// is in cluster order, so that every cluster is a run of 16 slots.
 func BenchmarkClusterAttention(b *testing.B) {
 	dev := vktest.Open(b)
 	h := Heads{32, 8, 128}
@@ -81,7 +81,7 @@ func BenchmarkClusterAttention(b *testing.B) {
 			}
 		}
 		require.NoError(b, rankBuf.WriteUint32(0, rank))
-		for _, share := range []float64{0, 0.005, 0.02, 0.03, 0.05, 0.1, 0.9} {
+		for _, share := range []float64{0, 0.02, 0.03, 0.05, 0.9} {
 			cut := make([]uint32, h.Query)
 			for hh := range cut {
 				cut[hh] = uint32(share * float64(c))
@@ -98,7 +98,7 @@ func BenchmarkClusterAttention(b *testing.B) {
 					}
 				}
 			}
-			for _, o := range []DenseOptions{{}, {ClusterChunk: 128}, {ClusterChunk: 256}, {ClusterChunk: 512}, {ClusterChunk: 256, ClusterWindow: 256}} {
+			for _, o := range []DenseOptions{{}, {ClusterChunk: 256}, {Tile: 256}, {Tile: 128}, {Tile: 256, Unroll: 16}, {Tile: 128, ClusterChunk: 32}, {Tile: 256, ClusterChunk: 128}} {
 				d := dense
 				if o != (DenseOptions{}) {
 					d, err = NewDenseWith(dev, h, o)
@@ -107,7 +107,7 @@ func BenchmarkClusterAttention(b *testing.B) {
 				plan, err := d.PlanClusters(layer, x, rankBuf.All(), cutBuf.All())
 				require.NoError(b, err)
 				require.NoError(b, plan.SetQuery(randomQueries(rng, h.Query*h.Dim, 0.1)))
-				b.Run(fmt.Sprintf("N%d/share%g/chunk%d/window%d", n, share, plan.clusterChunk, d.window), func(b *testing.B) {
+				b.Run(fmt.Sprintf("N%d/share%g/chunk%d/window%d/tile%d/unroll%d", n, share, plan.clusterChunk, d.window, d.tile, max(o.Unroll, 8)), func(b *testing.B) {
 					b.ReportMetric(100*float64(union)/float64(h.KV*c), "union-%")
 					us := reportGPU(b, plan.Time)
 					b.ReportMetric(float64(union*size*h.Dim*2*2)/(us*1e3), "union-GB/s")

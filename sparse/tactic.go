@@ -14,16 +14,18 @@ import (
 )
 
 // TacticStep is a Tactic decode step of one sequence on the GPU, in one
-// submission with no host round trip: centroid scoring; the clusters of
-// each query head ranked by bins of their scores (TacticBin); the exact
-// exponentials of the exact part, the two sampling windows and the fixed
-// tokens; the fit and budget of Alg. 1 at bin granularity
-// (TacticBinnedBudgetRef states the computation); and attention, for each
-// KV head, over the union of the clusters its query heads select with the
-// sinks and the recent tail (Dense.PlanClusters: the union is taken where
-// the rows are read, with no token list). The layer's tokens before
-// clusters.First are the sinks; those from clusters.First+clusters.Count
-// on are the tail, attended in full.
+// submission with no host round trip and three dependent dispatches:
+// centroid scoring, then (by the last scoring workgroup of each block of
+// heads to finish) the clusters of each query head ranked by bins of their
+// scores (TacticBin) and the sampling plan; the exact exponentials of the
+// exact part, the two sampling windows and the fixed tokens, then (by the
+// last sampling workgroup of each head) the fit and budget of Alg. 1 at
+// bin granularity (TacticBinnedBudgetRef states the computation); and
+// attention, for each KV head, over the union of the clusters its query
+// heads select with the sinks and the recent tail (Dense.PlanClusters: the
+// union is taken where the rows are read, with no token list). The
+// layer's tokens before clusters.First are the sinks; those from
+// clusters.First+clusters.Count on are the tail, attended in full.
 type TacticStep struct {
 	dense   *Dense
 	layer   *kvcache.Layer
@@ -42,7 +44,7 @@ type TacticStep struct {
 type tacticBound struct {
 	clusters *kvcache.Clusters
 	plan     *DensePlan // attention over the selected clusters
-	binds    struct{ score, order, sample, budget *vk.Binding }
+	binds    struct{ order, fit *vk.Binding }
 	bufs     []*vk.Buffer
 	scores   *vk.Buffer // float32 [Hq][C]
 	binOf    *vk.Buffer // uint32 [Hq][C]
@@ -52,13 +54,17 @@ type tacticBound struct {
 	expo     *vk.Buffer // float32 [Hq][clustered]: e(t) at each sampled position
 	expoFix  *vk.Buffer // float32 [Hq][fixedStride]: e(t) of the fixed tokens
 	cut      *vk.Buffer // uint32 [Hq]
+	extremes *vk.Buffer // uint32 [Hq][2]: keys of each head's best and worst score, 0 between steps
+	// Arrival counters of the fused stages, 0 between steps: scoring
+	// workgroups done per [Hkv][head block], sampling ones per [Hq].
+	orderArrived, fitArrived *vk.Buffer
 	fixedCap int        // fixedStride: the most fixed tokens the cache can hold (capacity − clustered)
 }
 
 // release frees the bindings and buffers.
 func (b *tacticBound) release() error {
 	var errs []error
-	for _, x := range []*vk.Binding{b.binds.score, b.binds.order, b.binds.sample, b.binds.budget} {
+	for _, x := range []*vk.Binding{b.binds.order, b.binds.fit} {
 		if x != nil {
 			errs = append(errs, x.Release())
 		}
@@ -122,7 +128,10 @@ func tacticWorkgroup(info vk.Info) uint32 {
 // tacticKernels are the selection kernels of Tactic steps, shared by the
 // steps of a batch.
 type tacticKernels struct {
-	score, order, sample, budget *vk.Pipeline
+	order, fit *vk.Pipeline
+	// orderRows is the centroids an ordering workgroup scores, orderHeads
+	// the query heads it scores them for.
+	orderRows, orderHeads int
 	// sampleTeams is the clusters a sampling workgroup reads at once.
 	sampleTeams int
 }
@@ -130,7 +139,7 @@ type tacticKernels struct {
 // release destroys the kernels.
 func (k *tacticKernels) release() error {
 	var errs []error
-	for _, p := range []*vk.Pipeline{k.score, k.order, k.sample, k.budget} {
+	for _, p := range []*vk.Pipeline{k.order, k.fit} {
 		if p != nil {
 			errs = append(errs, p.Release())
 		}
@@ -186,17 +195,29 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 		return pipe
 	}
 	k := &tacticKernels{}
-	k.score = build("tactic_score", 3, 3, uint32(h.Dim))
-	wg := tacticWorkgroup(dev.Info())
+	// Ordering: up to 8 query heads per block, the workgroup as large as
+	// its scratch allows (workgroup × heads ≤ 4096 words), heads ordered
+	// side by side by threads of a power of two (ordering in tactic_score).
+	k.orderHeads = min(h.Group(), 8)
+	wg := min(tacticWorkgroup(dev.Info()), uint32(4096/k.orderHeads))
+	for wg&(wg-1) != 0 {
+		wg &= wg - 1
+	}
+	k.orderRows = int(wg) / 8
+	side := uint32(1)
+	for side*2 <= uint32(min(k.orderHeads, 4)) {
+		side *= 2
+	}
 	// Subgroup reductions and scans in the per-head passes where the dense
 	// kernels use them (not with DenseOptions.TreeReduce).
-	sub := boolWord(!dense.tree && dev.Info().SubgroupSize <= wg)
-	k.order = build("tactic_plan", 6, 8, TacticBins, 10, wg, sub)
+	info := dev.Info()
+	sub := boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= wg/side)
+	k.order = build("tactic_score", 10, 9, wg, uint32(h.Dim), uint32(k.orderHeads), TacticBins, 10, sub)
 	tpr := dense.tpr       // shuffles among tpr threads work on this device
 	team := max(16, 4*tpr) // threads per sampled cluster, a power of two
 	k.sampleTeams = sampleWorkgroup / team
-	k.sample = build("tactic_sample", 9, 9, sampleWorkgroup, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team))
-	k.budget = build("tactic_budget", 5, 4, TacticBins, wg, sub)
+	sampleSub := boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= sampleWorkgroup)
+	k.fit = build("tactic_sample", 12, 10, sampleWorkgroup, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, sampleSub)
 	if err != nil {
 		k.release()
 		return nil, err
@@ -254,6 +275,14 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 	x.fixedCap = t.layer.Capacity() - n // fixed tokens: the stored ones past the clustered
 	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
 	x.tokStart, x.planBuf, x.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
+	x.extremes, x.orderArrived, x.fitArrived = alloc(2*hq), alloc(h.KV*ceilDiv(h.Group(), t.kernels.orderHeads)), alloc(hq)
+	if err == nil {
+		err = dev.Run(func(c *vk.Commands) {
+			for _, b := range []*vk.Buffer{x.extremes, x.orderArrived, x.fitArrived} {
+				c.Fill(b.All(), 0)
+			}
+		})
+	}
 	x.sampled, x.expo, x.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*x.fixedCap)
 	if err == nil {
 		x.plan, err = t.dense.PlanClusters(t.layer, clusters, x.binOf.All(), x.cut.All())
@@ -271,10 +300,10 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 	if err == nil {
 		query = x.plan.query.All()
 	}
-	b.score = bind(k.score, query, clusters.Centroids.All(), x.scores.All())
-	b.order = bind(k.order, x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All())
-	b.sample = bind(k.sample, query, t.layer.Keys().All(), x.planBuf.All(), x.sampled.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(), x.expo.All(), x.expoFix.All())
-	b.budget = bind(k.budget, x.tokStart.All(), x.planBuf.All(), x.expo.All(), x.expoFix.All(), x.cut.All())
+	b.order = bind(k.order, query, clusters.Centroids.All(), x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All(),
+		x.extremes.All(), x.orderArrived.All())
+	b.fit = bind(k.fit, query, t.layer.Keys().All(), x.planBuf.All(), x.sampled.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(),
+		x.expo.All(), x.expoFix.All(), x.tokStart.All(), x.cut.All(), x.fitArrived.All())
 	if err != nil {
 		x.release()
 		return tacticBound{}, err
@@ -316,8 +345,10 @@ func windowPositions(fit TacticFit, n int) (need int, win [4]int) {
 	return need, win
 }
 
-// TacticStages names the stages of a step, in order.
-var TacticStages = []string{"score", "order", "sample", "fit", "attend"}
+// TacticStages names the stages of a step, in order: centroid scores with
+// the clusters' order and the sampling plan (one dispatch); sampling with
+// the fit and budget (one dispatch); attention over the selection.
+var TacticStages = []string{"order", "fit", "attend"}
 
 // Record appends the step's kernels to c; as DensePlan.Record, it orders
 // compute work only.
@@ -325,14 +356,14 @@ func (t *TacticStep) Record(c *vk.Commands) error {
 	return recordTactic(c, []*TacticStep{t}, func(int) {})
 }
 
-// tacticStageCount is the number of dependent stages of a step: score,
-// order, sample, fit, attention over the selection, merge.
-const tacticStageCount = 6
+// tacticStageCount is the number of dependent stages of a step: scores
+// and order, sampling and fit, attention over the selection, merge.
+const tacticStageCount = 4
 
 // recordTactic appends the kernels of the steps, stage by stage: each
 // stage's dispatches for every step, then one barrier, so that a batch pays
-// each stage's fixed cost once. mark(i) is called after stage i's
-// dispatches (the attention's two stages count as one, TacticStages).
+// each stage's fixed cost once. mark(i) is called after the dispatches of
+// TacticStages[i] (attention's two dispatches count as one).
 func recordTactic(c *vk.Commands, steps []*TacticStep, mark func(stage int)) error {
 	for s := 0; s < tacticStageCount; s++ {
 		for _, t := range steps {
@@ -340,8 +371,8 @@ func recordTactic(c *vk.Commands, steps []*TacticStep, mark func(stage int)) err
 				return err
 			}
 		}
-		if s != 4 {
-			mark(min(s, 4))
+		if s != 2 {
+			mark(min(s, 2))
 		}
 		if s < tacticStageCount-1 {
 			c.ComputeBarrier()
@@ -362,22 +393,19 @@ func (t *TacticStep) recordStage(c *vk.Commands, s int) error {
 	k, b := t.kernels, &t.binds
 	switch s {
 	case 0:
-		c.Dispatch(k.score, b.score, []uint32{cc, group, scale}, uint32(ceilDiv(x.C, 32)), kv, uint32(ceilDiv(h.Group(), 8)))
+		c.Dispatch(k.order, b.order, []uint32{cc, group, scale, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])},
+			uint32(ceilDiv(x.C, k.orderRows)), kv, uint32(ceilDiv(h.Group(), k.orderHeads)))
 	case 1:
-		c.Dispatch(k.order, b.order, []uint32{cc, group, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])}, hq, 1, 1)
-	case 2:
 		// Workgroups per head so that the clusters of the expected samples
 		// (clusters of the mean size) and the fixed tokens (taken as
 		// clusters of 16) are read in one round, one per team; they stride
 		// over more.
 		work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
-		c.Dispatch(k.sample, b.sample, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc},
-			uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, k.sampleTeams)))), hq, 1)
-	case 3:
-		c.Dispatch(k.budget, b.budget, []uint32{uint32(x.Count), uint32(fixed), uint32(t.fixedCap), math.Float32bits(float32(t.p))}, hq, 1, 1)
-	case 4:
+		c.Dispatch(k.fit, b.fit, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc,
+			math.Float32bits(float32(t.p))}, uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, k.sampleTeams)))), hq, 1)
+	case 2:
 		return t.plan.recordClusterPartials(c)
-	case 5:
+	case 3:
 		return t.plan.recordClusterMerge(c)
 	}
 	return nil
