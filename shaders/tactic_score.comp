@@ -45,6 +45,7 @@ const uint LANES = 8;          // threads per centroid
 const uint ROWS = WG / LANES;  // centroids per workgroup
 const uint HP = HB >= 4 ? 4 : (HB >= 2 ? 2 : 1);  // heads ordered side by side
 const uint T = WG / HP;        // threads per head in the ordering
+const uint BATCH = 8;          // clusters a thread loads at once in the ordering
 const uint SCRATCH = HB * ROWS * LANES > HP * (NB + 1) ? HB * ROWS * LANES : HP * (NB + 1);
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };       // [Hq][D/4]
@@ -202,11 +203,24 @@ void main() {
 		if (lt == 0) nSampled[hp] = 0;
 		barrier();
 
+		// Clusters BATCH at a time, their loads in flight together.
 		if (ordering) {
-			for (uint cl = lt; cl < pc.C; cl += T) {
-				uint b = binOfScore(m, u, s[sb + cl]);
-				binOf[sb + cl] = b;
-				atomicAdd(scratch[st + b], sizes[g * pc.C + cl]);
+			for (uint c0 = lt; c0 < pc.C; c0 += T * BATCH) {
+				float sv[BATCH];
+				uint zv[BATCH];
+				[[unroll]] for (uint i = 0; i < BATCH; i++) {
+					uint cl = min(c0 + i * T, pc.C - 1);
+					sv[i] = s[sb + cl];
+					zv[i] = sizes[g * pc.C + cl];
+				}
+				[[unroll]] for (uint i = 0; i < BATCH; i++) {
+					uint cl = c0 + i * T;
+					if (cl < pc.C) {
+						uint b = binOfScore(m, u, sv[i]);
+						binOf[sb + cl] = b;
+						atomicAdd(scratch[st + b], zv[i]);
+					}
+				}
 			}
 		}
 		barrier();
@@ -269,10 +283,20 @@ void main() {
 
 		// The sampled clusters and their first positions.
 		if (ordering) {
-			for (uint cl = lt; cl < pc.C; cl += T) {
-				uint b = binOfScore(m, u, s[sb + cl]);
-				bool take = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
-				if (take) sampled[sb + atomicAdd(nSampled[hp], 1)] = uvec2(cl, atomicAdd(scratch[st + b], sizes[g * pc.C + cl]));
+			for (uint c0 = lt; c0 < pc.C; c0 += T * BATCH) {
+				float sv[BATCH];
+				uint zv[BATCH];
+				[[unroll]] for (uint i = 0; i < BATCH; i++) {
+					uint cl = min(c0 + i * T, pc.C - 1);
+					sv[i] = s[sb + cl];
+					zv[i] = sizes[g * pc.C + cl];
+				}
+				[[unroll]] for (uint i = 0; i < BATCH; i++) {
+					uint cl = c0 + i * T;
+					uint b = binOfScore(m, u, sv[i]);
+					bool take = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
+					if (cl < pc.C && take) sampled[sb + atomicAdd(nSampled[hp], 1)] = uvec2(cl, atomicAdd(scratch[st + b], zv[i]));
+				}
 			}
 		}
 		barrier();
