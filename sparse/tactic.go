@@ -58,7 +58,7 @@ type tacticBound struct {
 	// Arrival counters of the fused stages, 0 between steps: scoring
 	// workgroups done per [Hkv][head block], sampling ones per [Hq].
 	orderArrived, fitArrived *vk.Buffer
-	fixedCap int        // fixedStride: the most fixed tokens the cache can hold (capacity − clustered)
+	fixedCap                 int // fixedStride: the most fixed tokens the cache can hold (capacity − clustered)
 }
 
 // release frees the bindings and buffers.
