@@ -1,9 +1,17 @@
 #version 450
-// Split-K decode attention, partial pass. One workgroup takes one chunk of
+// Split-K decode attention in one dispatch. One workgroup takes one chunk of
 // tokens of one KV head for GROUP of its query heads and writes, per query
 // head, the chunk's max m, sum l = sum_t exp(s_t - m) and unnormalised
-// output o = sum_t exp(s_t - m) v_t, where s_t = scale q·k_t. It walks the
-// chunk in tiles of up to TILE tokens with an online softmax.
+// output o = sum_t exp(s_t - m) v_t, where s_t = scale q·k_t (a chunk that
+// attends nothing writes m = −∞, l = 0 and no o). It walks the chunk in
+// tiles of up to TILE tokens with an online softmax.
+// Every workgroup then arrives at its head block's counter; the last of the
+// block's chunks to arrive (all gl_NumWorkGroups.x of them, or with token
+// lists those below the list's length: the others exit at once) merges
+// them, writing per query head
+// out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c with M = max_c m_c
+// over the chunks with m_c > −∞, and resets the counter to 0. No workgroup
+// waits for another.
 // K and V rows are fp16, packed two per 32-bit word.
 #extension GL_EXT_control_flow_attributes : enable
 #extension GL_KHR_shader_subgroup_basic : enable
@@ -47,8 +55,10 @@ const uint D4 = D / 4;  // vec4 per query row
 layout(std430, binding = 0) restrict readonly buffer Queries { vec4 q[]; };      // [B][Hq][D/4]
 layout(std430, binding = 1) restrict readonly buffer Keys { uvec4 k[]; };        // [heads][headStride]
 layout(std430, binding = 2) restrict readonly buffer Values { uvec4 v[]; };      // [heads][headStride]
-layout(std430, binding = 3) restrict writeonly buffer PartialO { float po[]; };  // [B][Hq][maxChunks][D]
-layout(std430, binding = 4) restrict writeonly buffer PartialML { vec2 pml[]; }; // [B][Hq][maxChunks]
+// The partials are read back by the last workgroup of a head block:
+// coherent, so that it sees the other workgroups' writes, not stale lines.
+layout(std430, binding = 3) coherent buffer PartialO { float po[]; };  // [B][Hq][maxChunks][D]
+layout(std430, binding = 4) coherent buffer PartialML { vec2 pml[]; }; // [B][Hq][maxChunks]
 layout(std430, binding = 5) restrict readonly buffer Tokens { uint tok[]; };       // [heads][listStride], GATHER only
 layout(std430, binding = 6) restrict readonly buffer TokenCounts { uint tokCount[]; }; // [heads], GATHER only
 // GATHER = 2: clusters c of KV head g, taken when rank[h][c] < cut[h] for
@@ -58,6 +68,10 @@ layout(std430, binding = 8) restrict readonly buffer Cut { uint cut[]; };       
 layout(std430, binding = 9) restrict readonly buffer Starts { uint starts[]; };   // [heads][C] member offsets
 layout(std430, binding = 10) restrict readonly buffer Sizes { uint sizes[]; };    // [heads][C]
 layout(std430, binding = 11) restrict readonly buffer Members { uint members[]; }; // [heads][clustered], unused: clusters are runs of slots
+// Workgroups of the head block (seq, h0 / GROUP) that have written their
+// partials; 0 between dispatches (the last to arrive resets it).
+layout(std430, binding = 12) coherent buffer Arrivals { uint arrivals[]; };  // [B][Hq/GROUP]
+layout(std430, binding = 13) restrict writeonly buffer Out { vec4 o[]; };      // [B][Hq][D/4]
 
 layout(push_constant) uniform Push {
 	uint n;           // tokens of this sequence (GATHER: token-list stride)
@@ -258,26 +272,16 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 	barrier();  // the next tile overwrites the scores
 }
 
-void main() {
+// attendChunk writes the partials of chunk c (of chunk tokens, or clusters
+// with GATHER = 2, out of n) of query heads h0 .. h0 + GROUP − 1 (of KV
+// head kvBase + kvLocal): m, l and o per head, or m = −∞ and l = 0 (o
+// unwritten) where the chunk attends no token.
+void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 	uint tid = gl_LocalInvocationID.x;
-	uint c = gl_WorkGroupID.x;
-	uint headBlocks = pc.groupSize / GROUP;
-	uint kvLocal = gl_WorkGroupID.y / headBlocks;
-	uint h0 = (pc.kvBase + kvLocal) * pc.groupSize + (gl_WorkGroupID.y % headBlocks) * GROUP;
-	uint n = GATHER == 1 ? tokCount[pc.kvBase + kvLocal] : pc.n;
+	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
 	uint listBase = (pc.kvBase + kvLocal) * pc.n;
-	// GATHER: chunks of at least pc.chunk tokens, sized on the device from
-	// the lists' total length so that all lists together take about
-	// maxChunks chunks (and no list more).
-	uint chunk = pc.chunk;
-	if (GATHER == 1) {
-		uint total = 0;
-		for (uint g = 0; g < pc.qHeads / pc.groupSize; g++) total += tokCount[g];
-		chunk = max(pc.chunk, (total + pc.maxChunks - 1) / pc.maxChunks);
-	}
 	uint chunkStart = c * chunk;
-	uint chunkEnd = min(chunkStart + chunk, n);
-	if (GATHER != 2 && chunkStart >= chunkEnd) return;  // GATHER 1: past this head's tokens
+	uint chunkEnd = min(chunkStart + chunk, n);  // GATHER < 2: chunkStart < chunkEnd (main)
 
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
@@ -371,7 +375,6 @@ void main() {
 		}
 	}
 
-	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
 	if (attended == 0) {
 		// Nothing taken in this chunk: m = −∞ tells the merge to skip it,
 		// so its output is not written.
@@ -397,4 +400,124 @@ void main() {
 	if (tid < GROUP) {
 		pml[base + tid * pc.maxChunks] = vec2(m[tid], l[tid]);
 	}
+}
+
+// mergeChunks writes the output of query heads h0 .. h0 + GROUP − 1 of
+// sequence pc.seq from the partials of chunks 0 .. nc − 1:
+// out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c, M = max_c m_c,
+// where chunks with m_c = −∞ add nothing (their o_c, maybe unwritten, is
+// loaded but not used). Threads are (chunk lane, vec4 of the head block's
+// output): each of MCL lanes folds every MCL-th chunk, MU at a time
+// with their (m, l) and o loads in flight together, into a running max,
+// sum and output (an online softmax over chunks); then the lanes' results
+// are combined the same way.
+void mergeChunks(uint h0, uint nc) {
+	uint tid = gl_LocalInvocationID.x;
+	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks;  // head h0 + g is g·maxChunks further
+	const uint ITEMS = GROUP * D4;              // vec4 of the head block's output
+	const uint STEP = ITEMS < WG ? ITEMS : WG;  // of them summed at once
+	const uint MCL = WG / STEP;                 // chunk lanes
+	const float NEG = -1.0 / 0.0;
+	const uint MU = 8;  // chunks whose loads a lane has in flight
+	uint lane = tid / STEP;
+	for (uint i0 = 0; i0 < ITEMS; i0 += STEP) {
+		uint item = i0 + tid % STEP;
+		float mr = NEG;  // running max, sum and output of this lane
+		float lr = 0.0;
+		vec4 acc = vec4(0.0);
+		if (lane < MCL && item < ITEMS) {
+			uint hb = base + (item / D4) * pc.maxChunks;
+			uint j = item % D4;
+			for (uint c = lane; c < nc; c += MU * MCL) {
+				vec2 ml[MU];
+				vec4 om[MU];
+				[[unroll]] for (uint r = 0; r < MU; r++) {
+					uint cr = min(c + r * MCL, nc - 1);  // a valid chunk; dropped below when past nc
+					uint at = ((hb + cr) * D4 + j) * 4;
+					ml[r] = pml[hb + cr];
+					om[r] = vec4(po[at], po[at + 1], po[at + 2], po[at + 3]);
+				}
+				float mb = mr;
+				[[unroll]] for (uint r = 0; r < MU; r++) {
+					if (c + r * MCL >= nc) ml[r].x = NEG;
+					mb = max(mb, ml[r].x);
+				}
+				if (mb != NEG) {
+					float s = exp(mr - mb);  // 0 while nothing was folded
+					lr *= s;
+					acc *= s;
+					[[unroll]] for (uint r = 0; r < MU; r++) {
+						if (ml[r].x != NEG) {
+							float w = exp(ml[r].x - mb);
+							lr += w * ml[r].y;
+							acc += w * om[r];
+						}
+					}
+					mr = mb;
+				}
+			}
+		}
+		// The lanes meet in the score slots (at least 8 · WG floats, no
+		// longer needed): six floats a thread.
+		sc[6 * tid] = mr;
+		sc[6 * tid + 1] = lr;
+		[[unroll]] for (uint k = 0; k < 4; k++) sc[6 * tid + 2 + k] = acc[k];
+		barrier();
+		if (tid < STEP && item < ITEMS) {
+			float M = NEG;
+			for (uint ln = 0; ln < MCL; ln++) M = max(M, sc[6 * (ln * STEP + tid)]);
+			float L = 0.0;
+			vec4 sum = vec4(0.0);
+			for (uint ln = 0; ln < MCL; ln++) {
+				uint at = 6 * (ln * STEP + tid);
+				if (sc[at] != NEG) {
+					float w = exp(sc[at] - M);
+					L += w * sc[at + 1];
+					sum += w * vec4(sc[at + 2], sc[at + 3], sc[at + 4], sc[at + 5]);
+				}
+			}
+			o[(pc.seq * pc.qHeads + h0) * D4 + item] = sum / L;
+		}
+		barrier();
+	}
+}
+
+void main() {
+	uint tid = gl_LocalInvocationID.x;
+	uint headBlocks = pc.groupSize / GROUP;
+	uint kvLocal = gl_WorkGroupID.y / headBlocks;
+	uint h0 = (pc.kvBase + kvLocal) * pc.groupSize + (gl_WorkGroupID.y % headBlocks) * GROUP;
+	uint n = GATHER == 1 ? tokCount[pc.kvBase + kvLocal] : pc.n;
+	// GATHER = 1: chunks of at least pc.chunk tokens, sized on the device
+	// from the lists' total length so that all lists together take about
+	// maxChunks chunks (and no list more).
+	uint chunk = pc.chunk;
+	if (GATHER == 1) {
+		uint total = 0;
+		for (uint g = 0; g < pc.qHeads / pc.groupSize; g++) total += tokCount[g];
+		chunk = max(pc.chunk, (total + pc.maxChunks - 1) / pc.maxChunks);
+	}
+	// The chunks that attend, arrive and are merged: with token lists those
+	// below the list's length (every workgroup computes the same count from
+	// tokCount; the others exit at once: they would only add empty
+	// partials, and on an H100 holding their slots for the arrival cost
+	// more than the separate merge kernel saved), every chunk otherwise.
+	uint used = GATHER == 1 ? min((n + chunk - 1) / chunk, gl_NumWorkGroups.x) : gl_NumWorkGroups.x;
+	if (gl_WorkGroupID.x >= used) return;
+	attendChunk(gl_WorkGroupID.x, h0, kvLocal, n, chunk);
+
+	// Arrive: the partials written (and made visible device-wide) before
+	// one thread counts this workgroup in. Only the last of the head
+	// block's chunks goes on; none waits for another.
+	uint block = pc.seq * (pc.qHeads / GROUP) + h0 / GROUP;
+	memoryBarrierBuffer();
+	barrier();
+	// Whether it was the last goes through red[0], free now (the merge does
+	// not use red): no shared memory beyond the attention's.
+	if (tid == 0) red[0] = atomicAdd(arrivals[block], 1) == used - 1 ? 1.0 : 0.0;
+	barrier();
+	if (red[0] == 0.0) return;
+	memoryBarrierBuffer();
+	mergeChunks(h0, used);
+	if (tid == 0) arrivals[block] = 0;  // for the next dispatch
 }

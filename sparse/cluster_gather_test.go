@@ -14,81 +14,116 @@ import (
 	"github.com/vksparse/vksparse/vk/vktest"
 )
 
+// clusterCase is attention over a clustered cache: random clusters of the
+// tokens [first, n−tail) of every KV head, random ranks and cuts.
+type clusterCase struct {
+	heads       Heads
+	n, capacity int
+	first, tail int // sinks [0, first); the last tail tokens unclustered
+	clusters    int
+	big         int          // members of one oversized cluster (0: none)
+	opts        DenseOptions // of the kernels
+	none        []int        // KV heads none of whose query heads takes a cluster
+}
+
+// clusterPlan builds c's cache in cluster order, its ranks and cuts and a
+// PlanClusters plan over them, all released when the test ends; it returns
+// the plan, the keys and values the GPU sees ([KV][n][D]) and the tokens
+// every KV head attends (the fixed ones, then the taken clusters' members).
+func clusterPlan(t *testing.T, dev *vk.Device, rng *rand.Rand, c clusterCase) (*DensePlan, []float64, []float64, [][]int32) {
+	t.Helper()
+	h := c.heads
+	dense, err := NewDenseWith(dev, h, c.opts)
+	require.NoError(t, err)
+	t.Cleanup(func() { dense.Release() })
+	layer, k, v := randomLayer(t, dev, rng, h, c.n, c.capacity, 1)
+	count := c.n - c.first - c.tail
+	x, err := kvcache.NewClusters(dev, h.KV, h.Dim, c.clusters, c.first, count)
+	require.NoError(t, err)
+	t.Cleanup(func() { x.Release() })
+	members := make([][][]int32, h.KV)
+	for g := range members {
+		members[g] = make([][]int32, c.clusters)
+		for i, tok := range rng.Perm(count) {
+			cl := rng.Intn(c.clusters)
+			if i < c.big {
+				cl = 0
+			}
+			members[g][cl] = append(members[g][cl], int32(c.first+tok))
+		}
+	}
+	writeMembers(t, x, members)
+	require.NoError(t, layer.Reorder(x))
+
+	const ranks = 10
+	rank := make([]uint32, h.Query*c.clusters)
+	for i := range rank {
+		rank[i] = uint32(rng.Intn(ranks))
+	}
+	cut := make([]uint32, h.Query)
+	for i := range cut {
+		cut[i] = uint32(rng.Intn(ranks/3) + 1)
+		if slices.Contains(c.none, i/h.Group()) {
+			cut[i] = 0
+		}
+	}
+	rankBuf, err := dev.NewBuffer(uint64(len(rank))*4, vk.DeviceLocal)
+	require.NoError(t, err)
+	t.Cleanup(func() { rankBuf.Release() })
+	cutBuf, err := dev.NewBuffer(uint64(len(cut))*4, vk.DeviceLocal)
+	require.NoError(t, err)
+	t.Cleanup(func() { cutBuf.Release() })
+	require.NoError(t, rankBuf.WriteUint32(0, rank))
+	require.NoError(t, cutBuf.WriteUint32(0, cut))
+
+	plan, err := dense.PlanClusters(layer, x, rankBuf.All(), cutBuf.All())
+	require.NoError(t, err)
+	t.Cleanup(func() { plan.Release() })
+
+	fixed, err := TacticFixedTokens(c.first, c.first+count, c.n-1)
+	require.NoError(t, err)
+	lists := make([][]int32, h.KV)
+	for g := range lists {
+		list := slices.Clone(fixed)
+		for cl, m := range members[g] {
+			for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
+				if rank[hh*c.clusters+cl] < cut[hh] {
+					list = append(list, m...)
+					break
+				}
+			}
+		}
+		if slices.Contains(c.none, g) {
+			require.Len(t, list, len(fixed))
+		} else {
+			require.Greater(t, len(list), len(fixed), "KV head %d takes some cluster", g)
+		}
+		lists[g] = list
+	}
+	return plan, k, v, lists
+}
+
 // TestClusterGatherMatchesReference attends, per KV head, the fixed tokens
 // and the clusters its query heads take under random ranks and cuts, and
 // compares every query head with AttendSubsetRef over that union.
 func TestClusterGatherMatchesReference(t *testing.T) {
 	dev := vktest.Open(t)
 	rng := rand.New(rand.NewSource(rand.Int63()))
-	for _, c := range []struct {
-		heads       Heads
-		n, capacity int
-		first, tail int // sinks [0, first); the last tail tokens unclustered
-		clusters    int
-		big         int  // members of one oversized cluster (0: none)
-		minChunk    int  // clusters per chunk (0: chosen)
-		window      int  // clusters per window (0: chosen)
-		none        bool // KV head 0 takes no cluster: only its fixed tokens
-	}{
-		{Heads{8, 2, 64}, 3000, 3200, 4, 196, 150, 1500, 0, 0, false},
-		{Heads{16, 4, 128}, 5000, 5000, 0, 1, 400, 0, 0, 0, true},
+	for _, c := range []clusterCase{
+		{heads: Heads{8, 2, 64}, n: 3000, capacity: 3200, first: 4, tail: 196, clusters: 150, big: 1500},
+		{heads: Heads{16, 4, 128}, n: 5000, capacity: 5000, first: 0, tail: 1, clusters: 400, none: []int{0}},
 		// Chunks of more clusters than a window holds: tiles filled
 		// across windows.
-		{Heads{4, 1, 128}, 4100, 4100, 1, 0, 700, 0, 600, 0, false},
-		{Heads{8, 2, 128}, 7000, 7000, 3, 50, 900, 0, 300, 32, false},
-		{Heads{32, 8, 16}, 9001, 9500, 4, 300, 900, 2000, 0, 0, false},
+		{heads: Heads{4, 1, 128}, n: 4100, capacity: 4100, first: 1, tail: 0, clusters: 700, opts: DenseOptions{ClusterChunk: 600}},
+		{heads: Heads{8, 2, 128}, n: 7000, capacity: 7000, first: 3, tail: 50, clusters: 900, opts: DenseOptions{ClusterChunk: 300, ClusterWindow: 32}},
+		{heads: Heads{32, 8, 16}, n: 9001, capacity: 9500, first: 4, tail: 300, clusters: 900, big: 2000},
 	} {
 		name := fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_C%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, c.clusters)
 		t.Run(name, func(t *testing.T) {
 			h := c.heads
-			dense, err := NewDenseWith(dev, h, DenseOptions{ClusterChunk: c.minChunk, ClusterWindow: c.window})
-			require.NoError(t, err)
-			defer dense.Release()
-			layer, k, v := randomLayer(t, dev, rng, h, c.n, c.capacity, 1)
-			count := c.n - c.first - c.tail
-			x, err := kvcache.NewClusters(dev, h.KV, h.Dim, c.clusters, c.first, count)
-			require.NoError(t, err)
-			defer x.Release()
-			members := make([][][]int32, h.KV)
-			for g := range members {
-				members[g] = make([][]int32, c.clusters)
-				for i, tok := range rng.Perm(count) {
-					cl := rng.Intn(c.clusters)
-					if i < c.big {
-						cl = 0
-					}
-					members[g][cl] = append(members[g][cl], int32(c.first+tok))
-				}
-			}
-			writeMembers(t, x, members)
-			require.NoError(t, layer.Reorder(x))
-
-			const ranks = 10
-			rank := make([]uint32, h.Query*c.clusters)
-			for i := range rank {
-				rank[i] = uint32(rng.Intn(ranks))
-			}
-			cut := make([]uint32, h.Query)
-			for i := range cut {
-				cut[i] = uint32(rng.Intn(ranks/3) + 1)
-				if c.none && i < h.Group() {
-					cut[i] = 0
-				}
-			}
-			rankBuf, err := dev.NewBuffer(uint64(len(rank))*4, vk.DeviceLocal)
-			require.NoError(t, err)
-			defer rankBuf.Release()
-			cutBuf, err := dev.NewBuffer(uint64(len(cut))*4, vk.DeviceLocal)
-			require.NoError(t, err)
-			defer cutBuf.Release()
-			require.NoError(t, rankBuf.WriteUint32(0, rank))
-			require.NoError(t, cutBuf.WriteUint32(0, cut))
-
-			plan, err := dense.PlanClusters(layer, x, rankBuf.All(), cutBuf.All())
-			require.NoError(t, err)
-			defer plan.Release()
-			if c.minChunk > 0 {
-				require.Greater(t, plan.clusterChunk, dense.window, "a chunk must span several windows")
+			plan, k, v, lists := clusterPlan(t, dev, rng, c)
+			if c.opts.ClusterChunk > 0 {
+				require.Greater(t, plan.clusterChunk, plan.d.window, "a chunk must span several windows")
 			}
 			q := randomQueries(rng, h.Query*h.Dim, 1.5)
 			nan := math.Float32bits(float32(math.NaN()))
@@ -99,28 +134,40 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 			}))
 			got, err := plan.Attend(q)
 			require.NoError(t, err)
-
-			fixed, err := TacticFixedTokens(c.first, c.first+count, c.n-1)
-			require.NoError(t, err)
-			lists := make([][]int32, h.KV)
-			for g := range lists {
-				list := slices.Clone(fixed)
-				for cl, m := range members[g] {
-					for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
-						if rank[hh*c.clusters+cl] < cut[hh] {
-							list = append(list, m...)
-							break
-						}
-					}
-				}
-				if c.none && g == 0 {
-					require.Len(t, list, len(fixed))
-				} else {
-					require.Greater(t, len(list), len(fixed), "KV head %d takes some cluster", g)
-				}
-				lists[g] = list
-			}
 			requireClose(t, listsRef(t, h, q, k, v, c.n, lists), got, h.Dim, 1e-3, "over clusters")
+		})
+	}
+}
+
+// TestClusterPlanTakesNoClusterForAHeadBlock attends over clusters where
+// every query head of some KV heads (so every head block of theirs) takes
+// no cluster: all their chunks of clusters are empty (m = −∞, output not
+// written) and only the chunks of fixed tokens attend; in the last case
+// no KV head takes any, and the only fixed token is the last one. Each
+// plan runs several times (requireRepeats).
+func TestClusterPlanTakesNoClusterForAHeadBlock(t *testing.T) {
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(rand.Int63()))
+	for _, c := range []clusterCase{
+		// Two head blocks of 8 per KV head; KV head 1 takes nothing, its
+		// fixed tokens spread over several tiles of 64.
+		{heads: Heads{32, 2, 16}, n: 2000, capacity: 2000, first: 5, tail: 200, clusters: 100, opts: DenseOptions{Tile: 64, ClusterChunk: 8}, none: []int{1}},
+		{heads: Heads{8, 2, 64}, n: 1500, capacity: 1600, first: 0, tail: 1, clusters: 60, opts: DenseOptions{ClusterChunk: 4}, none: []int{0, 1}},
+	} {
+		name := fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_none%v", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, c.none)
+		t.Run(name, func(t *testing.T) {
+			h := c.heads
+			plan, k, v, lists := clusterPlan(t, dev, rng, c)
+			nan := math.Float32bits(float32(math.NaN()))
+			require.NoError(t, dev.Run(func(cmd *vk.Commands) {
+				cmd.Fill(plan.partO.All(), nan)
+				cmd.Fill(plan.partML.All(), nan)
+			}))
+			var qs [][]float32
+			for i := 0; i < 3; i++ {
+				qs = append(qs, randomQueries(rng, h.Query*h.Dim, 1.5))
+			}
+			requireRepeats(t, dev, plan, qs, func(q []float32) []float64 { return listsRef(t, h, q, k, v, c.n, lists) })
 		})
 	}
 }

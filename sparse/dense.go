@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"slices"
 	"sort"
 	"time"
 
@@ -13,9 +12,12 @@ import (
 	"github.com/vksparse/vksparse/vk"
 )
 
-// Dense is dense split-K decode attention: every chunk of tokens of every
-// KV head is one workgroup that reads each K/V row once for all query heads
-// of its group (up to 8 per workgroup); a merge pass combines the chunks.
+// Dense is dense split-K decode attention in one dispatch: every chunk of
+// tokens of every KV head is one workgroup that reads each K/V row once for
+// all query heads of its group (up to 8 per workgroup) and writes the
+// chunk's partial softmax (max, sum and unnormalised output per query
+// head); the last workgroup of each head block to finish merges the
+// chunks' partials into the output.
 type Dense struct {
 	dev       *vk.Device
 	heads     Heads
@@ -24,7 +26,6 @@ type Dense struct {
 	partial   *vk.Pipeline
 	gather    *vk.Pipeline // attend_partial reading rows through token lists
 	clustered *vk.Pipeline // attend_partial over taken clusters; nil where shared memory is short
-	merge     *vk.Pipeline
 	workgroup int
 	tpr       int  // threads sharing a K row in the score pass
 	rpt       int  // K rows each thread scores at once
@@ -82,11 +83,11 @@ const (
 	clusterWindow    = 64  // clusters a workgroup scans at once (at most its threads)
 	// Workgroups of attention over many clusters: runs of 256 clusters at
 	// 131 072 tokens and 64 at 32 768. On the H100 with the layer in
-	// cluster order, unions of 8–11 % of 131 072 tokens took 37–47 µs so
-	// against 60–67 µs with 1 024 workgroups (runs of 64); at 32 768 runs
-	// of 64 stay best.
+	// cluster order and the merge in the same dispatch, unions of 8–11 %
+	// of 131 072 tokens took 37–47 µs so against 60–67 µs with 1 024
+	// workgroups (runs of 64); at 32 768 runs of 64 stay best.
 	clusterWorkgroups = 256
-	partialBindings   = 12
+	partialBindings   = 14
 	partialPushWords  = 14
 )
 
@@ -167,12 +168,15 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	if !tree {
 		reduceSlots = group * wg / 4 // one slot per subgroup of at least 4
 	}
+	// Shared memory of attend_partial: queries, scores and reductions, and
+	// its arrays for clusters (lst, from, pre, subTotal: 5 words where
+	// GATHER < 2, clusterShared bytes where GATHER = 2).
 	shared := 4 * (group*heads.Dim + scoreSlots + reduceSlots)
 	switch {
 	case wg&(wg-1) != 0 || wg > int(info.MaxWorkgroupInvocations) || wg < heads.Dim/4 || wg < 32:
 		return nil, fmt.Errorf("%w: workgroup of %d threads (a power of two from %d to %d)", vk.ErrUnsupported, wg, max(32, heads.Dim/4), info.MaxWorkgroupInvocations)
-	case tile <= 0 || shared > int(info.SharedMemoryBytes):
-		return nil, fmt.Errorf("%w: tiles of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, tile, shared, info.SharedMemoryBytes)
+	case tile <= 0 || shared+4*5 > int(info.SharedMemoryBytes):
+		return nil, fmt.Errorf("%w: tiles of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, tile, shared+4*5, info.SharedMemoryBytes)
 	}
 	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts, gatherMin: gatherChunkMin, window: window}
 	code, err := shaders.SPIRV("attend_partial")
@@ -194,13 +198,6 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	d.gather = kernel("attend_partial (gather)", 1)
 	if shared+clusterShared <= int(info.SharedMemoryBytes) {
 		d.clustered = kernel("attend_partial (clusters)", 2)
-	}
-	if err == nil {
-		code, err = shaders.SPIRV("attend_merge")
-	}
-	if err == nil {
-		d.merge, err = dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 4,
-			Specialization: []uint32{uint32(wg), uint32(heads.Dim)}})
 	}
 	if err != nil {
 		d.Release()
@@ -232,7 +229,7 @@ func (d *Dense) Heads() Heads { return d.heads }
 // Release destroys the kernels.
 func (d *Dense) Release() error {
 	var errs []error
-	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.merge} {
+	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered} {
 		if p != nil {
 			errs = append(errs, p.Release())
 		}
@@ -247,13 +244,15 @@ type DensePlan struct {
 	seqs      []*kvcache.Layer
 	maxChunks int
 	query     *vk.Buffer
-	partO     *vk.Buffer
-	partML    *vk.Buffer
-	chunks    *vk.Buffer
-	out       *vk.Buffer
-	segments  [][]segment // per sequence: KV head ranges bound together
-	mergeBind *vk.Binding
-	clock     stopwatch
+	partO     *vk.Buffer // per chunk: unnormalised output, [B][Hq][maxChunks][D] float32
+	partML    *vk.Buffer // per chunk: max and sum, [B][Hq][maxChunks][2] float32
+	// arrivals counts, per sequence and head block of group query heads
+	// ([B][Hq/group] uint32), the workgroups that have written their
+	// partials; the last one merges them and sets it back to 0.
+	arrivals *vk.Buffer
+	out      *vk.Buffer
+	segments [][]segment // per sequence: KV head ranges bound together
+	clock    stopwatch
 	// With token lists (PlanGather): the lists' stride, the tokens per
 	// chunk, and the lists and their lengths per KV head.
 	gatherStride, gatherChunk int
@@ -263,8 +262,6 @@ type DensePlan struct {
 	clusters     *kvcache.Clusters
 	clusterChunk int
 	rank, cut    vk.Range
-	// lastChunks is what the chunks buffer holds.
-	lastChunks []uint32
 }
 
 type segment struct {
@@ -309,11 +306,15 @@ func (p *DensePlan) allocate() error {
 	p.query = alloc(b * uint64(h.Query*h.Dim) * 4)
 	p.partO = alloc(slots * uint64(h.Dim) * 4)
 	p.partML = alloc(slots * 8)
-	p.chunks = alloc(b * uint64(h.KV) * 4)
+	p.arrivals = alloc(b * uint64(h.Query/d.group) * 4)
 	p.out = alloc(b * uint64(h.Query*h.Dim) * 4)
 	if p.gatherStride > 0 {
 		p.tokens = alloc(uint64(h.KV*p.gatherStride) * 4)
 		p.tokCounts = alloc(uint64(h.KV) * 4)
+	}
+	if err == nil {
+		// The counters start at 0; each dispatch leaves them at 0.
+		err = dev.Run(func(c *vk.Commands) { c.Fill(p.arrivals.All(), 0) })
 	}
 	if err != nil {
 		return err
@@ -329,7 +330,7 @@ func (p *DensePlan) allocate() error {
 		for base := 0; base < h.KV; base += perBinding {
 			count := min(perBinding, h.KV-base)
 			off, size := uint64(base)*headBytes, uint64(count)*headBytes
-			pipe, lists, counts := d.partial, p.chunks.All(), p.chunks.All() // unused bindings get a valid range
+			pipe, lists, counts := d.partial, p.query.All(), p.query.All() // unused bindings get a valid range
 			index := []vk.Range{lists, lists, lists, lists, lists}
 			switch {
 			case p.gatherStride > 0:
@@ -338,7 +339,8 @@ func (p *DensePlan) allocate() error {
 				x := p.clusters
 				pipe, index = d.clustered, []vk.Range{p.rank, p.cut, x.Starts.All(), x.Counts.All(), x.Members.All()}
 			}
-			bind, err := pipe.Bind(append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists, counts}, index...)...)
+			ranges := append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists, counts}, index...)
+			bind, err := pipe.Bind(append(ranges, p.arrivals.All(), p.out.All())...)
 			if err != nil {
 				return err
 			}
@@ -346,12 +348,7 @@ func (p *DensePlan) allocate() error {
 		}
 		p.segments = append(p.segments, segs)
 	}
-	counts := p.chunks // chunk counts; a gather plan's merge divides token counts
-	if p.gatherStride > 0 {
-		counts = p.tokCounts
-	}
-	p.mergeBind, err = d.merge.Bind(p.partO.All(), p.partML.All(), counts.All(), p.out.All())
-	return err
+	return nil
 }
 
 // Release frees the plan's buffers and bindings.
@@ -363,7 +360,7 @@ func (p *DensePlan) Release() error {
 	}
 	p.segments = nil
 	p.clock.release()
-	for _, r := range []interface{ Release() error }{p.mergeBind, p.query, p.partO, p.partML, p.chunks, p.out, p.tokens, p.tokCounts} {
+	for _, r := range []interface{ Release() error }{p.query, p.partO, p.partML, p.arrivals, p.out, p.tokens, p.tokCounts} {
 		r.Release() // each tolerates a nil receiver
 	}
 	return nil
@@ -398,9 +395,13 @@ func (p *DensePlan) SetQuery(q []float32) error {
 	return p.query.WriteFloat32(0, q)
 }
 
-// Record appends the attention kernels to c, for the sequences' current
-// lengths. Between its kernels it orders compute work only: writes
-// recorded earlier into c by transfers need a c.Barrier() before it.
+// Record appends the attention to c, for the sequences' current lengths:
+// per sequence (and range of KV heads bound together) one dispatch whose
+// workgroups attend a chunk of tokens each and whose last workgroup per
+// head block merges the chunks into the output, so no barrier is needed
+// inside. Writes recorded earlier into c need a barrier before it
+// (c.Barrier() after transfers, c.ComputeBarrier() after kernels, a
+// previous Record of this plan included).
 func (p *DensePlan) Record(c *vk.Commands) error {
 	h, d := p.d.heads, p.d
 	if p.gatherStride > 0 {
@@ -409,7 +410,6 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 	if p.clusters != nil {
 		return p.recordClusters(c)
 	}
-	chunks := make([]uint32, len(p.seqs)*h.KV)
 	for b, s := range p.seqs {
 		n := s.Len()
 		if n == 0 {
@@ -420,9 +420,6 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 		if nc > p.maxChunks {
 			return fmt.Errorf("sparse: sequence %d of %d tokens needs %d chunks, plan has %d", b, n, nc, p.maxChunks)
 		}
-		for g := 0; g < h.KV; g++ {
-			chunks[b*h.KV+g] = uint32(nc)
-		}
 		blocks := h.Group() / d.group
 		for _, seg := range p.segments[b] {
 			push := []uint32{uint32(n), uint32(s.HeadBytes() / 16), uint32(seg.kvBase), uint32(b), uint32(chunk), uint32(p.maxChunks),
@@ -430,13 +427,7 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 			c.Dispatch(d.partial, seg.bind, push, uint32(nc), uint32(seg.kvCount*blocks), 1)
 		}
 	}
-	c.ComputeBarrier()
-	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group()), 0}, uint32(h.Query), uint32(len(p.seqs)), 1)
-	if slices.Equal(chunks, p.lastChunks) {
-		return nil
-	}
-	p.lastChunks = chunks
-	return p.chunks.WriteUint32(0, chunks) // completes before c is submitted
+	return nil
 }
 
 // Attend computes attention for the queries q ([batch][Hq][D]) and returns
@@ -561,8 +552,8 @@ func ceilDiv(a, b int) int { return (a + b - 1) / b }
 // PlanGather prepares attention of one sequence over a list of tokens per
 // KV head (at most stride each): every query head of KV head g attends
 // exactly the tokens of list g. The lists live on the device (Tokens,
-// TokenCounts) so that GPU kernels can fill them; the merge derives each
-// head's chunks from the counts as the partial pass does.
+// TokenCounts) so that GPU kernels can fill them; the kernel sizes the
+// chunks from the counts on the device.
 func (d *Dense) PlanGather(layer *kvcache.Layer, stride int) (*DensePlan, error) {
 	if stride <= 0 || stride > layer.Capacity() {
 		return nil, fmt.Errorf("sparse: token lists of %d entries for a cache of capacity %d", stride, layer.Capacity())
@@ -620,9 +611,10 @@ func (p *DensePlan) SetTokens(lists [][]int32) error {
 	return errors.Join(p.tokens.WriteUint32(0, flat), p.tokCounts.WriteUint32(0, counts))
 }
 
-// recordGather records attention over the token lists: a fixed grid of
-// maxChunks chunks per head, sized on the device from the list lengths;
-// workgroups past a head's last chunk exit at once.
+// recordGather records attention over the token lists in one dispatch: a
+// fixed grid of maxChunks chunks per head block, sized on the device from
+// the list lengths; workgroups past a head's last chunk exit at once, and
+// the last of the others in each head block to finish merges them.
 func (p *DensePlan) recordGather(c *vk.Commands) error {
 	h, d := p.d.heads, p.d
 	blocks := h.Group() / d.group
@@ -631,8 +623,6 @@ func (p *DensePlan) recordGather(c *vk.Commands) error {
 			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), 0, 0, 0, 0, 0}
 		c.Dispatch(d.gather, seg.bind, push, uint32(p.maxChunks), uint32(seg.kvCount*blocks), 1)
 	}
-	c.ComputeBarrier()
-	c.Dispatch(d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group()), uint32(p.gatherChunk)}, uint32(h.Query), 1, 1)
 	return nil
 }
 
@@ -673,25 +663,21 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 }
 
 // recordClusters records attention over the taken clusters and the fixed
-// tokens, then the merge.
+// tokens (recordClusterPartials).
 func (p *DensePlan) recordClusters(c *vk.Commands) error {
-	if err := p.recordClusterPartials(c); err != nil {
-		return err
-	}
-	c.ComputeBarrier()
-	return p.recordClusterMerge(c)
+	return p.recordClusterPartials(c)
 }
 
-// recordClusterMerge records the merge of recordClusterPartials' chunks.
-func (p *DensePlan) recordClusterMerge(c *vk.Commands) error {
-	h := p.d.heads
-	c.Dispatch(p.d.merge, p.mergeBind, []uint32{uint32(p.maxChunks), uint32(h.Query), uint32(h.Group()), 0}, uint32(h.Query), 1, 1)
-	return nil
-}
+// recordClusterMerge records nothing: recordClusterPartials' dispatch
+// merges its own chunks. It is kept, empty, for callers that record the
+// attention by stage.
+func (p *DensePlan) recordClusterMerge(*vk.Commands) error { return nil }
 
-// recordClusterPartials records attention over the taken clusters and the
-// fixed tokens: a chunk per run of clusters, then one per tile of fixed
-// tokens, each writing its partial output.
+// recordClusterPartials records the whole attention over the taken
+// clusters and the fixed tokens in one dispatch per range of KV heads: a
+// workgroup per run of clusters, then one per tile of fixed tokens, each
+// writing its partial (m = −∞ where it attends nothing), and the last
+// workgroup of each head block merging them into the output.
 func (p *DensePlan) recordClusterPartials(c *vk.Commands) error {
 	h, d, x := p.d.heads, p.d, p.clusters
 	n := p.seqs[0].Len()
@@ -708,13 +694,5 @@ func (p *DensePlan) recordClusterPartials(c *vk.Commands) error {
 			uint32(x.C), uint32(cc), uint32(x.Count), uint32(x.First), uint32(end)}
 		c.Dispatch(d.clustered, seg.bind, push, uint32(total), uint32(seg.kvCount*blocks), 1)
 	}
-	chunks := make([]uint32, h.KV)
-	for g := range chunks {
-		chunks[g] = uint32(total)
-	}
-	if slices.Equal(chunks, p.lastChunks) {
-		return nil
-	}
-	p.lastChunks = chunks
-	return p.chunks.WriteUint32(0, chunks) // completes before c is submitted
+	return nil
 }

@@ -96,24 +96,28 @@ func TestDenseMatchesReference(t *testing.T) {
 		n     int
 		qStd  float64 // query scale: large values give logits far beyond exp's float32 range
 		chunk int
+		more  []DenseOptions // variants beside the common ones
 	}{
-		{Heads{4, 4, 64}, 1, 1, 0},
-		{Heads{8, 2, 64}, 1000, 1, 0},
-		{Heads{8, 1, 128}, 777, 3, 64},
-		{Heads{16, 2, 128}, 4099, 1, 0},
-		{Heads{4, 1, 128}, 3001, 40, 0}, // logits in the hundreds
-		{Heads{3, 3, 72}, 513, 1, 100},
-		{Heads{2, 1, 256}, 300, 1, 0},
-		{Heads{12, 1, 8}, 257, 2, 0},
-		{Heads{32, 2, 16}, 90, 1, 0},       // 16 query heads per KV head: two blocks of 8
-		{Heads{8, 2, 64}, 5000, 2, 2000},   // chunks of several tiles
-		{Heads{4, 1, 128}, 3001, 40, 3001}, // one chunk of many tiles, huge logits
+		{Heads{4, 4, 64}, 1, 1, 0, nil},
+		{Heads{8, 2, 64}, 1000, 1, 0, nil},
+		{Heads{8, 1, 128}, 777, 3, 64, nil},
+		{Heads{16, 2, 128}, 4099, 1, 0, nil},
+		{Heads{4, 1, 128}, 3001, 40, 0, nil}, // logits in the hundreds
+		{Heads{3, 3, 72}, 513, 1, 100, nil},
+		{Heads{2, 1, 256}, 300, 1, 0, nil},
+		{Heads{12, 1, 8}, 257, 2, 0, nil},
+		{Heads{32, 2, 16}, 90, 1, 0, nil},       // 16 query heads per KV head: two blocks of 8
+		{Heads{8, 2, 64}, 5000, 2, 2000, nil},   // chunks of several tiles
+		{Heads{4, 1, 128}, 3001, 40, 3001, nil}, // one chunk of many tiles, huge logits
+		// Head blocks of 8 × 34 vec4 of output: the merge takes them in
+		// two passes of 256 threads, or five of 64, the last ones partial.
+		{Heads{8, 1, 136}, 1500, 1, 64, []DenseOptions{{Workgroup: 64}}},
 	}
 	for _, c := range cases {
 		// Both variants: one thread per row with tree reductions, and rows
 		// shared by threads that sum with subgroup operations (where the
 		// device has them).
-		variants := []DenseOptions{{}, {ThreadsPerRow: 1, TreeReduce: true}, {Tile: 64}, {ThreadsPerRow: 1, RowsPerThread: 3, Tile: 100}}
+		variants := append([]DenseOptions{{}, {ThreadsPerRow: 1, TreeReduce: true}, {Tile: 64}, {ThreadsPerRow: 1, RowsPerThread: 3, Tile: 100}}, c.more...)
 		info := dev.Info()
 		if tpr := threadsPerRow(info, c.heads.Dim); tpr > 1 || info.SubgroupArithmetic {
 			variants = append(variants, DenseOptions{ThreadsPerRow: tpr})
@@ -239,4 +243,136 @@ func TestDenseRejectsBadInput(t *testing.T) {
 	q[7] = float32(math.Inf(1))
 	_, err = plan.Attend(q)
 	require.ErrorContains(t, err, "Inf")
+}
+
+// requireRepeats runs plan on each query of qs ([batch][Hq][D]) twice
+// over: back to back in one submission (the commands upload each query,
+// poison the output before each run and copy it out after) and in a
+// submission each (Attend), and checks every output against want(q) and
+// that the arrival counters are back at 0 after both. A counter left
+// standing would keep the merge from running, or run it early, in a later
+// run.
+func requireRepeats(t *testing.T, dev *vk.Device, plan *DensePlan, qs [][]float32, want func(q []float32) []float64) {
+	t.Helper()
+	dim := plan.d.heads.Dim
+	nan := math.Float32bits(float32(math.NaN()))
+	requireArrivalsZero := func(when string) {
+		t.Helper()
+		counts := make([]uint32, plan.arrivals.Size()/4)
+		require.NoError(t, plan.arrivals.ReadUint32(0, counts))
+		require.Equal(t, make([]uint32, len(counts)), counts, "arrival counters %s", when)
+	}
+
+	size := plan.Output().Size()
+	results, err := dev.NewBuffer(size*uint64(len(qs)), vk.DeviceLocal)
+	require.NoError(t, err)
+	defer results.Release()
+	var recordErr error
+	require.NoError(t, dev.Run(func(c *vk.Commands) {
+		for i, q := range qs {
+			words := make([]uint32, len(q))
+			for j, x := range q {
+				words[j] = math.Float32bits(x)
+			}
+			c.Barrier() // the previous run's copy and kernels are done
+			c.Update(plan.query.All(), words)
+			c.Fill(plan.Output().All(), nan)
+			c.Barrier()
+			if err := plan.Record(c); err != nil && recordErr == nil {
+				recordErr = err
+			}
+			c.Barrier()
+			c.Copy(plan.Output().All(), results.Slice(uint64(i)*size, size))
+		}
+	}))
+	require.NoError(t, recordErr)
+	for i, q := range qs {
+		got := make([]float32, size/4)
+		require.NoError(t, results.ReadFloat32(uint64(i)*size, got))
+		requireClose(t, want(q), got, dim, 1e-3, fmt.Sprintf("run %d of one submission", i))
+	}
+	requireArrivalsZero("after one submission of several runs")
+
+	for i, q := range qs {
+		require.NoError(t, dev.Run(func(c *vk.Commands) { c.Fill(plan.Output().All(), nan) }))
+		got, err := plan.Attend(q)
+		require.NoError(t, err)
+		requireClose(t, want(q), got, dim, 1e-3, fmt.Sprintf("submission %d", i))
+		requireArrivalsZero(fmt.Sprintf("after submission %d", i))
+	}
+}
+
+// TestDensePlanRepeats runs a batch plan, a token-list plan and a cluster
+// plan several times with different queries, in one submission and in
+// several (requireRepeats), so that the arrival counters must be back at 0
+// after every run.
+func TestDensePlanRepeats(t *testing.T) {
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(rand.Int63()))
+	queries := func(n int) [][]float32 {
+		var qs [][]float32
+		for i := 0; i < 3; i++ {
+			qs = append(qs, randomQueries(rng, n, 1.5))
+		}
+		return qs
+	}
+
+	t.Run("batch", func(t *testing.T) {
+		// Two head blocks of 8 query heads per KV head; chunks of 64
+		// tokens, so that the longest sequence takes 33 of them.
+		h := Heads{32, 2, 16}
+		dense, err := NewDense(dev, h)
+		require.NoError(t, err)
+		defer dense.Release()
+		dense.ChunkTokens = 64
+		lengths := []int{1, 700, 2100}
+		var layers []*kvcache.Layer
+		var ks, vs [][]float64
+		for _, n := range lengths {
+			l, k, v := randomLayer(t, dev, rng, h, n, 2200, 1)
+			layers, ks, vs = append(layers, l), append(ks, k), append(vs, v)
+		}
+		plan, err := dense.Plan(layers)
+		require.NoError(t, err)
+		defer plan.Release()
+		per := h.Query * h.Dim
+		requireRepeats(t, dev, plan, queries(len(lengths)*per), func(q []float32) []float64 {
+			var want []float64
+			for b, n := range lengths {
+				w, err := DenseRef(h, q[b*per:(b+1)*per], ks[b], vs[b], n, 1/math.Sqrt(float64(h.Dim)))
+				require.NoError(t, err)
+				want = append(want, w...)
+			}
+			return want
+		})
+	})
+
+	t.Run("token lists", func(t *testing.T) {
+		// KV head 1's short list leaves most of its chunks past its end:
+		// they exit without arriving.
+		h := Heads{8, 2, 64}
+		const n = 3000
+		dense, err := NewDense(dev, h)
+		require.NoError(t, err)
+		defer dense.Release()
+		dense.gatherMin = 64
+		layer, k, v := randomLayer(t, dev, rng, h, n, n, 1)
+		plan, err := dense.PlanGather(layer, n)
+		require.NoError(t, err)
+		defer plan.Release()
+		lists := make([][]int32, h.KV)
+		for g, size := range []int{2999, 40} {
+			for _, tok := range rng.Perm(n)[:size] {
+				lists[g] = append(lists[g], int32(tok))
+			}
+		}
+		require.NoError(t, plan.SetTokens(lists))
+		requireRepeats(t, dev, plan, queries(h.Query*h.Dim), func(q []float32) []float64 { return listsRef(t, h, q, k, v, n, lists) })
+	})
+
+	t.Run("clusters", func(t *testing.T) {
+		c := clusterCase{heads: Heads{16, 4, 64}, n: 2500, capacity: 2600, first: 4, tail: 100, clusters: 200, opts: DenseOptions{ClusterChunk: 16}, none: []int{2}}
+		plan, k, v, lists := clusterPlan(t, dev, rng, c)
+		requireRepeats(t, dev, plan, queries(c.heads.Query*c.heads.Dim), func(q []float32) []float64 { return listsRef(t, c.heads, q, k, v, c.n, lists) })
+	})
 }

@@ -84,28 +84,28 @@ func TestOversizedBufferIsUnsupported(t *testing.T) {
 	require.ErrorContains(t, err, "largest allocation")
 }
 
-// TestDispatchAndTimestamps runs the merge kernel on a single chunk, which
-// must return o/l, and checks that timestamps tick forward.
+// TestDispatchAndTimestamps runs the read probe on two workgroups of 32
+// threads over 100 words, which must leave in each thread's word the XOR of
+// the words it read, and checks that timestamps tick forward.
 func TestDispatchAndTimestamps(t *testing.T) {
 	dev := vktest.Open(t)
-	code, err := shaders.SPIRV("attend_merge")
+	code, err := shaders.SPIRV("read_probe")
 	require.NoError(t, err)
-	const d = 8
-	pipe, err := dev.NewPipeline(vk.Kernel{Name: "attend_merge", SPIRV: code, Bindings: 4, PushWords: 4, Specialization: []uint32{32, d}})
+	const wg, groups, words = 32, 2, 100
+	pipe, err := dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{wg}})
 	require.NoError(t, err)
 	defer pipe.Release()
-	po, _ := dev.NewBuffer(4*d, vk.DeviceLocal)
-	pml, _ := dev.NewBuffer(8, vk.DeviceLocal)
-	chunks, _ := dev.NewBuffer(4, vk.DeviceLocal)
-	out, _ := dev.NewBuffer(4*d, vk.DeviceLocal)
-	for _, b := range []*vk.Buffer{po, pml, chunks, out} {
+	src, _ := dev.NewBuffer(16*words, vk.DeviceLocal)
+	out, _ := dev.NewBuffer(4*wg*groups, vk.DeviceLocal)
+	for _, b := range []*vk.Buffer{src, out} {
 		defer b.Release()
 	}
-	o := []float32{1, 2, 3, 4, 5, 6, 7, 8}
-	require.NoError(t, po.WriteFloat32(0, o))
-	require.NoError(t, pml.WriteFloat32(0, []float32{3.5, 2}))
-	require.NoError(t, chunks.WriteUint32(0, []uint32{1}))
-	bind, err := pipe.Bind(po.All(), pml.All(), chunks.All(), out.All())
+	in := make([]uint32, 4*words)
+	for i := range in {
+		in[i] = uint32(i)*2654435761 + 12345
+	}
+	require.NoError(t, src.WriteUint32(0, in))
+	bind, err := pipe.Bind(src.All(), out.All())
 	require.NoError(t, err)
 	defer bind.Release()
 	ts, err := dev.NewTimestamps(2)
@@ -116,13 +116,17 @@ func TestDispatchAndTimestamps(t *testing.T) {
 		c.Fill(out.All(), math.Float32bits(float32(math.NaN())))
 		c.Barrier()
 		c.Timestamp(ts, 0)
-		c.Dispatch(pipe, bind, []uint32{1, 1, 1, 0}, 1, 1, 1)
+		c.Dispatch(pipe, bind, []uint32{words}, groups, 1, 1)
 		c.Timestamp(ts, 1)
 	}))
-	got := make([]float32, d)
-	require.NoError(t, out.ReadFloat32(0, got))
-	for i := range got {
-		require.InDelta(t, o[i]/2, got[i], 1e-6, "element %d", i)
+	got := make([]uint32, wg*groups)
+	require.NoError(t, out.ReadUint32(0, got))
+	for gid := range got {
+		var want uint32
+		for i := gid; i < words; i += wg * groups {
+			want ^= in[4*i] ^ in[4*i+1] ^ in[4*i+2] ^ in[4*i+3]
+		}
+		require.Equal(t, want, got[gid], "thread %d", gid)
 	}
 	el, err := ts.Elapsed(0, 1)
 	require.NoError(t, err)
@@ -136,7 +140,7 @@ func TestDispatchAndTimestamps(t *testing.T) {
 	// Recording errors surface at End, before anything runs.
 	err = dev.Run(func(c *vk.Commands) { c.Dispatch(pipe, bind, []uint32{1, 1}, 1, 1, 1) })
 	require.ErrorContains(t, err, "push-constant")
-	_, err = pipe.Bind(po.All())
+	_, err = pipe.Bind(src.All())
 	require.Error(t, err)
 }
 
