@@ -663,22 +663,17 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 }
 
 // recordClusters records attention over the taken clusters and the fixed
-// tokens (recordClusterPartials).
+// tokens (recordClusterAttention).
 func (p *DensePlan) recordClusters(c *vk.Commands) error {
-	return p.recordClusterPartials(c)
+	return p.recordClusterAttention(c)
 }
 
-// recordClusterMerge records nothing: recordClusterPartials' dispatch
-// merges its own chunks. It is kept, empty, for callers that record the
-// attention by stage.
-func (p *DensePlan) recordClusterMerge(*vk.Commands) error { return nil }
-
-// recordClusterPartials records the whole attention over the taken
+// recordClusterAttention records the whole attention over the taken
 // clusters and the fixed tokens in one dispatch per range of KV heads: a
 // workgroup per run of clusters, then one per tile of fixed tokens, each
 // writing its partial (m = −∞ where it attends nothing), and the last
 // workgroup of each head block merging them into the output.
-func (p *DensePlan) recordClusterPartials(c *vk.Commands) error {
+func (p *DensePlan) recordClusterAttention(c *vk.Commands) error {
 	h, d, x := p.d.heads, p.d, p.clusters
 	n := p.seqs[0].Len()
 	end := x.First + x.Count

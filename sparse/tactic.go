@@ -356,14 +356,15 @@ func (t *TacticStep) Record(c *vk.Commands) error {
 	return recordTactic(c, []*TacticStep{t}, func(int) {})
 }
 
-// tacticStageCount is the number of dependent stages of a step: scores
-// and order, sampling and fit, attention over the selection, merge.
-const tacticStageCount = 4
+// tacticStageCount is the number of dependent stages of a step (one
+// dispatch each): scores and order, sampling and fit, attention over the
+// selection with its merge.
+const tacticStageCount = 3
 
 // recordTactic appends the kernels of the steps, stage by stage: each
 // stage's dispatches for every step, then one barrier, so that a batch pays
 // each stage's fixed cost once. mark(i) is called after the dispatches of
-// TacticStages[i] (attention's two dispatches count as one).
+// TacticStages[i].
 func recordTactic(c *vk.Commands, steps []*TacticStep, mark func(stage int)) error {
 	for s := 0; s < tacticStageCount; s++ {
 		for _, t := range steps {
@@ -371,9 +372,7 @@ func recordTactic(c *vk.Commands, steps []*TacticStep, mark func(stage int)) err
 				return err
 			}
 		}
-		if s != 2 {
-			mark(min(s, 2))
-		}
+		mark(s)
 		if s < tacticStageCount-1 {
 			c.ComputeBarrier()
 		}
@@ -404,9 +403,7 @@ func (t *TacticStep) recordStage(c *vk.Commands, s int) error {
 		c.Dispatch(k.fit, b.fit, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc,
 			math.Float32bits(float32(t.p))}, uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, k.sampleTeams)))), hq, 1)
 	case 2:
-		return t.plan.recordClusterPartials(c)
-	case 3:
-		return t.plan.recordClusterMerge(c)
+		return t.plan.recordClusterAttention(c)
 	}
 	return nil
 }
