@@ -124,6 +124,17 @@ uint scanSlots(uint x, uint lin, uint hp, uint lt) {
 	return run;
 }
 
+// loadBatch loads the scores (from sb) and sizes of KV head g's clusters
+// c0, c0 + T, ..., BATCH of them, all in flight together; past the last
+// cluster it loads the last one again.
+void loadBatch(uint c0, uint sb, uint g, out float sv[BATCH], out uint zv[BATCH]) {
+	[[unroll]] for (uint i = 0; i < BATCH; i++) {
+		uint cl = min(c0 + i * T, pc.C - 1);
+		sv[i] = s[sb + cl];
+		zv[i] = sizes[g * pc.C + cl];
+	}
+}
+
 void main() {
 	uint tid = gl_LocalInvocationID.x;
 	uint g = gl_WorkGroupID.y;
@@ -208,11 +219,7 @@ void main() {
 			for (uint c0 = lt; c0 < pc.C; c0 += T * BATCH) {
 				float sv[BATCH];
 				uint zv[BATCH];
-				[[unroll]] for (uint i = 0; i < BATCH; i++) {
-					uint cl = min(c0 + i * T, pc.C - 1);
-					sv[i] = s[sb + cl];
-					zv[i] = sizes[g * pc.C + cl];
-				}
+				loadBatch(c0, sb, g, sv, zv);
 				[[unroll]] for (uint i = 0; i < BATCH; i++) {
 					uint cl = c0 + i * T;
 					if (cl < pc.C) {
@@ -286,11 +293,7 @@ void main() {
 			for (uint c0 = lt; c0 < pc.C; c0 += T * BATCH) {
 				float sv[BATCH];
 				uint zv[BATCH];
-				[[unroll]] for (uint i = 0; i < BATCH; i++) {
-					uint cl = min(c0 + i * T, pc.C - 1);
-					sv[i] = s[sb + cl];
-					zv[i] = sizes[g * pc.C + cl];
-				}
+				loadBatch(c0, sb, g, sv, zv);
 				[[unroll]] for (uint i = 0; i < BATCH; i++) {
 					uint cl = c0 + i * T;
 					uint b = binOfScore(m, u, sv[i]);

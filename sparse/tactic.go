@@ -211,13 +211,14 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	// Subgroup reductions and scans in the per-head passes where the dense
 	// kernels use them (not with DenseOptions.TreeReduce).
 	info := dev.Info()
-	sub := boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= wg/side)
-	k.order = build("tactic_score", 10, 9, wg, uint32(h.Dim), uint32(k.orderHeads), TacticBins, 10, sub)
+	subgroups := func(threads uint32) uint32 {
+		return boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= threads)
+	}
+	k.order = build("tactic_score", 10, 9, wg, uint32(h.Dim), uint32(k.orderHeads), TacticBins, 10, subgroups(wg/side))
 	tpr := dense.tpr       // shuffles among tpr threads work on this device
 	team := max(16, 4*tpr) // threads per sampled cluster, a power of two
 	k.sampleTeams = sampleWorkgroup / team
-	sampleSub := boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= sampleWorkgroup)
-	k.fit = build("tactic_sample", 12, 10, sampleWorkgroup, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, sampleSub)
+	k.fit = build("tactic_sample", 12, 10, sampleWorkgroup, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, subgroups(sampleWorkgroup))
 	if err != nil {
 		k.release()
 		return nil, err
