@@ -47,6 +47,13 @@ layout(constant_id = 9) const uint GATHER = 0;
 layout(constant_id = 10) const uint RPT = 1;
 // GATHER = 2: clusters scanned at once (a power of two, at most WG).
 layout(constant_id = 11) const uint WINDOW = 64;
+// APPROX = 1 (with GATHER = 2) adds Double-P's pseudo-tokens (seed 004,
+// Eq. 8-9): the last clusterChunks workgroups take the runs of clusters
+// again and give each query head h of their block, for every cluster c of
+// KV head g that no head of g takes (rank[h'][c] >= cut[h'] for all) and
+// that h keeps (rank[h][c] < keep[h]), one token of logit logit[h][c] and
+// value means[g][c].
+layout(constant_id = 12) const uint APPROX = 0;
 
 const uint DV = D / 8;  // uvec4 words per row
 const uint ACC = GROUP * 2;  // vec4 of output a thread accumulates
@@ -72,6 +79,10 @@ layout(std430, binding = 11) restrict readonly buffer Members { uint members[]; 
 // partials; 0 between dispatches (the last to arrive resets it).
 layout(std430, binding = 12) coherent buffer Arrivals { uint arrivals[]; };  // [B][Hq/GROUP]
 layout(std430, binding = 13) restrict writeonly buffer Out { vec4 o[]; };      // [B][Hq][D/4]
+// APPROX = 1 only.
+layout(std430, binding = 14) restrict readonly buffer Logits { float logit[]; };  // [Hq][C]
+layout(std430, binding = 15) restrict readonly buffer Keep { uint keep[]; };      // [Hq]
+layout(std430, binding = 16) restrict readonly buffer Means { float means[]; };   // [heads][C][D]
 
 layout(push_constant) uniform Push {
 	uint n;           // tokens of this sequence (GATHER: token-list stride)
@@ -272,6 +283,14 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 	barrier();  // the next tile overwrites the scores
 }
 
+// takenByGroup reports whether some query head of KV head g takes cluster
+// cl (GATHER = 2).
+bool takenByGroup(uint g, uint cl) {
+	uint take = 0;
+	for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take |= uint(rank[h * pc.C + cl] < cut[h]);
+	return take != 0;
+}
+
 // attendChunk writes the partials of chunk c (of chunk tokens, or clusters
 // with GATHER = 2, out of n) of query heads h0 .. h0 + GROUP − 1 (of KV
 // head kvBase + kvLocal): m, l and o per head, or m = −∞ and l = 0 (o
@@ -324,10 +343,7 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 			uint cl = w0 + tid;
 			uint size = 0;
 			if (tid < CW && cl < cEnd) {
-				// Every head's rank loaded at once, not one after another.
-				uint take = 0;
-				for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take |= uint(rank[h * pc.C + cl] < cut[h]);
-				if (take != 0) size = sizes[g * pc.C + cl];
+				if (takenByGroup(g, cl)) size = sizes[g * pc.C + cl];
 				// Clusters are runs of slots (kvcache Layer.Reorder).
 				from[tid] = pc.first + starts[g * pc.C + cl];
 			}
@@ -400,6 +416,72 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 	if (tid < GROUP) {
 		pml[base + tid * pc.maxChunks] = vec2(m[tid], l[tid]);
 	}
+}
+
+// approxChunk writes the partials of chunk c, one of the last clusterChunks
+// (APPROX = 1): for each query head h0 + j of the block, over the clusters
+// of run a = c − (chunks − clusterChunks) that the head keeps and no head
+// of the group takes, m = max logit, l = Σ exp(logit − m) and
+// o = Σ exp(logit − m)·mean (m = −∞, l = 0, o unwritten where none).
+void approxChunk(uint c, uint h0, uint kvLocal) {
+	uint tid = gl_LocalInvocationID.x;
+	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
+	uint g = pc.kvBase + kvLocal;
+	uint c0 = (c - (gl_NumWorkGroups.x - pc.clusterChunks)) * pc.chunk;
+	uint cEnd = min(c0 + pc.chunk, pc.C);
+	const uint W = SCORE_SLOTS / GROUP;  // clusters weighed at once
+	const uint PAIRS = (GROUP * D + WG - 1) / WG;  // (head, dimension) pairs per thread
+	float m[GROUP];
+	float l[GROUP];
+	[[unroll]] for (uint j = 0; j < GROUP; j++) {
+		m[j] = -1.0 / 0.0;
+		l[j] = 0.0;
+	}
+	for (uint cl = c0 + tid; cl < cEnd; cl += WG) {
+		if (takenByGroup(g, cl)) continue;
+		[[unroll]] for (uint j = 0; j < GROUP; j++) {
+			uint h = h0 + j;
+			if (rank[h * pc.C + cl] < keep[h]) m[j] = max(m[j], logit[h * pc.C + cl]);
+		}
+	}
+	combine(m, 0);
+	float acc[PAIRS];
+	[[unroll]] for (uint p = 0; p < PAIRS; p++) acc[p] = 0.0;
+	for (uint w0 = c0; w0 < cEnd; w0 += W) {
+		uint len = min(W, cEnd - w0);
+		for (uint i = tid; i < len; i += WG) {
+			uint cl = w0 + i;
+			bool taken = takenByGroup(g, cl);
+			[[unroll]] for (uint j = 0; j < GROUP; j++) {
+				uint h = h0 + j;
+				float w = 0.0;
+				if (!taken && rank[h * pc.C + cl] < keep[h]) w = exp(logit[h * pc.C + cl] - m[j]);
+				sc[j * W + i] = w;
+				l[j] += w;
+			}
+		}
+		barrier();
+		[[unroll]] for (uint p = 0; p < PAIRS; p++) {
+			uint pair = tid + p * WG;
+			if (pair < GROUP * D) {
+				uint j = pair / D, dim = pair % D;
+				uint row = (g * pc.C + w0) * D + dim;
+				float sum = 0.0;
+				for (uint i = 0; i < len; i++) {
+					float w = sc[j * W + i];
+					if (w != 0.0) sum += w * means[row + i * D];
+				}
+				acc[p] += sum;
+			}
+		}
+		barrier();
+	}
+	combine(l, 1);
+	[[unroll]] for (uint p = 0; p < PAIRS; p++) {
+		uint pair = tid + p * WG;
+		if (pair < GROUP * D && l[pair / D] > 0.0) po[(base + (pair / D) * pc.maxChunks) * D + pair % D] = acc[p];
+	}
+	if (tid < GROUP) pml[base + tid * pc.maxChunks] = vec2(l[tid] > 0.0 ? m[tid] : -1.0 / 0.0, l[tid]);
 }
 
 // mergeChunks writes the output of query heads h0 .. h0 + GROUP − 1 of
@@ -504,7 +586,11 @@ void main() {
 	// more than the separate merge kernel saved), every chunk otherwise.
 	uint used = GATHER == 1 ? min((n + chunk - 1) / chunk, gl_NumWorkGroups.x) : gl_NumWorkGroups.x;
 	if (gl_WorkGroupID.x >= used) return;
-	attendChunk(gl_WorkGroupID.x, h0, kvLocal, n, chunk);
+	if (APPROX != 0 && gl_WorkGroupID.x >= gl_NumWorkGroups.x - pc.clusterChunks) {
+		approxChunk(gl_WorkGroupID.x, h0, kvLocal);
+	} else {
+		attendChunk(gl_WorkGroupID.x, h0, kvLocal, n, chunk);
+	}
 
 	// Arrive: the partials written (and made visible device-wide) before
 	// one thread counts this workgroup in. Only the last of the head

@@ -26,6 +26,11 @@ type Dense struct {
 	partial   *vk.Pipeline
 	gather    *vk.Pipeline // attend_partial reading rows through token lists
 	clustered *vk.Pipeline // attend_partial over taken clusters; nil where shared memory is short
+	// approx is attend_partial over taken clusters with pseudo-tokens of
+	// the kept ones (PlanSelection), built on first use.
+	approx    *vk.Pipeline
+	code      []byte   // attend_partial's SPIR-V
+	spec      []uint32 // its specialization, GATHER and APPROX 0
 	workgroup int
 	tpr       int  // threads sharing a K row in the score pass
 	rpt       int  // K rows each thread scores at once
@@ -87,7 +92,7 @@ const (
 	// of 131 072 tokens took 37–47 µs so against 60–67 µs with 1 024
 	// workgroups (runs of 64); at 32 768 runs of 64 stay best.
 	clusterWorkgroups = 256
-	partialBindings   = 14
+	partialBindings   = 17
 	partialPushWords  = 14
 )
 
@@ -183,15 +188,15 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	if err != nil {
 		return nil, err
 	}
-	spec := []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt), uint32(d.window)}
+	d.code = code
+	d.spec = []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt), uint32(d.window), 0}
 	clusterShared := 4 * (tile + 2*window + 1 + wg/4) // lst, from, pre, subTotal
 	kernel := func(name string, gather uint32) *vk.Pipeline {
 		if err != nil {
 			return nil
 		}
-		spec[9] = gather
 		var p *vk.Pipeline
-		p, err = dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: partialBindings, PushWords: partialPushWords, Specialization: spec})
+		p, err = d.kernel(name, gather, 0)
 		return p
 	}
 	d.partial = kernel("attend_partial", 0)
@@ -204,6 +209,13 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 		return nil, err
 	}
 	return d, nil
+}
+
+// kernel builds attend_partial with GATHER gather and APPROX approx.
+func (d *Dense) kernel(name string, gather, approx uint32) (*vk.Pipeline, error) {
+	spec := append([]uint32(nil), d.spec...)
+	spec[9], spec[12] = gather, approx
+	return d.dev.NewPipeline(vk.Kernel{Name: name, SPIRV: d.code, Bindings: partialBindings, PushWords: partialPushWords, Specialization: spec})
 }
 
 // ThreadsPerRow returns how many threads share a K row in the score pass.
@@ -229,7 +241,7 @@ func (d *Dense) Heads() Heads { return d.heads }
 // Release destroys the kernels.
 func (d *Dense) Release() error {
 	var errs []error
-	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered} {
+	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.approx} {
 		if p != nil {
 			errs = append(errs, p.Release())
 		}
@@ -262,6 +274,8 @@ type DensePlan struct {
 	clusters     *kvcache.Clusters
 	clusterChunk int
 	rank, cut    vk.Range
+	// approx holds the pseudo-tokens' buffers (PlanSelection); nil without.
+	approx *Approximation
 }
 
 type segment struct {
@@ -332,15 +346,20 @@ func (p *DensePlan) allocate() error {
 			off, size := uint64(base)*headBytes, uint64(count)*headBytes
 			pipe, lists, counts := d.partial, p.query.All(), p.query.All() // unused bindings get a valid range
 			index := []vk.Range{lists, lists, lists, lists, lists}
+			pseudo := []vk.Range{lists, lists, lists}
 			switch {
 			case p.gatherStride > 0:
 				pipe, lists, counts = d.gather, p.tokens.All(), p.tokCounts.All()
 			case p.clusters != nil:
 				x := p.clusters
 				pipe, index = d.clustered, []vk.Range{p.rank, p.cut, x.Starts.All(), x.Counts.All(), x.Members.All()}
+				if a := p.approx; a != nil {
+					pipe, pseudo = d.approx, []vk.Range{a.Logits, a.Keep, a.Means}
+				}
 			}
 			ranges := append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists, counts}, index...)
-			bind, err := pipe.Bind(append(ranges, p.arrivals.All(), p.out.All())...)
+			ranges = append(ranges, p.arrivals.All(), p.out.All())
+			bind, err := pipe.Bind(append(ranges, pseudo...)...)
 			if err != nil {
 				return err
 			}
@@ -635,7 +654,20 @@ func (p *DensePlan) recordGather(c *vk.Commands) error {
 // alive). Workgroups take fixed runs of clusters and skip those not taken,
 // so no token list is built.
 func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, rank, cut vk.Range) (*DensePlan, error) {
-	h := d.heads
+	return d.PlanSelection(layer, Selection{Clusters: clusters, Rank: rank, Cut: cut})
+}
+
+// PlanSelection prepares attention of one sequence over a policy's
+// selection: PlanClusters over sel's clusters, ranks and cuts, and, where
+// sel.Approx is set, each query head h also attends one pseudo-token per
+// cluster c of its KV head g that no head of g takes and that h keeps,
+// rank[h][c] < Approx.Keep[h]: logit Approx.Logits[h][c], value
+// Approx.Means[g][c] (Double-P's Eq. 8–9).
+func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, error) {
+	h, clusters, rank, cut := d.heads, sel.Clusters, sel.Rank, sel.Cut
+	if clusters == nil {
+		return nil, fmt.Errorf("sparse: a selection without clusters")
+	}
 	switch {
 	case d.clustered == nil:
 		return nil, fmt.Errorf("%w: attention over clusters needs more shared memory than the device has", vk.ErrUnsupported)
@@ -654,7 +686,20 @@ func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, r
 		per = max(clusterChunkMin, ceilDiv(clusters.C*h.KV*blocks, clusterWorkgroups))
 	}
 	chunks := ceilDiv(clusters.C, per) + ceilDiv(layer.Capacity()-clusters.Count, d.tile)
-	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut}
+	if a := sel.Approx; a != nil {
+		c := uint64(h.Query * clusters.C)
+		if a.Keep.Size < uint64(h.Query)*4 || a.Logits.Size < c*4 || a.Means.Size < uint64(h.KV*clusters.C*h.Dim)*4 {
+			return nil, fmt.Errorf("sparse: pseudo-tokens with keeps of %d bytes, logits of %d and means of %d for %d query heads of %d clusters", a.Keep.Size, a.Logits.Size, a.Means.Size, h.Query, clusters.C)
+		}
+		if d.approx == nil {
+			var err error
+			if d.approx, err = d.kernel("attend_partial (clusters, pseudo-tokens)", 2, 1); err != nil {
+				return nil, err
+			}
+		}
+		chunks += ceilDiv(clusters.C, per) // a run of pseudo-tokens per run of clusters
+	}
+	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut, approx: sel.Approx}
 	if err := p.allocate(); err != nil {
 		p.Release()
 		return nil, err
@@ -682,12 +727,17 @@ func (p *DensePlan) recordClusterAttention(c *vk.Commands) error {
 	}
 	cc := ceilDiv(x.C, p.clusterChunk)
 	total := cc + ceilDiv(n-x.Count, d.tile)
+	pipe := d.clustered
+	if p.approx != nil {
+		total += cc // the runs again, for the pseudo-tokens
+		pipe = d.approx
+	}
 	blocks := h.Group() / d.group
 	for _, seg := range p.segments[0] {
 		push := []uint32{uint32(n), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(p.clusterChunk), uint32(p.maxChunks),
 			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()),
 			uint32(x.C), uint32(cc), uint32(x.Count), uint32(x.First), uint32(end)}
-		c.Dispatch(d.clustered, seg.bind, push, uint32(total), uint32(seg.kvCount*blocks), 1)
+		c.Dispatch(pipe, seg.bind, push, uint32(total), uint32(seg.kvCount*blocks), 1)
 	}
 	return nil
 }

@@ -1,0 +1,226 @@
+package sparse
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/shaders"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// DoublePStages names the dispatches of Double-P's selection: logits of
+// the size-weighted centroids with both cuts (one dispatch).
+var DoublePStages = []string{"select"}
+
+// DoublePSelector is Double-P's selection (seed 004, §4) on the GPU, in one
+// dispatch (shaders/doublep_select.comp): per query head h and cluster c
+// the pseudo-token logit ℓ = scale·q_h·C_c + ln s_c, clusters ranked by
+// bins of ℓ (DoublePBinRanks), and two cuts in bins, keep for P1 of the
+// estimated mass and exact for P2 of the kept mass (DoublePCutsRef over
+// the bins, the bins' masses summed in fixed point). Attention then takes
+// the clusters below the exact cut exactly (their union over the group)
+// and the other kept ones as pseudo-tokens of value V̄_c, the mean value
+// row computed when the selector is made (Eq. 2).
+type DoublePSelector struct {
+	dense    *Dense
+	clusters *kvcache.Clusters
+	opts     DoubleP
+	pipe     *vk.Pipeline
+	bind     *vk.Binding
+	// rows is the centroids a workgroup scores, heads the query heads of
+	// its block.
+	rows, heads int
+	bufs        []*vk.Buffer
+	logits      *vk.Buffer // float32 [Hq][C]
+	binOf       *vk.Buffer // uint32 [Hq][C]
+	exact, keep *vk.Buffer // uint32 [Hq]
+	means       *vk.Buffer // float32 [Hkv][C][D]
+	extremes    *vk.Buffer // uint32 [Hq][2], 0 between steps
+	arrived     *vk.Buffer // uint32 [Hkv][blocks], 0 between steps
+}
+
+// NewDoublePStep prepares Double-P decode steps with targets opts over
+// layer, clustered as clusters says (the layer in cluster order:
+// kvcache.Layer.Reorder); tokens outside the index (the sinks before it,
+// the recent tail after it) are attended exactly.
+func NewDoublePStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, opts DoubleP) (*Step, error) {
+	sel, err := NewDoublePSelector(dense, layer, clusters, opts)
+	if err != nil {
+		return nil, err
+	}
+	return NewStep(dense, layer, sel)
+}
+
+// NewDoublePSelector builds Double-P's selection kernel for clusters of
+// layer and computes the clusters' mean value rows.
+func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, opts DoubleP) (*DoublePSelector, error) {
+	h, dev := dense.heads, dense.dev
+	switch {
+	case opts.validate() != nil:
+		return nil, opts.validate()
+	case clusters.KVHeads != h.KV || clusters.HeadDim != h.Dim || layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
+		return nil, fmt.Errorf("sparse: clusters of %d heads of %d and a cache of %d of %d for kernels of %d of %d", clusters.KVHeads, clusters.HeadDim, layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
+	case clusters.First+clusters.Count > layer.Len():
+		return nil, fmt.Errorf("sparse: clustered tokens [%d, %d) beyond the %d stored", clusters.First, clusters.First+clusters.Count, layer.Len())
+	case !clusters.Contiguous:
+		return nil, fmt.Errorf("sparse: Double-P reads clusters as runs of slots: put the layer in cluster order first (kvcache.Layer.Reorder)")
+	}
+	s := &DoublePSelector{dense: dense, clusters: clusters, opts: opts}
+	// Blocks of up to 8 query heads, the workgroup as large as the scratch
+	// allows (workgroup × heads ≤ 4096 words) and a power of two.
+	s.heads = min(h.Group(), 8)
+	wg := min(tacticWorkgroup(dev.Info()), uint32(4096/s.heads))
+	for wg&(wg-1) != 0 {
+		wg &= wg - 1
+	}
+	s.rows = int(wg) / 8
+	var err error
+	alloc := func(words int) *vk.Buffer {
+		if err != nil {
+			return nil
+		}
+		var b *vk.Buffer
+		b, err = dev.NewBuffer(uint64(max(words, 1))*4, vk.DeviceLocal)
+		s.bufs = append(s.bufs, b)
+		return b
+	}
+	hq, c := h.Query, clusters.C
+	s.logits, s.binOf, s.exact, s.keep = alloc(hq*c), alloc(hq*c), alloc(hq), alloc(hq)
+	s.means = alloc(h.KV * c * h.Dim)
+	s.extremes, s.arrived = alloc(2*hq), alloc(h.KV*ceilDiv(h.Group(), s.heads))
+	if err == nil {
+		err = s.computeMeans(layer)
+	}
+	if err == nil {
+		err = dev.Run(func(c *vk.Commands) {
+			c.Fill(s.extremes.All(), 0)
+			c.Fill(s.arrived.All(), 0)
+		})
+	}
+	if err == nil {
+		var code []byte
+		if code, err = shaders.SPIRV("doublep_select"); err == nil {
+			s.pipe, err = dev.NewPipeline(vk.Kernel{Name: "doublep_select", SPIRV: code, Bindings: 9, PushWords: 6,
+				Specialization: []uint32{wg, uint32(h.Dim), uint32(s.heads), TacticBins, 10}})
+		}
+	}
+	if err != nil {
+		return nil, errors.Join(err, s.Release())
+	}
+	return s, nil
+}
+
+// meansWorkgroup is the threads per workgroup of cluster_means.
+const meansWorkgroup = 128
+
+// computeMeans writes every cluster's mean value row (cluster_means).
+func (s *DoublePSelector) computeMeans(layer *kvcache.Layer) error {
+	h, dev, x := s.dense.heads, s.dense.dev, s.clusters
+	if meansWorkgroup%(h.Dim/8) != 0 || layer.HeadBytes()*uint64(h.KV) > uint64(dev.Info().MaxStorageBufferRange) {
+		return fmt.Errorf("%w: cluster means of head dimension %d over %d bytes of values", vk.ErrUnsupported, h.Dim, layer.HeadBytes()*uint64(h.KV))
+	}
+	code, err := shaders.SPIRV("cluster_means")
+	if err != nil {
+		return err
+	}
+	pipe, err := dev.NewPipeline(vk.Kernel{Name: "cluster_means", SPIRV: code, Bindings: 4, PushWords: 3, Specialization: []uint32{meansWorkgroup, uint32(h.Dim)}})
+	if err != nil {
+		return err
+	}
+	defer pipe.Release()
+	bind, err := pipe.Bind(layer.Values().All(), x.Starts.All(), x.Counts.All(), s.means.All())
+	if err != nil {
+		return err
+	}
+	defer bind.Release()
+	rows := meansWorkgroup / (h.Dim / 8)
+	return dev.Run(func(c *vk.Commands) {
+		c.Dispatch(pipe, bind, []uint32{uint32(x.C), uint32(layer.HeadBytes() / 16), uint32(x.First)}, uint32(ceilDiv(x.C, rows)), uint32(h.KV), 1)
+	})
+}
+
+// Selection returns the ranks (bins), the exact cut and the pseudo-tokens
+// of the kept clusters.
+func (s *DoublePSelector) Selection() Selection {
+	return Selection{Clusters: s.clusters, Rank: s.binOf.All(), Cut: s.exact.All(),
+		Approx: &Approximation{Keep: s.keep.All(), Logits: s.logits.All(), Means: s.means.All()}}
+}
+
+// Bind makes the kernel read the queries from query.
+func (s *DoublePSelector) Bind(query vk.Range) error {
+	x := s.clusters
+	b, err := s.pipe.Bind(query, x.Centroids.All(), s.logits.All(), x.Counts.All(), s.binOf.All(), s.exact.All(), s.keep.All(), s.extremes.All(), s.arrived.All())
+	if err != nil {
+		return err
+	}
+	if s.bind != nil {
+		s.bind.Release()
+	}
+	s.bind = b
+	return nil
+}
+
+// Stages returns DoublePStages.
+func (s *DoublePSelector) Stages() []string { return DoublePStages }
+
+// RecordStage appends the selection (stage 0).
+func (s *DoublePSelector) RecordStage(c *vk.Commands, stage int) error {
+	if stage != 0 || s.bind == nil {
+		return fmt.Errorf("sparse: Double-P has one stage (asked for %d) and needs its queries bound", stage)
+	}
+	h, x := s.dense.heads, s.clusters
+	// Fixed-point masses: C terms of at most quant each stay below 2^31.
+	quant := math.Ldexp(1, min(24, 31-bits.Len(uint(x.C))))
+	push := []uint32{uint32(x.C), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))),
+		math.Float32bits(float32(s.opts.P1)), math.Float32bits(float32(s.opts.P2)), math.Float32bits(float32(quant))}
+	c.Dispatch(s.pipe, s.bind, push, uint32(ceilDiv(x.C, s.rows)), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
+	return nil
+}
+
+// Logits returns the last step's pseudo-token logits, [Hq][C].
+func (s *DoublePSelector) Logits() ([]float32, error) {
+	out := make([]float32, s.dense.heads.Query*s.clusters.C)
+	return out, s.logits.ReadFloat32(0, out)
+}
+
+// Bins returns the last step's rank (bin) of every cluster, [Hq][C].
+func (s *DoublePSelector) Bins() ([]int, error) {
+	return readInts(s.binOf, s.dense.heads.Query*s.clusters.C)
+}
+
+// Cuts returns the last step's exact and keep cuts per query head.
+func (s *DoublePSelector) Cuts() (exact, keep []int, err error) {
+	if exact, err = readInts(s.exact, s.dense.heads.Query); err != nil {
+		return nil, nil, err
+	}
+	keep, err = readInts(s.keep, s.dense.heads.Query)
+	return exact, keep, err
+}
+
+// Means returns the clusters' mean value rows, [Hkv][C][D].
+func (s *DoublePSelector) Means() ([]float32, error) {
+	h := s.dense.heads
+	out := make([]float32, h.KV*s.clusters.C*h.Dim)
+	return out, s.means.ReadFloat32(0, out)
+}
+
+// Release frees the kernel, its binding and the buffers.
+func (s *DoublePSelector) Release() error {
+	var errs []error
+	if s.bind != nil {
+		errs = append(errs, s.bind.Release())
+	}
+	if s.pipe != nil {
+		errs = append(errs, s.pipe.Release())
+	}
+	for _, b := range s.bufs {
+		if b != nil {
+			errs = append(errs, b.Release())
+		}
+	}
+	s.bind, s.pipe, s.bufs = nil, nil, nil
+	return errors.Join(errs...)
+}

@@ -1,0 +1,219 @@
+package sparse
+
+import (
+	"fmt"
+	"math"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/vk"
+	"github.com/vksparse/vksparse/vk/vktest"
+)
+
+// TestDoublePStepMatchesReference runs Double-P steps on a generated layer
+// and checks each stage against float64: the clusters' mean values
+// (ClusterValueMeansRef), every pseudo-token logit, each cluster's bin
+// (DoublePBinRanks of the GPU's logits), both cuts (DoublePCutsRef over
+// those bins, up to the rounding of the fixed-point masses at the
+// boundary), and the output against DoublePGroupRef with the GPU's ranks
+// and cuts.
+func TestDoublePStepMatchesReference(t *testing.T) {
+	testDoublePStep(t, 4000, 0, []DoubleP{DefaultDoubleP(), {P1: 0.8, P2: 0.3}, {P1: 1, P2: 1}, {P1: 0.99, P2: 0.05}})
+}
+
+// TestDoublePStepManyClusters runs the step over more clusters than the
+// selection's threads (several per thread) and more than one run of
+// clusters per attention workgroup.
+func TestDoublePStepManyClusters(t *testing.T) {
+	testDoublePStep(t, 9001, 4, []DoubleP{DefaultDoubleP()})
+}
+
+func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP) {
+	dev := vktest.Open(t)
+	const tail, sinks = 64, 4
+	h := Heads{Query: 8, KV: 2, Dim: 64}
+	tr := generated(t, h, n, 2)
+	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
+	require.NoError(t, err)
+	defer layer.Release()
+	require.NoError(t, layer.Prefill(tr.K, tr.V, n))
+	km, err := NewKMeans(dev, h.KV, h.Dim)
+	require.NoError(t, err)
+	defer km.Release()
+	clusters, err := km.Cluster(layer, sinks, n-tail-sinks, KMeansOptions{Seed: 11, AvgClusterSize: avgCluster})
+	require.NoError(t, err)
+	defer clusters.Release()
+	require.NoError(t, layer.Reorder(clusters))
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer dense.Release()
+	index := hostIndex(t, clusters)
+	fixed, err := TacticFixedTokens(sinks, n-tail, n-1)
+	require.NoError(t, err)
+	k, v := HalvesToFloat64(tr.K), HalvesToFloat64(tr.V)
+	d, scale := h.Dim, 1/math.Sqrt(float64(h.Dim))
+	q := tr.Query(tr.Queries() - 1)
+
+	for _, opts := range targets {
+		step, err := NewDoublePStep(dense, layer, clusters, opts)
+		require.NoError(t, err)
+		sel := step.Selector().(*DoublePSelector)
+		// A step before the checked one: the arrival counters must be back
+		// at 0; then every output the step writes is poisoned.
+		_, err = step.Attend(q)
+		require.NoError(t, err)
+		nan := math.Float32bits(float32(math.NaN()))
+		require.NoError(t, dev.Run(func(c *vk.Commands) {
+			for _, b := range []*vk.Buffer{step.Output(), sel.logits, sel.binOf, sel.exact, sel.keep} {
+				c.Fill(b.All(), nan)
+			}
+		}))
+		got, err := step.Attend(q)
+		require.NoError(t, err)
+		logits32, err := sel.Logits()
+		require.NoError(t, err)
+		bins, err := sel.Bins()
+		require.NoError(t, err)
+		exact, keep, err := sel.Cuts()
+		require.NoError(t, err)
+		means, err := sel.Means()
+		require.NoError(t, err)
+		require.NoError(t, step.Release())
+		t.Logf("P1 %v P2 %v: exact cuts %v, keep cuts %v (bins)", opts.P1, opts.P2, exact, keep)
+
+		var want []float64
+		for g := 0; g < h.KV; g++ {
+			keys, values := k[g*n*d:(g+1)*n*d], v[g*n*d:(g+1)*n*d]
+			meansRef := ClusterValueMeansRef(values, d, index[g])
+			requireNear(t, meansRef, means[g*clusters.C*d:(g+1)*clusters.C*d], 1e-5, fmt.Sprintf("mean values of KV head %d", g))
+			var qs, logits [][]float64
+			var ranks [][]int
+			var ex, kp []int
+			for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
+				qh := make([]float64, d)
+				for i := range qh {
+					qh[i] = float64(q[hh*d+i])
+				}
+				ref, err := DoublePLogitsRef(qh, scale, index[g])
+				require.NoError(t, err)
+				row := logits32[hh*clusters.C : (hh+1)*clusters.C]
+				mine := make([]float64, len(row))
+				for c, x := range row {
+					mine[c] = float64(x)
+					if math.IsInf(ref[c], -1) {
+						require.True(t, math.IsInf(mine[c], -1), "head %d: empty cluster %d has logit %v", hh, c, x)
+						continue
+					}
+					require.InDelta(t, ref[c], mine[c], 1e-4*(1+math.Abs(ref[c])), "head %d: logit of cluster %d", hh, c)
+				}
+				rank := DoublePBinRanks(row)
+				require.Equal(t, rank, bins[hh*clusters.C:(hh+1)*clusters.C], "head %d: bins", hh)
+				requireDoublePCuts(t, mine, rank, opts, exact[hh], keep[hh], fmt.Sprintf("P1 %v P2 %v head %d", opts.P1, opts.P2, hh))
+				qs, logits, ranks = append(qs, qh), append(logits, mine), append(ranks, rank)
+				ex, kp = append(ex, exact[hh]), append(kp, keep[hh])
+			}
+			outs, tokens, approx, err := DoublePGroupRef(qs, keys, values, scale, index[g], fixed, meansRef, logits, ranks, ex, kp)
+			require.NoError(t, err)
+			pseudo := 0
+			for _, a := range approx {
+				pseudo += len(a)
+			}
+			t.Logf("KV head %d: %d of %d tokens exact, %d pseudo-tokens over %d heads", g, len(tokens), n, pseudo, len(qs))
+			if opts.P1 == 1 && opts.P2 == 1 {
+				require.Len(t, tokens, n, "P1 = P2 = 1 attends every token")
+			}
+			for _, o := range outs {
+				want = append(want, o...)
+			}
+		}
+		requireClose(t, want, got, d, 1e-3, fmt.Sprintf("Double-P step at P1 %v P2 %v", opts.P1, opts.P2))
+	}
+	_, err = NewDoublePStep(dense, layer, clusters, DoubleP{P1: 0.9, P2: math.NaN()})
+	require.Error(t, err, "P2 NaN")
+
+	step, err := NewDoublePStep(dense, layer, clusters, DefaultDoubleP())
+	require.NoError(t, err)
+	defer step.Release()
+	require.NoError(t, step.SetQuery(q))
+	stages, total, err := step.TimeStages(1, 3)
+	require.NoError(t, err)
+	require.Len(t, stages, len(step.Stages()))
+	for i, s := range stages {
+		require.Greater(t, s, time.Duration(0), "stage %s", step.Stages()[i])
+	}
+	require.Greater(t, total, time.Duration(0))
+}
+
+// requireDoublePCuts checks the GPU's cuts against DoublePCutsRef over
+// the same bins: equal, or, where the fixed-point masses round the other
+// way, a cut whose defining sums lie within 1e-4 of their target.
+func requireDoublePCuts(t *testing.T, logits []float64, rank []int, opts DoubleP, exact, keep int, what string) {
+	t.Helper()
+	wantExact, wantKeep := DoublePCutsRef(logits, rank, TacticBins, opts)
+	if exact == wantExact && keep == wantKeep {
+		return
+	}
+	best := math.Inf(-1)
+	for _, x := range logits {
+		best = max(best, x)
+	}
+	below := func(cut int) float64 {
+		s := 0.0
+		for c, x := range logits {
+			if rank[c] < cut {
+				s += math.Exp(x - best)
+			}
+		}
+		return s
+	}
+	near := func(a, b float64) bool { return math.Abs(a-b) <= 1e-4*b }
+	total := below(TacticBins)
+	okKeep := keep == wantKeep || near(below(min(keep, wantKeep)), opts.P1*total)
+	kept := below(keep)
+	wantE, _ := DoublePCutsRef(logits, rank, keep, DoubleP{P1: 1, P2: opts.P2})
+	okExact := exact == wantE || near(below(min(exact, wantE)), opts.P2*kept)
+	require.True(t, okKeep && okExact, "%s: GPU cuts exact %d keep %d, float64 %d and %d", what, exact, keep, wantExact, wantKeep)
+}
+
+// requireNear fails at the first few elements of got farther than tol
+// (relative to the largest |want|) from want.
+func requireNear(t *testing.T, want []float64, got []float32, tol float64, what string) {
+	t.Helper()
+	require.Len(t, got, len(want), what)
+	top := 0.0
+	for _, x := range want {
+		top = max(top, math.Abs(x))
+	}
+	bad := 0
+	for i, x := range want {
+		if diff := math.Abs(float64(got[i]) - x); !(diff <= tol*top) {
+			if bad < 5 {
+				t.Errorf("%s: element %d GPU %g, float64 %g", what, i, got[i], x)
+			}
+			bad++
+		}
+	}
+	require.Zero(t, bad, "%s: %d elements differ", what, bad)
+}
+
+// hostIndex reads every KV head's index of clusters back as ClusterIndex.
+func hostIndex(t *testing.T, clusters *kvcache.Clusters) []*ClusterIndex {
+	t.Helper()
+	index := make([]*ClusterIndex, clusters.KVHeads)
+	for g := range index {
+		hc, err := clusters.Read(g)
+		require.NoError(t, err)
+		cent := make([]float64, len(hc.Centroids))
+		for i, x := range hc.Centroids {
+			cent[i] = float64(x)
+		}
+		index[g] = &ClusterIndex{D: clusters.HeadDim, Centroids: cent, Members: hc.Members}
+		for _, mem := range hc.Members {
+			index[g].Sizes = append(index[g].Sizes, len(mem))
+		}
+	}
+	return index
+}

@@ -1,0 +1,200 @@
+package sparse
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"time"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// Selection is where a policy's kernels leave one step's choice for the
+// shared attention kernel (Dense.PlanSelection). Over an index of clusters
+// stored in cluster order (K-means clusters; pages of consecutive tokens
+// and single tokens are clusters too), the query heads of KV head g attend
+// every token outside the index and the members of each cluster c of g
+// with Rank[h][c] < Cut[h] for some query head h of g.
+type Selection struct {
+	Clusters  *kvcache.Clusters
+	Rank, Cut vk.Range // uint32 [Hq][C] and [Hq]
+	// Approx, when set, adds one pseudo-token per cluster that a head
+	// keeps but no head of its group takes.
+	Approx *Approximation
+}
+
+// Approximation stands clusters in for their tokens: head h of KV head g
+// attends cluster c of g, kept (Rank[h][c] < Keep[h]) and taken by no head
+// of g, as one token of logit Logits[h][c] and value Means[g][c].
+type Approximation struct {
+	Keep   vk.Range // uint32 [Hq]
+	Logits vk.Range // float32 [Hq][C], in the units of scale·q·k
+	Means  vk.Range // float32 [Hkv][C][D]
+}
+
+// Selector is a policy's selection on the GPU, one step after another:
+// kernels that read the step's queries and write a Selection.
+type Selector interface {
+	// Selection returns the buffers the kernels write.
+	Selection() Selection
+	// Bind makes the kernels read the queries from query, float32 [Hq][D].
+	Bind(query vk.Range) error
+	// Stages names the selection's dependent dispatches, in order.
+	Stages() []string
+	// RecordStage appends stage s for the layer's current length.
+	RecordStage(c *vk.Commands, s int) error
+	// Release frees the selector's kernels and buffers.
+	Release() error
+}
+
+// Step is one sequence's decode step under a policy: the selector's
+// kernels, then attention over the selection with its merge
+// (Dense.PlanSelection), in one submission with no host round trip. The
+// step owns its selector.
+type Step struct {
+	dense *Dense
+	layer *kvcache.Layer
+	sel   Selector
+	plan  *DensePlan
+	clock stopwatch
+}
+
+// NewStep prepares steps of the selector sel over layer; it releases sel
+// when it fails and when the step is released.
+func NewStep(dense *Dense, layer *kvcache.Layer, sel Selector) (*Step, error) {
+	s := &Step{dense: dense, layer: layer, sel: sel}
+	var err error
+	if s.plan, err = dense.PlanSelection(layer, sel.Selection()); err == nil {
+		err = sel.Bind(s.plan.query.All())
+	}
+	if err != nil {
+		return nil, errors.Join(err, s.Release())
+	}
+	return s, nil
+}
+
+// Selector returns the step's selector.
+func (s *Step) Selector() Selector { return s.sel }
+
+// Stages names the step's dependent dispatches: the selector's, then
+// "attend".
+func (s *Step) Stages() []string { return append(append([]string(nil), s.sel.Stages()...), "attend") }
+
+// SetQuery uploads the queries, [Hq][D] float32, after checking them.
+func (s *Step) SetQuery(q []float32) error { return s.plan.SetQuery(q) }
+
+// Record appends the step to c, a compute barrier between stages; as
+// DensePlan.Record, it orders compute work only.
+func (s *Step) Record(c *vk.Commands) error { return s.record(c, func(int) {}) }
+
+// record appends the stages, calling mark(i) after stage i's dispatches.
+func (s *Step) record(c *vk.Commands, mark func(stage int)) error {
+	n := len(s.sel.Stages())
+	for i := 0; i < n; i++ {
+		if err := s.sel.RecordStage(c, i); err != nil {
+			return err
+		}
+		mark(i)
+		c.ComputeBarrier()
+	}
+	if err := s.plan.recordClusterAttention(c); err != nil {
+		return err
+	}
+	mark(n)
+	return nil
+}
+
+// Attend runs a step for the query q ([Hq][D]) and returns the output.
+func (s *Step) Attend(q []float32) ([]float32, error) {
+	if err := s.SetQuery(q); err != nil {
+		return nil, err
+	}
+	if err := runOnce(s.dense.dev, s.Record); err != nil {
+		return nil, err
+	}
+	out := make([]float32, len(q))
+	return out, s.plan.out.ReadFloat32(0, out)
+}
+
+// Output returns the buffer the output lands in, float32 [Hq][D].
+func (s *Step) Output() *vk.Buffer { return s.plan.Output() }
+
+// Time records warmup+reps back-to-back steps in one submission and
+// returns the timed ones' GPU times, sorted (as DensePlan.Time).
+func (s *Step) Time(warmup, reps int) ([]time.Duration, error) {
+	return s.clock.time(s.dense.dev, warmup, reps, s.Record)
+}
+
+// TimeStages runs reps steps back to back in one submission, after warmup
+// untimed ones, with a timestamp after every stage, and returns each
+// stage's median GPU time (Stages order) and the median whole step.
+func (s *Step) TimeStages(warmup, reps int) (stages []time.Duration, total time.Duration, err error) {
+	return timeStages(s.dense.dev, len(s.Stages()), warmup, reps, s.record)
+}
+
+// timeStages runs record warmup+reps times in one submission, a timestamp
+// after each of its ns stages (record calls mark after each), and returns
+// the median of each stage and of the whole.
+func timeStages(dev *vk.Device, ns, warmup, reps int, record func(c *vk.Commands, mark func(int)) error) (stages []time.Duration, total time.Duration, err error) {
+	if reps <= 0 || warmup < 0 {
+		return nil, 0, fmt.Errorf("sparse: timing needs at least one timed run")
+	}
+	stamps, err := dev.NewTimestamps(1 + ns*(warmup+reps))
+	if err != nil {
+		return nil, 0, err
+	}
+	defer stamps.Release()
+	err = runOnce(dev, func(c *vk.Commands) error {
+		c.Reset(stamps)
+		c.Timestamp(stamps, 0)
+		for r := 0; r < warmup+reps; r++ {
+			c.ComputeBarrier()
+			if err := record(c, func(i int) { c.Timestamp(stamps, 1+r*ns+i) }); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, 0, err
+	}
+	d, err := stamps.Durations(1 + ns*(warmup+reps))
+	if err != nil {
+		return nil, 0, err
+	}
+	per := make([][]time.Duration, ns)
+	var totals []time.Duration
+	for r := warmup; r < warmup+reps; r++ {
+		var sum time.Duration
+		for i := 0; i < ns; i++ {
+			x := d[1+r*ns+i]
+			per[i] = append(per[i], x)
+			sum += x
+		}
+		totals = append(totals, sum)
+	}
+	median := func(x []time.Duration) time.Duration {
+		sort.Slice(x, func(i, j int) bool { return x[i] < x[j] })
+		return x[len(x)/2]
+	}
+	for i := range per {
+		stages = append(stages, median(per[i]))
+	}
+	return stages, median(totals), nil
+}
+
+// Release frees the step, its plan and its selector (not the layer, the
+// index or the dense kernels).
+func (s *Step) Release() error {
+	s.clock.release()
+	var errs []error
+	if s.plan != nil {
+		errs = append(errs, s.plan.Release())
+	}
+	if s.sel != nil {
+		errs = append(errs, s.sel.Release())
+	}
+	s.plan, s.sel = nil, nil
+	return errors.Join(errs...)
+}
