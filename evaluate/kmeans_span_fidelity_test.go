@@ -1,4 +1,4 @@
-package sparse
+package evaluate
 
 import (
 	"fmt"
@@ -7,12 +7,14 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/vksparse/vksparse/sparse"
 )
 
 // TestKMeansSpanFidelityRealTraces compares Tactic's selection over
-// K-means within spans of KMeansDefaultSpan tokens with whole-context
-// K-means on the real traces (layers 1 and 4, the 32 tail queries, all
-// query heads), by the float64 references. A run has 256 cases per P, so
+// K-means within spans of sparse.KMeansDefaultSpan tokens with
+// whole-context K-means on the real traces (layers 1 and 4, the 32 tail
+// queries, all query heads), by the float64 references. A run has 256 cases per P, so
 // one clustering seed moves the success rate by about 1.5 points either
 // way; the figures are therefore pooled over three seeds. At every P the
 // spans' success rate must be at most 2 points below the whole context's,
@@ -27,20 +29,20 @@ func TestKMeansSpanFidelityRealTraces(t *testing.T) {
 		tr := readRealTrace(t, name)
 		// pooled[span index][P index]: success rate and tokens selected,
 		// summed over the seeds.
-		var pooled [2][]TacticEvalStats
-		for i, span := range []int{0, KMeansDefaultSpan} {
+		var pooled [2][]TacticStats
+		for i, span := range []int{0, sparse.KMeansDefaultSpan} {
 			for s := 0; s < seeds; s++ {
-				opts := DefaultTacticEvalOptions()
+				opts := DefaultTacticOptions()
 				opts.Prefill = traceClusteredEnd
 				for qi := tr.Queries() - traceTailQueries; qi < tr.Queries(); qi++ {
 					opts.Queries = append(opts.Queries, qi)
 				}
 				opts.KMeansSpan = span
 				opts.Seed += uint64(1000 * s)
-				ev, err := TacticEvaluate(tr, opts)
+				ev, err := Tactic(tr, opts)
 				require.NoError(t, err)
 				if pooled[i] == nil {
-					pooled[i] = make([]TacticEvalStats, len(ev.Results))
+					pooled[i] = make([]TacticStats, len(ev.Results))
 				}
 				for pi, r := range ev.Results {
 					pooled[i][pi].SuccessRate += r.SuccessRate / seeds
@@ -48,7 +50,7 @@ func TestKMeansSpanFidelityRealTraces(t *testing.T) {
 				}
 			}
 		}
-		for pi, p := range DefaultTacticEvalOptions().P {
+		for pi, p := range DefaultTacticOptions().P {
 			whole, spans := pooled[0][pi], pooled[1][pi]
 			table = append(table, fmt.Sprintf("%s P=%.1f  success %5.1f%% → %5.1f%% (%+.1f points)  selected %7.1f → %7.1f (%+.1f %%)",
 				name, p, 100*whole.SuccessRate, 100*spans.SuccessRate, 100*(spans.SuccessRate-whole.SuccessRate),
@@ -57,5 +59,5 @@ func TestKMeansSpanFidelityRealTraces(t *testing.T) {
 			assert.InEpsilonf(t, whole.Selected, spans.Selected, 0.05, "%s P=%.1f: tokens selected with spans", name, p)
 		}
 	}
-	t.Logf("whole context → spans of %d tokens, over %d seeds:\n%s", KMeansDefaultSpan, seeds, strings.Join(table, "\n"))
+	t.Logf("whole context → spans of %d tokens, over %d seeds:\n%s", sparse.KMeansDefaultSpan, seeds, strings.Join(table, "\n"))
 }

@@ -1,4 +1,4 @@
-package sparse
+package evaluate
 
 import (
 	"os"
@@ -41,9 +41,9 @@ func TestTacticCalibratedWorkloads(t *testing.T) {
 			}
 			tr, err := workload.Generate(c.cfg)
 			require.NoError(t, err)
-			opts := DefaultTacticEvalOptions()
+			opts := DefaultTacticOptions()
 			opts.P = []float64{0.75, 0.9}
-			ev, err := TacticEvaluate(tr, opts)
+			ev, err := Tactic(tr, opts)
 			require.NoError(t, err)
 			for _, r := range ev.Results {
 				share := 100 * r.Selected / r.Attended

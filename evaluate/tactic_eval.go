@@ -1,4 +1,4 @@
-package sparse
+package evaluate
 
 import (
 	"fmt"
@@ -8,39 +8,41 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/workload"
 )
 
-// TacticDefaultSeed is the K-means seed of DefaultTacticEvalOptions.
-const TacticDefaultSeed = 0x7AC71C
+// DefaultSeed is the K-means seed of DefaultTacticOptions.
+const DefaultSeed = 0x7AC71C
 
-// TacticEvalOptions configures TacticEvaluate. Start from
-// DefaultTacticEvalOptions: every field is used as given, except the two
-// that are derived from the trace when zero.
-type TacticEvalOptions struct {
+// TacticOptions configures Tactic. Start from DefaultTacticOptions: every
+// field is used as given, except the two that are derived from the trace
+// when zero.
+type TacticOptions struct {
 	// Prefill is the number of leading tokens present at prefill: tokens
 	// [Sinks, Prefill) are clustered, and a query at position pos attends
-	// [0, Sinks) and [Prefill, pos] in full (TacticFixedTokens). 0 means
-	// TacticDefaultPrefill.
+	// [0, Sinks) and [Prefill, pos] in full (sparse.TacticFixedTokens).
+	// 0 means DefaultPrefill.
 	Prefill int `json:"prefill"`
 	// Queries lists the indices of the trace's queries to evaluate; each
-	// must sit at a position ≥ Prefill−1. nil means TacticTailQueries.
+	// must sit at a position ≥ Prefill−1. nil means TailQueries.
 	Queries []int `json:"queries"`
 	// P lists the target masses, each in (0, 1].
 	P []float64 `json:"p"`
 	// Sinks is the number of leading sink tokens, 0 ≤ Sinks < Prefill.
 	Sinks int `json:"sinks"`
 	// AvgClusterSize, KMeansIters and KMeansSpan set the clustering of
-	// every KV head's prefill (BuildSpanClusterIndexRef): K-means within
-	// spans of KMeansSpan tokens (KMeansOptions.Span), or over the whole
-	// prefill when KMeansSpan is 0. KV head g uses the seed Seed+g.
+	// every KV head's prefill (sparse.BuildSpanClusterIndexRef): K-means
+	// within spans of KMeansSpan tokens (sparse.KMeansOptions.Span), or
+	// over the whole prefill when KMeansSpan is 0. KV head g uses the seed
+	// Seed+g.
 	AvgClusterSize int    `json:"avg_cluster_size"`
 	KMeansIters    int    `json:"kmeans_iters"`
 	KMeansSpan     int    `json:"kmeans_span"`
 	Seed           uint64 `json:"seed"`
 	// Fit holds the distribution-fitting parameters.
-	Fit TacticFit `json:"fit"`
+	Fit sparse.TacticFit `json:"fit"`
 	// Workers bounds the goroutines used; 0 means GOMAXPROCS. The result
 	// does not depend on it.
 	Workers int `json:"-"`
@@ -51,27 +53,26 @@ type TacticEvalOptions struct {
 	Progress func(done, total int) `json:"-"`
 }
 
-// DefaultTacticEvalOptions returns the setup of the paper's evaluation as
-// the references implement it: P = 0.5, 0.7, 0.9, TacticDefaultSinks
+// DefaultTacticOptions returns the setup of the paper's evaluation as the
+// references implement it: P = 0.5, 0.7, 0.9, sparse.TacticDefaultSinks
 // sinks, clusters of 16 tokens on average, 10 K-means iterations over the
-// whole prefill (KMeansSpan 0, the paper's clustering), seed
-// TacticDefaultSeed, DefaultTacticFit, and Prefill and Queries derived
-// from the trace.
-func DefaultTacticEvalOptions() TacticEvalOptions {
-	return TacticEvalOptions{
+// whole prefill (KMeansSpan 0, the paper's clustering), seed DefaultSeed,
+// sparse.DefaultTacticFit, and Prefill and Queries derived from the trace.
+func DefaultTacticOptions() TacticOptions {
+	return TacticOptions{
 		P:              []float64{0.5, 0.7, 0.9},
-		Sinks:          TacticDefaultSinks,
-		AvgClusterSize: KMeansDefaultAvgClusterSize,
-		KMeansIters:    KMeansDefaultIters,
-		Seed:           TacticDefaultSeed,
-		Fit:            DefaultTacticFit(),
+		Sinks:          sparse.TacticDefaultSinks,
+		AvgClusterSize: sparse.KMeansDefaultAvgClusterSize,
+		KMeansIters:    sparse.KMeansDefaultIters,
+		Seed:           DefaultSeed,
+		Fit:            sparse.DefaultTacticFit(),
 	}
 }
 
-// TacticTailQueries returns the indices of the trace's consecutive tail
+// TailQueries returns the indices of the trace's consecutive tail
 // queries: the longest run i = k … Queries()−1 with QPos[i] = QPos[i−1]+1,
 // the decode steps that follow one another at the end of the trace.
-func TacticTailQueries(t *trace.Trace) []int {
+func TailQueries(t *trace.Trace) []int {
 	n := t.Queries()
 	if n == 0 {
 		return nil
@@ -87,14 +88,14 @@ func TacticTailQueries(t *trace.Trace) []int {
 	return out
 }
 
-// TacticDefaultPrefill returns the prefill length used when
-// TacticEvalOptions.Prefill is 0: min(Tokens − Queries(), the least
-// position of the given queries). A trace's queries are taken as its last
+// DefaultPrefill returns the prefill length used when
+// TacticOptions.Prefill is 0: min(Tokens − Queries(), the least position
+// of the given queries). A trace's queries are taken as its last
 // decode steps, so its last Queries() tokens are decoded. For a generated
 // workload (package workload), whose queries are exactly those tokens,
 // this is Tokens − Queries; for the real traces (16384 tokens, 64 queries)
 // it is 16320, the prefill their README names.
-func TacticDefaultPrefill(t *trace.Trace, queries []int) int {
+func DefaultPrefill(t *trace.Trace, queries []int) int {
 	p := t.Tokens - t.Queries()
 	for _, qi := range queries {
 		if qi >= 0 && qi < t.Queries() {
@@ -104,43 +105,43 @@ func TacticDefaultPrefill(t *trace.Trace, queries []int) int {
 	return p
 }
 
-// TacticEvaluation is the result of TacticEvaluate.
+// TacticEvaluation is the result of Tactic.
 type TacticEvaluation struct {
 	Tokens  int `json:"tokens"`
 	QHeads  int `json:"q_heads"`
 	KVHeads int `json:"kv_heads"`
 	HeadDim int `json:"head_dim"`
 	// Options are the options used, Prefill and Queries filled in.
-	Options TacticEvalOptions `json:"options"`
+	Options TacticOptions `json:"options"`
 	// Kinds gives each query head's kind from the trace metadata
 	// (workload.KindsOf), nil when the trace records none.
 	Kinds []string `json:"kinds,omitempty"`
 	// Results holds one entry per target mass, in the order of Options.P.
-	Results []TacticEvalResult `json:"results"`
+	Results []TacticResult `json:"results"`
 }
 
-// TacticEvalResult holds the figures for one target mass P: over all
+// TacticResult holds the figures for one target mass P: over all
 // evaluated (query, query head) cases, and per query head.
-type TacticEvalResult struct {
+type TacticResult struct {
 	P float64 `json:"p"`
-	TacticEvalStats
-	Heads []TacticEvalHead `json:"heads"`
+	TacticStats
+	Heads []TacticHead `json:"heads"`
 }
 
-// TacticEvalHead is the figures of one query head over the evaluated
+// TacticHead is the figures of one query head over the evaluated
 // queries.
-type TacticEvalHead struct {
+type TacticHead struct {
 	Head   int    `json:"head"`
 	KVHead int    `json:"kv_head"`
 	Kind   string `json:"kind,omitempty"`
-	TacticEvalStats
+	TacticStats
 }
 
-// TacticEvalStats aggregates (query, query head) cases. A head attends the
+// TacticStats aggregates (query, query head) cases. A head attends the
 // union of the selections of its GQA group plus the fixed tokens (the
 // union); its own selection is its own clusters plus the fixed tokens.
 // Means are arithmetic means over the cases.
-type TacticEvalStats struct {
+type TacticStats struct {
 	Cases int `json:"cases"`
 	// Attended is the mean number of tokens a query could attend (pos+1).
 	Attended float64 `json:"attended"`
@@ -157,8 +158,8 @@ type TacticEvalStats struct {
 	// included; Union the mean size of the union.
 	Selected float64 `json:"selected"`
 	Union    float64 `json:"union"`
-	// ClusterOptimal is the mean ClusterTopPCount (fixed tokens forced),
-	// GlobalOptimal the mean TopPCount.
+	// ClusterOptimal is the mean sparse.ClusterTopPCount (fixed tokens
+	// forced), GlobalOptimal the mean sparse.TopPCount.
 	ClusterOptimal float64 `json:"cluster_optimal"`
 	GlobalOptimal  float64 `json:"global_optimal"`
 	// SelectedOverClusterOptimal is Selected / ClusterOptimal.
@@ -176,7 +177,7 @@ type TacticEvalStats struct {
 
 // tacticCase is the measurement of one (P, query, query head).
 type tacticCase struct {
-	union, own Fidelity
+	union, own sparse.Fidelity
 	attended   int
 	bound      float64 // ‖o − ô‖ / (2(1 − p(I))·max‖v‖ + ε)
 }
@@ -184,32 +185,33 @@ type tacticCase struct {
 // tacticKVHead is one KV head in float64 with its prefill clustered.
 type tacticKVHead struct {
 	keys, values []float64
-	idx          *ClusterIndex
+	idx          *sparse.ClusterIndex
 }
 
-// TacticEvaluate measures Tactic's selection on a trace with the float64
+// Tactic measures Tactic's selection on a trace with the float64
 // references. Each KV head's prefill (tokens [Sinks, Prefill)) is
 // clustered once. Then for each evaluated query, each KV head and each P,
-// TacticDecodeRef selects the tokens of the query heads sharing the KV
-// head (fixed tokens: TacticFixedTokens(Sinks, Prefill, pos)), and every
-// query head's union and own selection are measured against its exact
-// attention over [0, pos] (FidelityRef, with the clusters and the fixed
-// tokens as the cluster-optimal oracle). Work is spread over goroutines;
-// results are summed in a fixed order, so they are deterministic.
-func TacticEvaluate(t *trace.Trace, opts TacticEvalOptions) (*TacticEvaluation, error) {
+// sparse.TacticDecodeRef selects the tokens of the query heads sharing the
+// KV head (fixed tokens: sparse.TacticFixedTokens(Sinks, Prefill, pos)),
+// and every query head's union and own selection are measured against its
+// exact attention over [0, pos] (sparse.FidelityOracle, with the clusters
+// and the fixed tokens as the cluster-optimal oracle). Work is spread over
+// goroutines; results are summed in a fixed order, so they are
+// deterministic.
+func Tactic(t *trace.Trace, opts TacticOptions) (*TacticEvaluation, error) {
 	if t == nil {
-		return nil, fmt.Errorf("sparse: TacticEvaluate: no trace")
+		return nil, fmt.Errorf("evaluate: Tactic: no trace")
 	}
 	if err := t.Validate(); err != nil {
 		return nil, err
 	}
 	queries := opts.Queries
 	if queries == nil {
-		queries = TacticTailQueries(t)
+		queries = TailQueries(t)
 	}
 	prefill := opts.Prefill
 	if prefill == 0 {
-		prefill = TacticDefaultPrefill(t, queries)
+		prefill = DefaultPrefill(t, queries)
 	}
 	if err := opts.check(t, queries, prefill); err != nil {
 		return nil, err
@@ -247,10 +249,10 @@ func TacticEvaluate(t *trace.Trace, opts TacticEvalOptions) (*TacticEvaluation, 
 	err := parallelFor(t.KVHeads, workers, func(g int) error {
 		h := &heads[g]
 		off := g * t.Tokens * d
-		h.keys = HalvesToFloat64(t.K[off : off+rows*d])
-		h.values = HalvesToFloat64(t.V[off : off+rows*d])
+		h.keys = sparse.HalvesToFloat64(t.K[off : off+rows*d])
+		h.values = sparse.HalvesToFloat64(t.V[off : off+rows*d])
 		var err error
-		h.idx, err = BuildSpanClusterIndexRef(h.keys, d, opts.Sinks, prefill-opts.Sinks, opts.KMeansSpan, opts.AvgClusterSize, opts.KMeansIters, opts.Seed+uint64(g))
+		h.idx, err = sparse.BuildSpanClusterIndexRef(h.keys, d, opts.Sinks, prefill-opts.Sinks, opts.KMeansSpan, opts.AvgClusterSize, opts.KMeansIters, opts.Seed+uint64(g))
 		step()
 		return err
 	})
@@ -277,7 +279,7 @@ func TacticEvaluate(t *trace.Trace, opts TacticEvalOptions) (*TacticEvaluation, 
 	}
 
 	for pi, p := range opts.P {
-		r := TacticEvalResult{P: p}
+		r := TacticResult{P: p}
 		var all []tacticCase
 		for h := 0; h < t.QHeads; h++ {
 			var hc []tacticCase
@@ -285,59 +287,59 @@ func TacticEvaluate(t *trace.Trace, opts TacticEvalOptions) (*TacticEvaluation, 
 				hc = append(hc, cases[pi][a][h])
 			}
 			all = append(all, hc...)
-			head := TacticEvalHead{Head: h, KVHead: h / (t.QHeads / t.KVHeads), TacticEvalStats: tacticStats(hc, p)}
+			head := TacticHead{Head: h, KVHead: h / (t.QHeads / t.KVHeads), TacticStats: tacticStats(hc, p)}
 			if ev.Kinds != nil {
 				head.Kind = ev.Kinds[h]
 			}
 			r.Heads = append(r.Heads, head)
 		}
-		r.TacticEvalStats = tacticStats(all, p)
+		r.TacticStats = tacticStats(all, p)
 		ev.Results = append(ev.Results, r)
 	}
 	return ev, nil
 }
 
 // Validate reports the first problem with the options that does not
-// depend on the trace (TacticEvaluate checks the rest).
-func (o *TacticEvalOptions) Validate() error {
+// depend on the trace (Tactic checks the rest).
+func (o *TacticOptions) Validate() error {
 	switch {
 	case len(o.P) == 0:
-		return fmt.Errorf("sparse: TacticEvaluate: no target masses P")
+		return fmt.Errorf("evaluate: Tactic: no target masses P")
 	case o.Sinks < 0:
-		return fmt.Errorf("sparse: TacticEvaluate: %d sinks", o.Sinks)
+		return fmt.Errorf("evaluate: Tactic: %d sinks", o.Sinks)
 	case o.AvgClusterSize <= 0 || o.KMeansIters < 1:
-		return fmt.Errorf("sparse: TacticEvaluate: average cluster size %d and K-means iterations %d must be positive", o.AvgClusterSize, o.KMeansIters)
+		return fmt.Errorf("evaluate: Tactic: average cluster size %d and K-means iterations %d must be positive", o.AvgClusterSize, o.KMeansIters)
 	case o.KMeansSpan < 0:
-		return fmt.Errorf("sparse: TacticEvaluate: K-means span %d is negative", o.KMeansSpan)
+		return fmt.Errorf("evaluate: Tactic: K-means span %d is negative", o.KMeansSpan)
 	}
 	for _, p := range o.P {
-		if err := checkP(p); err != nil {
+		if err := sparse.CheckP(p); err != nil {
 			return err
 		}
 	}
-	return o.Fit.validate()
+	return o.Fit.Validate()
 }
 
 // check validates the options against the trace, with the defaults for
 // queries and prefill already applied.
-func (o *TacticEvalOptions) check(t *trace.Trace, queries []int, prefill int) error {
+func (o *TacticOptions) check(t *trace.Trace, queries []int, prefill int) error {
 	if err := o.Validate(); err != nil {
 		return err
 	}
 	switch {
 	case len(queries) == 0:
-		return fmt.Errorf("sparse: TacticEvaluate: no queries to evaluate")
+		return fmt.Errorf("evaluate: Tactic: no queries to evaluate")
 	case o.Sinks >= prefill || prefill > t.Tokens:
-		return fmt.Errorf("sparse: TacticEvaluate: want 0 ≤ sinks (%d) < prefill (%d) ≤ tokens (%d)", o.Sinks, prefill, t.Tokens)
+		return fmt.Errorf("evaluate: Tactic: want 0 ≤ sinks (%d) < prefill (%d) ≤ tokens (%d)", o.Sinks, prefill, t.Tokens)
 	}
 	seen := make(map[int]bool, len(queries))
 	for _, qi := range queries {
 		if qi < 0 || qi >= t.Queries() || seen[qi] {
-			return fmt.Errorf("sparse: TacticEvaluate: query index %d repeated or outside [0, %d)", qi, t.Queries())
+			return fmt.Errorf("evaluate: Tactic: query index %d repeated or outside [0, %d)", qi, t.Queries())
 		}
 		seen[qi] = true
 		if int(t.QPos[qi])+1 < prefill {
-			return fmt.Errorf("sparse: TacticEvaluate: query %d at position %d lies inside the prefill [0, %d)", qi, t.QPos[qi], prefill)
+			return fmt.Errorf("evaluate: Tactic: query %d at position %d lies inside the prefill [0, %d)", qi, t.QPos[qi], prefill)
 		}
 	}
 	return nil
@@ -345,44 +347,44 @@ func (o *TacticEvalOptions) check(t *trace.Trace, queries []int, prefill int) er
 
 // tacticEvalStep measures query qi on KV head g for every P, writing
 // cases[pi][a][h] for the query heads h of g.
-func tacticEvalStep(t *trace.Trace, h *tacticKVHead, g, qi, prefill int, opts *TacticEvalOptions, cases [][][]tacticCase, a int) error {
+func tacticEvalStep(t *trace.Trace, h *tacticKVHead, g, qi, prefill int, opts *TacticOptions, cases [][][]tacticCase, a int) error {
 	d, group := t.HeadDim, t.QHeads/t.KVHeads
 	pos := int(t.QPos[qi])
 	keys, values := h.keys[:(pos+1)*d], h.values[:(pos+1)*d]
-	fixed, err := TacticFixedTokens(opts.Sinks, prefill, pos)
+	fixed, err := sparse.TacticFixedTokens(opts.Sinks, prefill, pos)
 	if err != nil {
 		return err
 	}
 	vmax := 0.0
 	for i := 0; i <= pos; i++ {
 		v := values[i*d : (i+1)*d]
-		vmax = math.Max(vmax, math.Sqrt(dot(v, v)))
+		vmax = math.Max(vmax, norm(v))
 	}
 	qrow := t.Query(qi)
 	qs := make([][]float64, group)
-	oracles := make([]*fidelityOracle, group)
+	oracles := make([]*sparse.FidelityOracle, group)
 	for j := range qs {
 		qs[j] = make([]float64, d)
 		for k := range qs[j] {
 			qs[j][k] = float64(qrow[(g*group+j)*d+k])
 		}
-		if oracles[j], err = newFidelityOracle(qs[j], keys, values, t.Scale); err != nil {
+		if oracles[j], err = sparse.NewFidelityOracle(qs[j], keys, values, t.Scale); err != nil {
 			return err
 		}
 	}
 	for pi, p := range opts.P {
-		outs, union, budgets, err := TacticDecodeRef(qs, keys, values, t.Scale, h.idx, fixed, p, opts.Fit)
+		outs, union, budgets, err := sparse.TacticDecodeRef(qs, keys, values, t.Scale, h.idx, fixed, p, opts.Fit)
 		if err != nil {
 			return err
 		}
 		for j := range qs {
 			c := &cases[pi][a][g*group+j]
 			c.attended = pos + 1
-			if c.union, err = oracles[j].measure(union, outs[j], h.idx.Members, fixed, p); err != nil {
+			if c.union, err = oracles[j].Measure(union, outs[j], h.idx.Members, fixed, p); err != nil {
 				return err
 			}
-			own := TacticSelectRef(h.idx, fixed, budgets[j])
-			if c.own, err = oracles[j].measure(own, nil, h.idx.Members, fixed, p); err != nil {
+			own := sparse.TacticSelectRef(h.idx, fixed, budgets[j])
+			if c.own, err = oracles[j].Measure(own, nil, h.idx.Members, fixed, p); err != nil {
 				return err
 			}
 			if vmax > 0 { // with vmax = 0 both sides of the bound are 0
@@ -394,8 +396,8 @@ func tacticEvalStep(t *trace.Trace, h *tacticKVHead, g, qi, prefill int, opts *T
 }
 
 // tacticStats aggregates cases for target mass p.
-func tacticStats(cases []tacticCase, p float64) TacticEvalStats {
-	s := TacticEvalStats{Cases: len(cases), MinMass: math.Inf(1)}
+func tacticStats(cases []tacticCase, p float64) TacticStats {
+	s := TacticStats{Cases: len(cases), MinMass: math.Inf(1)}
 	if len(cases) == 0 {
 		s.MinMass = 0
 		return s
@@ -449,4 +451,13 @@ func parallelFor(n, workers int, f func(i int) error) error {
 		}
 	}
 	return nil
+}
+
+// norm returns ‖v‖₂, summed in order.
+func norm(v []float64) float64 {
+	s := 0.0
+	for _, x := range v {
+		s += x * x
+	}
+	return math.Sqrt(s)
 }

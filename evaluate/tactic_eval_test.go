@@ -1,4 +1,4 @@
-package sparse
+package evaluate
 
 import (
 	"testing"
@@ -6,6 +6,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/workload"
 )
@@ -21,24 +22,24 @@ func smallLayer(t *testing.T) *trace.Trace {
 
 func TestTacticTailQueriesAndDefaultPrefill(t *testing.T) {
 	tr := &trace.Trace{Tokens: 100, QPos: []int32{5, 40, 97, 98, 99}}
-	assert.Equal(t, []int{2, 3, 4}, TacticTailQueries(tr))
-	assert.Equal(t, 95, TacticDefaultPrefill(tr, []int{2, 3, 4}))
-	assert.Equal(t, 40, TacticDefaultPrefill(tr, []int{1, 4}))
+	assert.Equal(t, []int{2, 3, 4}, TailQueries(tr))
+	assert.Equal(t, 95, DefaultPrefill(tr, []int{2, 3, 4}))
+	assert.Equal(t, 40, DefaultPrefill(tr, []int{1, 4}))
 	tr.QPos = []int32{50, 60}
-	assert.Equal(t, []int{1}, TacticTailQueries(tr))
-	assert.Equal(t, 60, TacticDefaultPrefill(tr, []int{1}))
+	assert.Equal(t, []int{1}, TailQueries(tr))
+	assert.Equal(t, 60, DefaultPrefill(tr, []int{1}))
 }
 
 // TestTacticEvaluateMatchesReferences checks the wiring against the
 // references called directly: for one query, every head's figures equal
-// TacticDecodeRef followed by FidelityRef on the union and on the head's
-// own selection.
+// sparse.TacticDecodeRef followed by sparse.FidelityRef on the union and
+// on the head's own selection.
 func TestTacticEvaluateMatchesReferences(t *testing.T) {
 	tr := smallLayer(t)
-	opts := DefaultTacticEvalOptions()
+	opts := DefaultTacticOptions()
 	qi := 3
 	opts.Queries = []int{qi}
-	ev, err := TacticEvaluate(tr, opts)
+	ev, err := Tactic(tr, opts)
 	require.NoError(t, err)
 	prefill := tr.Tokens - tr.Queries()
 	assert.Equal(t, prefill, ev.Options.Prefill)
@@ -46,13 +47,13 @@ func TestTacticEvaluateMatchesReferences(t *testing.T) {
 	assert.Equal(t, "streaming", ev.Kinds[0])
 
 	d, group, pos := tr.HeadDim, tr.QHeads/tr.KVHeads, int(tr.QPos[qi])
-	fixed, err := TacticFixedTokens(opts.Sinks, prefill, pos)
+	fixed, err := sparse.TacticFixedTokens(opts.Sinks, prefill, pos)
 	require.NoError(t, err)
 	for g := 0; g < tr.KVHeads; g++ {
 		off := g * tr.Tokens * d
-		keys := HalvesToFloat64(tr.K[off : off+(pos+1)*d])
-		values := HalvesToFloat64(tr.V[off : off+(pos+1)*d])
-		idx, err := BuildClusterIndexRef(keys, d, opts.Sinks, prefill-opts.Sinks, opts.AvgClusterSize, opts.KMeansIters, opts.Seed+uint64(g))
+		keys := sparse.HalvesToFloat64(tr.K[off : off+(pos+1)*d])
+		values := sparse.HalvesToFloat64(tr.V[off : off+(pos+1)*d])
+		idx, err := sparse.BuildClusterIndexRef(keys, d, opts.Sinks, prefill-opts.Sinks, opts.AvgClusterSize, opts.KMeansIters, opts.Seed+uint64(g))
 		require.NoError(t, err)
 		qs := make([][]float64, group)
 		for j := range qs {
@@ -62,13 +63,13 @@ func TestTacticEvaluateMatchesReferences(t *testing.T) {
 			}
 		}
 		for pi, p := range opts.P {
-			_, union, budgets, err := TacticDecodeRef(qs, keys, values, tr.Scale, idx, fixed, p, opts.Fit)
+			_, union, budgets, err := sparse.TacticDecodeRef(qs, keys, values, tr.Scale, idx, fixed, p, opts.Fit)
 			require.NoError(t, err)
 			for j, q := range qs {
-				fu, err := FidelityRef(q, keys, values, tr.Scale, union, idx.Members, fixed, p)
+				fu, err := sparse.FidelityRef(q, keys, values, tr.Scale, union, idx.Members, fixed, p)
 				require.NoError(t, err)
-				own := TacticSelectRef(idx, fixed, budgets[j])
-				fo, err := FidelityRef(q, keys, values, tr.Scale, own, idx.Members, fixed, p)
+				own := sparse.TacticSelectRef(idx, fixed, budgets[j])
+				fo, err := sparse.FidelityRef(q, keys, values, tr.Scale, own, idx.Members, fixed, p)
 				require.NoError(t, err)
 				h := ev.Results[pi].Heads[g*group+j]
 				require.Equal(t, 1, h.Cases)
@@ -88,7 +89,7 @@ func TestTacticEvaluateMatchesReferences(t *testing.T) {
 
 func TestTacticEvaluateAggregatesDeterministically(t *testing.T) {
 	tr := smallLayer(t)
-	opts := DefaultTacticEvalOptions()
+	opts := DefaultTacticOptions()
 	opts.P = []float64{0.6, 1}
 	opts.Workers = 1
 	calls := 0
@@ -97,11 +98,11 @@ func TestTacticEvaluateAggregatesDeterministically(t *testing.T) {
 		assert.Equal(t, calls, done)
 		assert.Equal(t, tr.KVHeads*(1+tr.Queries()), total)
 	}
-	one, err := TacticEvaluate(tr, opts)
+	one, err := Tactic(tr, opts)
 	require.NoError(t, err)
 	assert.Equal(t, tr.KVHeads*(1+tr.Queries()), calls)
 	opts.Workers, opts.Progress = 5, nil
-	many, err := TacticEvaluate(tr, opts)
+	many, err := Tactic(tr, opts)
 	require.NoError(t, err)
 	assert.Equal(t, one.Results, many.Results)
 	assert.Equal(t, one.Kinds, many.Kinds)
@@ -133,29 +134,29 @@ func TestTacticEvaluateAggregatesDeterministically(t *testing.T) {
 
 func TestTacticEvaluateErrors(t *testing.T) {
 	tr := smallLayer(t)
-	cases := map[string]func(*TacticEvalOptions){
-		"no P":             func(o *TacticEvalOptions) { o.P = []float64{} },
-		"bad P":            func(o *TacticEvalOptions) { o.P = []float64{0.5, 1.5} },
-		"sinks":            func(o *TacticEvalOptions) { o.Sinks = -1 },
-		"sinks in prefill": func(o *TacticEvalOptions) { o.Prefill, o.Sinks = 4, 4 },
-		"prefill":          func(o *TacticEvalOptions) { o.Prefill = tr.Tokens + 1 },
-		"query in prefill": func(o *TacticEvalOptions) { o.Prefill = tr.Tokens - 1 },
-		"repeated query":   func(o *TacticEvalOptions) { o.Queries = []int{4, 4} },
-		"query range":      func(o *TacticEvalOptions) { o.Queries = []int{5} },
-		"no queries":       func(o *TacticEvalOptions) { o.Queries = []int{} },
-		"cluster size":     func(o *TacticEvalOptions) { o.AvgClusterSize = 0 },
-		"iterations":       func(o *TacticEvalOptions) { o.KMeansIters = 0 },
-		"fit":              func(o *TacticEvalOptions) { o.Fit.Window2 = 2 },
+	cases := map[string]func(*TacticOptions){
+		"no P":             func(o *TacticOptions) { o.P = []float64{} },
+		"bad P":            func(o *TacticOptions) { o.P = []float64{0.5, 1.5} },
+		"sinks":            func(o *TacticOptions) { o.Sinks = -1 },
+		"sinks in prefill": func(o *TacticOptions) { o.Prefill, o.Sinks = 4, 4 },
+		"prefill":          func(o *TacticOptions) { o.Prefill = tr.Tokens + 1 },
+		"query in prefill": func(o *TacticOptions) { o.Prefill = tr.Tokens - 1 },
+		"repeated query":   func(o *TacticOptions) { o.Queries = []int{4, 4} },
+		"query range":      func(o *TacticOptions) { o.Queries = []int{5} },
+		"no queries":       func(o *TacticOptions) { o.Queries = []int{} },
+		"cluster size":     func(o *TacticOptions) { o.AvgClusterSize = 0 },
+		"iterations":       func(o *TacticOptions) { o.KMeansIters = 0 },
+		"fit":              func(o *TacticOptions) { o.Fit.Window2 = 2 },
 	}
 	for name, change := range cases {
-		opts := DefaultTacticEvalOptions()
+		opts := DefaultTacticOptions()
 		change(&opts)
-		ev, err := TacticEvaluate(tr, opts)
+		ev, err := Tactic(tr, opts)
 		assert.Error(t, err, name)
 		assert.Nil(t, ev, name)
 	}
-	_, err := TacticEvaluate(nil, DefaultTacticEvalOptions())
+	_, err := Tactic(nil, DefaultTacticOptions())
 	assert.Error(t, err)
-	_, err = TacticEvaluate(tr, TacticEvalOptions{})
+	_, err = Tactic(tr, TacticOptions{})
 	assert.Error(t, err, "zero options")
 }

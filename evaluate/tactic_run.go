@@ -1,4 +1,4 @@
-package sparse
+package evaluate
 
 import (
 	"fmt"
@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/vk"
 )
@@ -36,10 +37,10 @@ type TacticRun struct {
 	Batches []BatchRun `json:"batches,omitempty"`
 }
 
-// BatchRun is a batched Tactic step (TacticBatch) and dense attention over
-// B sequences of a trace's final length, each its own cache and index (the
-// trace clustered with seeds seed+1, … for the others), every sequence
-// given the last tail query: medians of GPU times.
+// BatchRun is a batched Tactic step (sparse.TacticBatch) and dense
+// attention over B sequences of a trace's final length, each its own cache
+// and index (the trace clustered with seeds seed+1, … for the others),
+// every sequence given the last tail query: medians of GPU times.
 type BatchRun struct {
 	Batch     int     `json:"batch"`
 	TacticUs  float64 `json:"tactic_us"`
@@ -51,24 +52,23 @@ type BatchRun struct {
 }
 
 // TacticTrace runs Tactic over a trace on the GPU: it prefills a cache with
-// the keys before the trace's decode tail (TacticTailQueries, prefill
-// TacticDefaultPrefill), clusters them (sinks excluded) in spans of
-// KMeansDefaultSpan tokens, then for each P
-// appends the tail tokens one at a time and runs a step with the fit's
-// parameters for each tail query, measuring fidelity in float64. With
-// reps > 0 it also
-// times the step and dense attention at the final length, and for each
-// batch size B > 1 in batches a TacticBatch of B sequences beside dense
-// attention over as many. progress, if not nil, is told each P before it
-// runs.
-func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, reps int, batches []int, seed uint64, progress func(p float64)) ([]TacticRun, error) {
-	heads := Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
-	tail := TacticTailQueries(t)
+// the keys before the trace's decode tail (TailQueries, prefill
+// DefaultPrefill), clusters them (sinks excluded) in spans of
+// sparse.KMeansDefaultSpan tokens, then for each P appends the tail tokens
+// one at a time and runs a step with the fit's parameters for each tail
+// query, measuring fidelity in float64 (sparse.TacticStep.Fidelity). With
+// reps > 0 it also times the step and dense attention at the final length,
+// and for each batch size B > 1 in batches a sparse.TacticBatch of B
+// sequences beside dense attention over as many. progress, if not nil, is
+// told each P before it runs.
+func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit sparse.TacticFit, reps int, batches []int, seed uint64, progress func(p float64)) ([]TacticRun, error) {
+	heads := sparse.Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
+	tail := TailQueries(t)
 	if len(tail) == 0 {
-		return nil, fmt.Errorf("sparse: the trace has no decode queries")
+		return nil, fmt.Errorf("evaluate: TacticTrace: the trace has no decode queries")
 	}
 	first := tail[0]
-	prefill := TacticDefaultPrefill(t, tail)
+	prefill := DefaultPrefill(t, tail)
 	last := int(t.QPos[t.Queries()-1])
 	d := t.HeadDim
 	rows := func(from, to int) (k, v []uint16) { // tokens [from, to) of every KV head
@@ -81,15 +81,15 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, re
 	keys := make([][]float64, t.KVHeads)
 	values := make([][]float64, t.KVHeads)
 	for g := range keys {
-		keys[g] = HalvesToFloat64(t.K[g*t.Tokens*d : (g+1)*t.Tokens*d])
-		values[g] = HalvesToFloat64(t.V[g*t.Tokens*d : (g+1)*t.Tokens*d])
+		keys[g] = sparse.HalvesToFloat64(t.K[g*t.Tokens*d : (g+1)*t.Tokens*d])
+		values[g] = sparse.HalvesToFloat64(t.V[g*t.Tokens*d : (g+1)*t.Tokens*d])
 	}
-	dense, err := NewDense(dev, heads)
+	dense, err := sparse.NewDense(dev, heads)
 	if err != nil {
 		return nil, err
 	}
 	defer dense.Release()
-	km, err := NewKMeans(dev, heads.KV, d)
+	km, err := sparse.NewKMeans(dev, heads.KV, d)
 	if err != nil {
 		return nil, err
 	}
@@ -105,7 +105,7 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, re
 		return nil, err
 	}
 	start := time.Now()
-	clusters, err := km.Cluster(layer, TacticDefaultSinks, prefill-TacticDefaultSinks, KMeansOptions{Seed: seed, Span: KMeansDefaultSpan})
+	clusters, err := km.Cluster(layer, sparse.TacticDefaultSinks, prefill-sparse.TacticDefaultSinks, sparse.KMeansOptions{Seed: seed, Span: sparse.KMeansDefaultSpan})
 	if err != nil {
 		return nil, err
 	}
@@ -159,10 +159,10 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit TacticFit, re
 }
 
 // tacticRow runs the decode steps of the tail queries at mass p.
-func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters, index []*kvcache.HostClusters, dense *Dense, heads Heads, first int, p float64, fit TacticFit, reps int,
+func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters, index []*kvcache.HostClusters, dense *sparse.Dense, heads sparse.Heads, first int, p float64, fit sparse.TacticFit, reps int,
 	rows func(from, to int) ([]uint16, []uint16), keys, values [][]float64) (TacticRun, error) {
 	var r TacticRun
-	step, err := NewTacticStep(dense, layer, clusters, p, fit)
+	step, err := sparse.NewTacticStep(dense, layer, clusters, p, fit)
 	if err != nil {
 		return r, err
 	}
@@ -233,7 +233,7 @@ func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters,
 		return r, err
 	}
 	r.StageUs = map[string]float64{}
-	for i, s := range TacticStages {
+	for i, s := range sparse.TacticStages {
 		r.StageUs[s] = float64(stages[i].Nanoseconds()) / 1e3
 	}
 	steps, err := step.Time(10, reps)
@@ -282,7 +282,7 @@ func (x *peers) release() {
 // batchPeers builds count caches holding tokens [0, n) of the trace
 // (rows), each clustered over [sinks, prefill) with its own seed and put in
 // cluster order.
-func batchPeers(dev *vk.Device, km *KMeans, heads Heads, count, prefill, n int, rows func(from, to int) ([]uint16, []uint16), seed uint64) (*peers, error) {
+func batchPeers(dev *vk.Device, km *sparse.KMeans, heads sparse.Heads, count, prefill, n int, rows func(from, to int) ([]uint16, []uint16), seed uint64) (*peers, error) {
 	x := &peers{}
 	for i := 0; i < count; i++ {
 		layer, err := kvcache.NewLayer(dev, heads.KV, heads.Dim, n)
@@ -296,7 +296,7 @@ func batchPeers(dev *vk.Device, km *KMeans, heads Heads, count, prefill, n int, 
 			x.release()
 			return nil, err
 		}
-		c, err := km.Cluster(layer, TacticDefaultSinks, prefill-TacticDefaultSinks, KMeansOptions{Seed: seed + uint64(i) + 1, Span: KMeansDefaultSpan})
+		c, err := km.Cluster(layer, sparse.TacticDefaultSinks, prefill-sparse.TacticDefaultSinks, sparse.KMeansOptions{Seed: seed + uint64(i) + 1, Span: sparse.KMeansDefaultSpan})
 		if err != nil {
 			x.release()
 			return nil, err
@@ -317,13 +317,13 @@ func batchPeers(dev *vk.Device, km *KMeans, heads Heads, count, prefill, n int, 
 	return x, nil
 }
 
-// timeBatch times a TacticBatch over layer and the peers (every sequence
-// given query q) and dense attention over the same caches.
-func timeBatch(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, others *peers, p float64, fit TacticFit, reps int, q []float32) (BatchRun, error) {
+// timeBatch times a sparse.TacticBatch over layer and the peers (every
+// sequence given query q) and dense attention over the same caches.
+func timeBatch(dense *sparse.Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, others *peers, p float64, fit sparse.TacticFit, reps int, q []float32) (BatchRun, error) {
 	var r BatchRun
 	layers := append([]*kvcache.Layer{layer}, others.layers...)
 	indexes := append([]*kvcache.Clusters{clusters}, others.clusters...)
-	b, err := NewTacticBatch(dense, layers, indexes, p, fit)
+	b, err := sparse.NewTacticBatch(dense, layers, indexes, p, fit)
 	if err != nil {
 		return r, err
 	}
@@ -335,7 +335,7 @@ func timeBatch(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, o
 	if _, err := b.Attend(qs); err != nil {
 		return r, err
 	}
-	h := dense.heads
+	h := dense.Heads()
 	for i := range layers {
 		idx := make([][][]int32, h.KV)
 		for g := range idx {
@@ -383,4 +383,14 @@ func timeBatch(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, o
 	}
 	r.DenseGBps = r.KVBytes / (r.DenseUs * 1e3)
 	return r, nil
+}
+
+// membersOf returns the members of every cluster of each KV head's index,
+// as sparse.TacticStep.Tokens takes them.
+func membersOf(index []*kvcache.HostClusters) [][][]int32 {
+	members := make([][][]int32, len(index))
+	for g, x := range index {
+		members[g] = x.Members
+	}
+	return members
 }

@@ -1,4 +1,4 @@
-package sparse
+package evaluate
 
 import (
 	"fmt"
@@ -49,7 +49,7 @@ func readRealTrace(t *testing.T, name string) *trace.Trace {
 // of the attended union (own selection in brackets), own selection size,
 // cluster-optimal, their ratio, global-optimal, union size, the relative
 // output error of union attention and the worst case of the error bound.
-func evalRow(name string, r TacticEvalResult) string {
+func evalRow(name string, r TacticResult) string {
 	return fmt.Sprintf("%s P=%.1f  success %5.1f%% (own %5.1f%%)  mass %.3f (own %.3f, min %.3f)  selected %7.1f  cluster-opt %7.1f  ratio %.3f  global-opt %7.1f  union %7.1f  relerr %.4f  bound %.3f",
 		name, r.P, 100*r.SuccessRate, 100*r.OwnSuccessRate, r.Mass, r.OwnMass, r.MinMass,
 		r.Selected, r.ClusterOptimal, r.SelectedOverClusterOptimal, r.GlobalOptimal, r.Union, r.RelErr, r.BoundWorst)
@@ -75,13 +75,13 @@ func TestTacticRealTraces(t *testing.T) {
 	names := []string{"L1", "L4"}
 	for _, name := range names {
 		tr := readRealTrace(t, name)
-		opts := DefaultTacticEvalOptions()
+		opts := DefaultTacticOptions()
 		opts.Prefill = traceClusteredEnd
 		for qi := tr.Queries() - traceTailQueries; qi < tr.Queries(); qi++ {
 			opts.Queries = append(opts.Queries, qi)
 		}
 		start := time.Now()
-		ev, err := TacticEvaluate(tr, opts)
+		ev, err := Tactic(tr, opts)
 		require.NoError(t, err)
 		t.Logf("%s evaluated in %v", name, time.Since(start).Round(time.Millisecond))
 		for _, r := range ev.Results {
@@ -112,14 +112,14 @@ func TestTacticGeneratedWorkload(t *testing.T) {
 	tr, err := workload.Generate(workload.DefaultConfig(32768))
 	require.NoError(t, err)
 	start := time.Now()
-	ev, err := TacticEvaluate(tr, DefaultTacticEvalOptions())
+	ev, err := Tactic(tr, DefaultTacticOptions())
 	require.NoError(t, err)
 	t.Logf("evaluated in %v", time.Since(start).Round(time.Millisecond))
 	var table []string
 	for _, r := range ev.Results {
 		require.Equal(t, tr.Queries()*tr.QHeads, r.Cases)
 		table = append(table, evalRow("gen-32768", r))
-		byKind := map[string][]TacticEvalHead{}
+		byKind := map[string][]TacticHead{}
 		for _, h := range r.Heads {
 			byKind[h.Kind] = append(byKind[h.Kind], h)
 		}

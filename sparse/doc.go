@@ -7,6 +7,9 @@
 // implementation can be written against them and compared with them. They
 // favour clarity over speed, but every step is expressible as parallel work
 // (per token, per cluster, or a prefix scan followed by a bisection).
+// Fidelity, FidelityRef and FidelityOracle measure a selection against the
+// exact softmax and dense attention; package evaluate runs them, and the
+// GPU steps, over traces and generated workloads.
 //
 // Matrices are row-major []float64; a key or value matrix of n tokens and
 // head dimension d has n*d elements and token t is row t. Token ids are

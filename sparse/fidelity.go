@@ -75,6 +75,10 @@ func SubsetMass(probs []float64, tokens []int32) (float64, error) {
 	return s, nil
 }
 
+// CheckP returns an error unless the target mass p lies in (0, 1], the
+// range every policy and measure here accepts.
+func CheckP(p float64) error { return checkP(p) }
+
 func checkP(p float64) error {
 	if !(p > 0 && p <= 1) {
 		return fmt.Errorf("sparse: target mass P = %v outside (0, 1]", p)
@@ -209,26 +213,30 @@ func outputError(o, ref []float64) (abs, rel float64, err error) {
 // actually uses; clusters and forced define the cluster-optimal oracle (see
 // ClusterTopPCount); p is the target mass.
 func FidelityRef(q, keys, values []float64, scale float64, selected []int32, clusters [][]int32, forced []int32, p float64) (Fidelity, error) {
-	o, err := newFidelityOracle(q, keys, values, scale)
+	o, err := NewFidelityOracle(q, keys, values, scale)
 	if err != nil {
 		return Fidelity{}, err
 	}
-	return o.measure(selected, nil, clusters, forced, p)
+	return o.Measure(selected, nil, clusters, forced, p)
 }
 
-// fidelityOracle holds what FidelityRef computes from the query alone, so
-// that several selections of one query can be measured without redoing it:
-// the exact softmax, the same sorted in descending order, and dense
-// attention.
-type fidelityOracle struct {
+// FidelityOracle is what FidelityRef computes from one query alone: the
+// exact softmax over every token (SoftmaxRef), the same sorted in
+// descending order, and dense attention (AttendRef). It measures several
+// selections of that query without computing them again. It is read-only
+// once made, so safe for concurrent use.
+type FidelityOracle struct {
 	q, keys, values []float64
 	scale           float64
 	probs, desc     []float64
 	dense           []float64
 }
 
-func newFidelityOracle(q, keys, values []float64, scale float64) (*fidelityOracle, error) {
-	o := &fidelityOracle{q: q, keys: keys, values: values, scale: scale}
+// NewFidelityOracle computes the oracle of query q over every row of keys
+// and values (n×d, d = len(q)) at the given score scale. It keeps the
+// slices, which must not change while it is in use.
+func NewFidelityOracle(q, keys, values []float64, scale float64) (*FidelityOracle, error) {
+	o := &FidelityOracle{q: q, keys: keys, values: values, scale: scale}
 	var err error
 	if o.probs, err = SoftmaxRef(q, keys, scale); err != nil {
 		return nil, err
@@ -241,9 +249,12 @@ func newFidelityOracle(q, keys, values []float64, scale float64) (*fidelityOracl
 	return o, nil
 }
 
-// measure is FidelityRef of the oracle's query. out, if not nil, must be
-// AttendSubsetRef over selected, which is then not recomputed.
-func (o *fidelityOracle) measure(selected []int32, out []float64, clusters [][]int32, forced []int32, p float64) (Fidelity, error) {
+// Measure returns FidelityRef of the oracle's query: the Fidelity of the
+// selection selected at target mass p, clusters and forced defining the
+// cluster-optimal count. out, if not nil, must be AttendSubsetRef over
+// selected (as TacticDecodeRef returns it), which is then not computed
+// again.
+func (o *FidelityOracle) Measure(selected []int32, out []float64, clusters [][]int32, forced []int32, p float64) (Fidelity, error) {
 	var f Fidelity
 	var err error
 	if err = checkP(p); err != nil {

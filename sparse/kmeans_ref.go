@@ -72,7 +72,7 @@ func KMeansInit(n, clusters int, seed uint64) ([]int, error) {
 }
 
 // KMeansDefaultSpan is the span recommended for clustering a long
-// context (KMeansOptions.Span, TacticEvalOptions.KMeansSpan): spans of
+// context (KMeansOptions.Span, evaluate.TacticOptions.KMeansSpan): spans of
 // 2 048 tokens, 128 clusters each at the default cluster size, the same
 // tokens per clustering as TacticDecoder's tail. Each token is compared
 // with 128 centroids per step, whatever the context's length, so a

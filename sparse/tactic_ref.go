@@ -66,8 +66,9 @@ func (f TacticFit) windowWidth(n int) int {
 // 1.3× the true one there, doubling those heads' budgets). On a grid of
 // first windows 0.08, 0.10, 0.12 and second windows 0.35, 0.40, 0.45,
 // the real traces and the generator meet the targets of
-// TestTacticRealTraces and TestTacticGeneratedWorkload everywhere but at
-// the corners (0.08, 0.35) and (0.12, 0.45); 0.10/0.40 is its centre.
+// TestTacticRealTraces and TestTacticGeneratedWorkload (package evaluate)
+// everywhere but at the corners (0.08, 0.35) and (0.12, 0.45); 0.10/0.40
+// is its centre.
 // The width (about 20 clusters of 16 at 16k tokens) keeps a few outlier
 // tokens in a window from inflating the fitted tail in sharply peaked
 // heads; capped at 512 tokens, it stops growing past 25 600 tokens, so

@@ -109,7 +109,7 @@
 // # Calibrated layers
 //
 // LlamaConfig (vkbench -kinds llama) is calibrated so that Tactic's
-// selection, as the float64 reference sparse.TacticEvaluate measures it
+// selection, as the float64 reference evaluate.Tactic measures it
 // (K-means over the whole prefill into clusters of 16 tokens on average,
 // 4 sinks, the decode tail always attended, sparse.DefaultTacticFit),
 // takes per query head the share of the tokens that the Tactic paper
@@ -160,7 +160,7 @@
 // faster than Table 9's trend would. Other seeds move the selected shares
 // by about 15 % at P = 0.75 and 10 % at P = 0.9: at 16 384 tokens seeds 2
 // and 3 give 1.91 and 1.58 % at P = 0.75, 8.76 and 7.44 % at P = 0.9.
-// TestTacticCalibratedWorkloads in package sparse checks the 16 384-token
+// TestTacticCalibratedWorkloads in package evaluate checks the 16 384-token
 // figures against the paper's within 25 %.
 //
 // MegaBeamConfig (vkbench -kinds megabeam) has LlamaConfig's keys and, in

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/vk"
@@ -15,7 +16,7 @@ import (
 
 // tacticResult is one row of `vkbench tactic`: the fidelity of Tactic's
 // selection on one layer (generated or read from a trace) at one target
-// mass, as sparse.TacticEvaluate measures it, per query head included.
+// mass, as evaluate.Tactic measures it, per query head included.
 type tacticResult struct {
 	// Source is "generator" (mixed kinds), "generator " and the -kinds
 	// name, or the trace file's base name.
@@ -33,7 +34,7 @@ type tacticResult struct {
 	// the whole prefill).
 	Span int              `json:"kmeans_span"`
 	Fit  sparse.TacticFit `json:"fit"`
-	sparse.TacticEvalResult
+	evaluate.TacticResult
 	// Timing is the GPU time of one decode step by stage; this CPU-only
 	// mode leaves it out.
 	Timing *tacticTiming `json:"timing,omitempty"`
@@ -93,7 +94,7 @@ func fidelity(args []string) error {
 	if *plotPath != "" && len(spanList) > 1 {
 		return fmt.Errorf("-plot draws one span; -span lists %d", len(spanList))
 	}
-	opts := sparse.DefaultTacticEvalOptions()
+	opts := evaluate.DefaultTacticOptions()
 	opts.P = pList
 	if err := opts.Validate(); err != nil {
 		return err
@@ -105,7 +106,7 @@ func fidelity(args []string) error {
 		if err != nil {
 			return err
 		}
-		tail := sparse.TacticTailQueries(tr)
+		tail := evaluate.TailQueries(tr)
 		if *queries > 0 {
 			if *queries > len(tail) {
 				return fmt.Errorf("-queries: %s has %d consecutive tail queries, not %d", *tracePath, len(tail), *queries)
@@ -154,14 +155,14 @@ func fidelity(args []string) error {
 			what := fmt.Sprintf("tactic %s n=%d span=%d", s.name, tr.Tokens, span)
 			opts.Progress = func(int, int) { prog.step(what) }
 			opts.KMeansSpan = span
-			ev, err := sparse.TacticEvaluate(tr, opts)
+			ev, err := evaluate.Tactic(tr, opts)
 			if err != nil {
 				prog.finish()
 				return err
 			}
 			for _, r := range ev.Results {
 				results = append(results, tacticResult{Source: s.name, Seed: s.seed, Tokens: ev.Tokens, QHeads: ev.QHeads, KVHeads: ev.KVHeads, HeadDim: ev.HeadDim,
-					Prefill: ev.Options.Prefill, Queries: ev.Options.Queries, Sinks: ev.Options.Sinks, Span: span, Fit: ev.Options.Fit, TacticEvalResult: r})
+					Prefill: ev.Options.Prefill, Queries: ev.Options.Queries, Sinks: ev.Options.Sinks, Span: span, Fit: ev.Options.Fit, TacticResult: r})
 			}
 		}
 	}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 
+	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/workload"
@@ -13,7 +14,7 @@ import (
 // stepRow is one row of `vkbench tactic`.
 type stepRow struct {
 	Source string `json:"source"`
-	sparse.TacticRun
+	evaluate.TacticRun
 }
 
 // kindsUsage describes the -kinds flag of tactic and fidelity.
@@ -87,7 +88,7 @@ func tactic(args []string) error {
 	prog := &progress{total: len(traces) * len(pList)}
 	var results []stepRow
 	for i, t := range traces {
-		runs, err := sparse.TacticTrace(dev, t, pList, fit, *reps, batches, uint64(*seed), func(p float64) { prog.step(fmt.Sprintf("tactic %s P=%v", names[i], p)) })
+		runs, err := evaluate.TacticTrace(dev, t, pList, fit, *reps, batches, uint64(*seed), func(p float64) { prog.step(fmt.Sprintf("tactic %s P=%v", names[i], p)) })
 		if err != nil {
 			prog.finish()
 			return err
