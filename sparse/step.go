@@ -57,6 +57,7 @@ type Step struct {
 	layer *kvcache.Layer
 	sel   Selector
 	plan  *DensePlan
+	query []float32 // the last query set
 	clock stopwatch
 }
 
@@ -82,7 +83,13 @@ func (s *Step) Selector() Selector { return s.sel }
 func (s *Step) Stages() []string { return append(append([]string(nil), s.sel.Stages()...), "attend") }
 
 // SetQuery uploads the queries, [Hq][D] float32, after checking them.
-func (s *Step) SetQuery(q []float32) error { return s.plan.SetQuery(q) }
+func (s *Step) SetQuery(q []float32) error {
+	if err := s.plan.SetQuery(q); err != nil {
+		return err
+	}
+	s.query = append(s.query[:0], q...)
+	return nil
+}
 
 // Record appends the step to c, a compute barrier between stages; as
 // DensePlan.Record, it orders compute work only.
@@ -90,18 +97,32 @@ func (s *Step) Record(c *vk.Commands) error { return s.record(c, func(int) {}) }
 
 // record appends the stages, calling mark(i) after stage i's dispatches.
 func (s *Step) record(c *vk.Commands, mark func(stage int)) error {
-	n := len(s.sel.Stages())
-	for i := 0; i < n; i++ {
-		if err := s.sel.RecordStage(c, i); err != nil {
-			return err
+	return recordSteps(c, []*Step{s}, mark)
+}
+
+// recordSteps appends the steps (of selectors with as many stages) stage
+// by stage: each stage's dispatches for every step, then one barrier, so
+// that a batch pays each stage's fixed cost once; attention is the last
+// stage. mark(i) is called after stage i's dispatches.
+func recordSteps(c *vk.Commands, steps []*Step, mark func(stage int)) error {
+	ns := len(steps[0].sel.Stages())
+	for i := 0; i <= ns; i++ {
+		for _, s := range steps {
+			var err error
+			if i < ns {
+				err = s.sel.RecordStage(c, i)
+			} else {
+				err = s.plan.recordClusterAttention(c)
+			}
+			if err != nil {
+				return err
+			}
 		}
 		mark(i)
-		c.ComputeBarrier()
+		if i < ns {
+			c.ComputeBarrier()
+		}
 	}
-	if err := s.plan.recordClusterAttention(c); err != nil {
-		return err
-	}
-	mark(n)
 	return nil
 }
 
@@ -117,7 +138,8 @@ func (s *Step) Attend(q []float32) ([]float32, error) {
 	return out, s.plan.out.ReadFloat32(0, out)
 }
 
-// Output returns the buffer the output lands in, float32 [Hq][D].
+// Output returns the buffer the output lands in, float32 [Hq][D]
+// (TacticStep.SetClusters replaces it: ask again after).
 func (s *Step) Output() *vk.Buffer { return s.plan.Output() }
 
 // Time records warmup+reps back-to-back steps in one submission and

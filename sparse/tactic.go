@@ -6,7 +6,6 @@ import (
 	"math"
 	"slices"
 	"sort"
-	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/shaders"
@@ -22,28 +21,33 @@ import (
 // last sampling workgroup of each head) the fit and budget of Alg. 1 at
 // bin granularity (TacticBinnedBudgetRef states the computation); and
 // attention, for each KV head, over the union of the clusters its query
-// heads select with the sinks and the recent tail (Dense.PlanClusters: the
-// union is taken where the rows are read, with no token list). The
+// heads select with the sinks and the recent tail (Dense.PlanSelection:
+// the union is taken where the rows are read, with no token list). The
 // layer's tokens before clusters.First are the sinks; those from
-// clusters.First+clusters.Count on are the tail, attended in full.
+// clusters.First+clusters.Count on are the tail, attended in full. It is a
+// Step whose selector is Tactic's.
 type TacticStep struct {
-	dense   *Dense
-	layer   *kvcache.Layer
+	*Step
+	*tacticSelector
+}
+
+// tacticSelector is Tactic's selection (a Selector): the first two
+// dispatches of a step, writing each cluster's bin and each head's cut.
+type tacticSelector struct {
+	d       *Dense
+	seq     *kvcache.Layer
 	p       float64
 	fit     TacticFit
 	kernels *tacticKernels
 	// ownKernels is set when the step built its kernels (not a batch's).
 	ownKernels bool
 	tacticBound
-	query []float32 // the last query set, uploaded again with a new index
-	clock stopwatch
 }
 
 // tacticBound is what a step holds for one cluster index: the index, the
 // buffers sized by it and the kernels' bindings.
 type tacticBound struct {
 	clusters *kvcache.Clusters
-	plan     *DensePlan // attention over the selected clusters
 	binds    struct{ order, fit *vk.Binding }
 	bufs     []*vk.Buffer
 	scores   *vk.Buffer // float32 [Hq][C]
@@ -68,9 +72,6 @@ func (b *tacticBound) release() error {
 		if x != nil {
 			errs = append(errs, x.Release())
 		}
-	}
-	if b.plan != nil {
-		errs = append(errs, b.plan.Release())
 	}
 	for _, x := range b.bufs {
 		if x != nil {
@@ -155,26 +156,35 @@ func NewTacticStep(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluster
 	if err != nil {
 		return nil, err
 	}
-	t, err := newTacticStep(dense, k, layer, clusters, p, fit)
+	sel, err := newTacticSelector(dense, k, layer, clusters, p, fit)
 	if err != nil {
-		k.release()
-		return nil, err
+		return nil, errors.Join(err, k.release())
 	}
-	t.ownKernels = true
-	return t, nil
+	sel.ownKernels = true
+	return newTacticStep(dense, layer, sel)
 }
 
-// newTacticStep prepares a step that uses kernels k (which it does not own).
-func newTacticStep(dense *Dense, k *tacticKernels, layer *kvcache.Layer, clusters *kvcache.Clusters, p float64, fit TacticFit) (*TacticStep, error) {
-	t := &TacticStep{dense: dense, layer: layer, p: p, fit: fit, kernels: k}
-	if err := errors.Join(t.checkClusters(clusters), checkP(p), fit.validate()); err != nil {
+// newTacticStep makes the step of selector sel, which it then owns.
+func newTacticStep(dense *Dense, layer *kvcache.Layer, sel *tacticSelector) (*TacticStep, error) {
+	step, err := NewStep(dense, layer, sel)
+	if err != nil {
+		return nil, err
+	}
+	return &TacticStep{Step: step, tacticSelector: sel}, nil
+}
+
+// newTacticSelector prepares Tactic's selection with kernels k (which it
+// does not own).
+func newTacticSelector(dense *Dense, k *tacticKernels, layer *kvcache.Layer, clusters *kvcache.Clusters, p float64, fit TacticFit) (*tacticSelector, error) {
+	s := &tacticSelector{d: dense, seq: layer, p: p, fit: fit, kernels: k}
+	if err := errors.Join(s.checkClusters(clusters), checkP(p), fit.validate()); err != nil {
 		return nil, err
 	}
 	var err error
-	if t.tacticBound, err = t.bind(clusters); err != nil {
+	if s.tacticBound, err = s.allocate(clusters); err != nil {
 		return nil, err
 	}
-	return t, nil
+	return s, nil
 }
 
 // newTacticKernels compiles the selection kernels for dense's heads.
@@ -233,34 +243,44 @@ func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
 	if err := t.checkClusters(clusters); err != nil {
 		return err
 	}
-	b, err := t.bind(clusters)
-	if err == nil && t.query != nil {
-		err = b.plan.SetQuery(t.query)
+	b, err := t.allocate(clusters)
+	if err != nil {
+		return err
+	}
+	plan, err := t.dense.PlanSelection(t.layer, Selection{Clusters: clusters, Rank: b.binOf.All(), Cut: b.cut.All()})
+	if err == nil {
+		err = b.bindKernels(t.kernels, t.seq, plan.query.All())
+		if err == nil && t.Step.query != nil {
+			err = plan.SetQuery(t.Step.query)
+		}
+		if err != nil {
+			plan.Release()
+		}
 	}
 	if err != nil {
 		b.release()
 		return err
 	}
-	old := t.tacticBound
-	t.tacticBound = b
-	return old.release()
+	old, oldPlan := t.tacticBound, t.plan
+	t.tacticBound, t.plan = b, plan
+	return errors.Join(old.release(), oldPlan.Release())
 }
 
 // checkClusters refuses an index of other heads or of tokens not stored.
-func (t *TacticStep) checkClusters(clusters *kvcache.Clusters) error {
-	h := t.dense.heads
+func (s *tacticSelector) checkClusters(clusters *kvcache.Clusters) error {
+	h := s.d.heads
 	if clusters.KVHeads != h.KV || clusters.HeadDim != h.Dim {
 		return fmt.Errorf("sparse: clusters of %d heads of %d for kernels of %d of %d", clusters.KVHeads, clusters.HeadDim, h.KV, h.Dim)
 	}
-	if clusters.First+clusters.Count > t.layer.Len() {
-		return fmt.Errorf("sparse: clustered tokens [%d, %d) beyond the %d stored", clusters.First, clusters.First+clusters.Count, t.layer.Len())
+	if clusters.First+clusters.Count > s.seq.Len() {
+		return fmt.Errorf("sparse: clustered tokens [%d, %d) beyond the %d stored", clusters.First, clusters.First+clusters.Count, s.seq.Len())
 	}
 	return nil
 }
 
-// bind allocates the buffers an index needs and binds the kernels to them.
-func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
-	h, dev := t.dense.heads, t.dense.dev
+// allocate allocates the buffers an index needs (bindKernels binds them).
+func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, error) {
+	h, dev := s.d.heads, s.d.dev
 	x := tacticBound{clusters: clusters}
 	var err error
 	alloc := func(words int) *vk.Buffer {
@@ -273,10 +293,10 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 		return b
 	}
 	hq, c, n := h.Query, clusters.C, clusters.Count
-	x.fixedCap = t.layer.Capacity() - n // fixed tokens: the stored ones past the clustered
+	x.fixedCap = s.seq.Capacity() - n // fixed tokens: the stored ones past the clustered
 	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
 	x.tokStart, x.planBuf, x.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
-	x.extremes, x.orderArrived, x.fitArrived = alloc(2*hq), alloc(h.KV*ceilDiv(h.Group(), t.kernels.orderHeads)), alloc(hq)
+	x.extremes, x.orderArrived, x.fitArrived = alloc(2*hq), alloc(h.KV*ceilDiv(h.Group(), s.kernels.orderHeads)), alloc(hq)
 	if err == nil {
 		err = dev.Run(func(c *vk.Commands) {
 			for _, b := range []*vk.Buffer{x.extremes, x.orderArrived, x.fitArrived} {
@@ -285,26 +305,6 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 		})
 	}
 	x.sampled, x.expo, x.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*x.fixedCap)
-	if err == nil {
-		x.plan, err = t.dense.PlanClusters(t.layer, clusters, x.binOf.All(), x.cut.All())
-	}
-	bind := func(pipe *vk.Pipeline, r ...vk.Range) *vk.Binding {
-		if err != nil {
-			return nil
-		}
-		var b *vk.Binding
-		b, err = pipe.Bind(r...)
-		return b
-	}
-	k, b := t.kernels, &x.binds
-	var query vk.Range
-	if err == nil {
-		query = x.plan.query.All()
-	}
-	b.order = bind(k.order, query, clusters.Centroids.All(), x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All(),
-		x.extremes.All(), x.orderArrived.All())
-	b.fit = bind(k.fit, query, t.layer.Keys().All(), x.planBuf.All(), x.sampled.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(),
-		x.expo.All(), x.expoFix.All(), x.tokStart.All(), x.cut.All(), x.fitArrived.All())
 	if err != nil {
 		x.release()
 		return tacticBound{}, err
@@ -312,25 +312,59 @@ func (t *TacticStep) bind(clusters *kvcache.Clusters) (tacticBound, error) {
 	return x, nil
 }
 
-// Release frees what the step owns (not the layer, clusters or the dense
-// kernels).
-func (t *TacticStep) Release() error {
-	t.clock.release()
-	errs := []error{t.tacticBound.release()}
-	if t.ownKernels {
-		errs = append(errs, t.kernels.release())
+// bindKernels binds the kernels k to the buffers, the layer's keys and the
+// queries in query.
+func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query vk.Range) error {
+	clusters := x.clusters
+	order, err := k.order.Bind(query, clusters.Centroids.All(), x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All(),
+		x.extremes.All(), x.orderArrived.All())
+	if err != nil {
+		return err
+	}
+	fit, err := k.fit.Bind(query, layer.Keys().All(), x.planBuf.All(), x.sampled.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(),
+		x.expo.All(), x.expoFix.All(), x.tokStart.All(), x.cut.All(), x.fitArrived.All())
+	if err != nil {
+		order.Release()
+		return err
+	}
+	for _, b := range []*vk.Binding{x.binds.order, x.binds.fit} {
+		if b != nil {
+			b.Release()
+		}
+	}
+	x.binds.order, x.binds.fit = order, fit
+	return nil
+}
+
+// Selection returns the bins and cuts the selection writes.
+func (s *tacticSelector) Selection() Selection {
+	return Selection{Clusters: s.clusters, Rank: s.binOf.All(), Cut: s.cut.All()}
+}
+
+// Bind binds the kernels to the queries in query.
+func (s *tacticSelector) Bind(query vk.Range) error {
+	return s.tacticBound.bindKernels(s.kernels, s.seq, query)
+}
+
+// Stages returns the selection's stages: TacticStages without "attend".
+func (s *tacticSelector) Stages() []string { return TacticStages[:tacticStageCount-1] }
+
+// Release frees the buffers, bindings and the kernels it owns.
+func (s *tacticSelector) Release() error {
+	errs := []error{s.tacticBound.release()}
+	if s.ownKernels {
+		errs = append(errs, s.kernels.release())
+		s.ownKernels = false
 	}
 	return errors.Join(errs...)
 }
 
-// SetQuery uploads the query, [Hq][D].
-func (t *TacticStep) SetQuery(q []float32) error {
-	if err := t.plan.SetQuery(q); err != nil {
-		return err
-	}
-	t.query = append(t.query[:0], q...)
-	return nil
-}
+// Release frees what the step owns (not the layer, clusters or the dense
+// kernels).
+func (t *TacticStep) Release() error { return t.Step.Release() }
+
+// Stages returns TacticStages.
+func (t *TacticStep) Stages() []string { return t.Step.Stages() }
 
 // windowPositions returns the exact part's token count and the two
 // sampling windows' first and last positions over n clustered tokens, as
@@ -351,47 +385,26 @@ func windowPositions(fit TacticFit, n int) (need int, win [4]int) {
 // the fit and budget (one dispatch); attention over the selection.
 var TacticStages = []string{"order", "fit", "attend"}
 
-// Record appends the step's kernels to c; as DensePlan.Record, it orders
-// compute work only.
-func (t *TacticStep) Record(c *vk.Commands) error {
-	return recordTactic(c, []*TacticStep{t}, func(int) {})
-}
-
 // tacticStageCount is the number of dependent stages of a step (one
 // dispatch each): scores and order, sampling and fit, attention over the
 // selection with its merge.
 const tacticStageCount = 3
 
-// recordTactic appends the kernels of the steps, stage by stage: each
-// stage's dispatches for every step, then one barrier, so that a batch pays
-// each stage's fixed cost once. mark(i) is called after the dispatches of
-// TacticStages[i].
-func recordTactic(c *vk.Commands, steps []*TacticStep, mark func(stage int)) error {
-	for s := 0; s < tacticStageCount; s++ {
-		for _, t := range steps {
-			if err := t.recordStage(c, s); err != nil {
-				return err
-			}
-		}
-		mark(s)
-		if s < tacticStageCount-1 {
-			c.ComputeBarrier()
-		}
-	}
-	return nil
-}
-
-// recordStage appends stage s of the step (recordTactic's order).
-func (t *TacticStep) recordStage(c *vk.Commands, s int) error {
-	h, x := t.dense.heads, t.clusters
-	n := t.layer.Len()
+// RecordStage appends selection stage s (0: scores and order, 1: sampling
+// and fit) for the layer's current length.
+func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
+	h, x := s.d.heads, s.clusters
+	n := s.seq.Len()
 	end := x.First + x.Count
 	fixed := x.First + n - end
 	hq, kv, cc, group := uint32(h.Query), uint32(h.KV), uint32(x.C), uint32(h.Group())
 	scale := math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))
-	need, win := windowPositions(t.fit, x.Count)
-	k, b := t.kernels, &t.binds
-	switch s {
+	need, win := windowPositions(s.fit, x.Count)
+	k, b := s.kernels, &s.binds
+	if b.order == nil {
+		return fmt.Errorf("sparse: Tactic's selection needs its queries bound")
+	}
+	switch stage {
 	case 0:
 		c.Dispatch(k.order, b.order, []uint32{cc, group, scale, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])},
 			uint32(ceilDiv(x.C, k.orderRows)), kv, uint32(ceilDiv(h.Group(), k.orderHeads)))
@@ -401,24 +414,12 @@ func (t *TacticStep) recordStage(c *vk.Commands, s int) error {
 		// clusters of 16) are read in one round, one per team; they stride
 		// over more.
 		work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
-		c.Dispatch(k.fit, b.fit, []uint32{group, uint32(t.layer.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(t.fixedCap), scale, cc,
-			math.Float32bits(float32(t.p))}, uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, k.sampleTeams)))), hq, 1)
-	case 2:
-		return t.plan.recordClusterAttention(c)
+		c.Dispatch(k.fit, b.fit, []uint32{group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(s.fixedCap), scale, cc,
+			math.Float32bits(float32(s.p))}, uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, k.sampleTeams)))), hq, 1)
+	default:
+		return fmt.Errorf("sparse: Tactic's selection has 2 stages, not %d", stage+1)
 	}
 	return nil
-}
-
-// Attend runs a step for the query q ([Hq][D]) and returns the output.
-func (t *TacticStep) Attend(q []float32) ([]float32, error) {
-	if err := t.SetQuery(q); err != nil {
-		return nil, err
-	}
-	if err := runOnce(t.dense.dev, t.Record); err != nil {
-		return nil, err
-	}
-	out := make([]float32, len(q))
-	return out, t.plan.Output().ReadFloat32(0, out)
 }
 
 // Scores returns the centroid scores of the last step, [Hq][C].
@@ -500,64 +501,6 @@ func (t *TacticStep) Tokens(members [][][]int32) ([][]int32, error) {
 		out[g] = list
 	}
 	return out, nil
-}
-
-// Time records warmup+reps back-to-back steps in one submission and
-// returns the timed ones' GPU times, sorted (as DensePlan.Time).
-func (t *TacticStep) Time(warmup, reps int) ([]time.Duration, error) {
-	return t.clock.time(t.dense.dev, warmup, reps, t.Record)
-}
-
-// TimeStages runs reps steps back to back in one submission, after warmup
-// untimed ones, with a timestamp after every stage, and returns each
-// stage's median GPU time (TacticStages order) and the median whole step.
-func (t *TacticStep) TimeStages(warmup, reps int) (stages []time.Duration, total time.Duration, err error) {
-	ns := len(TacticStages)
-	dev := t.dense.dev
-	stamps, err := dev.NewTimestamps(1 + ns*(warmup+reps))
-	if err != nil {
-		return nil, 0, err
-	}
-	defer stamps.Release()
-	next := 0
-	err = runOnce(dev, func(c *vk.Commands) error {
-		c.Reset(stamps)
-		c.Timestamp(stamps, 0)
-		for r := 0; r < warmup+reps; r++ {
-			c.ComputeBarrier()
-			if err := recordTactic(c, []*TacticStep{t}, func(i int) { c.Timestamp(stamps, 1+r*ns+i) }); err != nil {
-				return err
-			}
-		}
-		next = 1 + ns*(warmup+reps)
-		return nil
-	})
-	if err != nil {
-		return nil, 0, err
-	}
-	d, err := stamps.Durations(next)
-	if err != nil {
-		return nil, 0, err
-	}
-	per := make([][]time.Duration, ns)
-	var totals []time.Duration
-	for r := warmup; r < warmup+reps; r++ {
-		var sum time.Duration
-		for i := 0; i < ns; i++ {
-			x := d[1+r*ns+i]
-			per[i] = append(per[i], x)
-			sum += x
-		}
-		totals = append(totals, sum)
-	}
-	median := func(x []time.Duration) time.Duration {
-		sort.Slice(x, func(i, j int) bool { return x[i] < x[j] })
-		return x[len(x)/2]
-	}
-	for i := range per {
-		stages = append(stages, median(per[i]))
-	}
-	return stages, median(totals), nil
 }
 
 // TacticBinnedBudgetRef is TacticBudgetRef with the GPU's order: given the

@@ -42,7 +42,11 @@ func NewTacticBatch(dense *Dense, layers []*kvcache.Layer, clusters []*kvcache.C
 	}
 	b := &TacticBatch{dense: dense, kernels: k}
 	for i := range layers {
-		t, err := newTacticStep(dense, k, layers[i], clusters[i], p, fit)
+		sel, err := newTacticSelector(dense, k, layers[i], clusters[i], p, fit)
+		var t *TacticStep
+		if err == nil {
+			t, err = newTacticStep(dense, layers[i], sel)
+		}
 		if err != nil {
 			b.Release()
 			return nil, fmt.Errorf("sparse: sequence %d: %w", i, err)
@@ -77,7 +81,11 @@ func (b *TacticBatch) SetQuery(q []float32) error {
 // Record appends the batch's kernels to c, stage by stage (it orders
 // compute work only, as DensePlan.Record).
 func (b *TacticBatch) Record(c *vk.Commands) error {
-	return recordTactic(c, b.steps, func(int) {})
+	steps := make([]*Step, len(b.steps))
+	for i, t := range b.steps {
+		steps[i] = t.Step
+	}
+	return recordSteps(c, steps, func(int) {})
 }
 
 // Attend runs a batched step for the queries q ([B][Hq][D]) and returns
