@@ -1,0 +1,59 @@
+package kvcache
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/vksparse/vksparse/vk"
+)
+
+// NewPages returns a positional index of the tokens [first, first+count)
+// of every KV head: pages of pageSize consecutive tokens (the last one
+// shorter when pageSize does not divide count) as clusters, in positional
+// order. Page c holds the tokens first + pageSize·c … , so Starts[c] =
+// pageSize·c, Counts[c] its size, Members the identity (token first + r at
+// place r) and Assign[r] = r / pageSize. Positional order already is
+// cluster order, so the index is Contiguous over a layer that was never
+// reordered (do not Reorder a layer by it: that would be the identity).
+// pageSize 1 makes every token its own cluster.
+//
+// Centroids and Norms stay zero: a page index carries no key summaries;
+// the policies that need them (Quest's per-channel bounds) compute their
+// own from the layer. The buffers are filled from the host once.
+func NewPages(dev *vk.Device, kvHeads, headDim, first, count, pageSize int) (*Clusters, error) {
+	if pageSize <= 0 || count <= 0 || first < 0 || kvHeads <= 0 || headDim <= 0 {
+		return nil, fmt.Errorf("kvcache: pages of %d over tokens [%d, %d+%d) of %d heads of %d", pageSize, first, first, count, kvHeads, headDim)
+	}
+	c := (count + pageSize - 1) / pageSize
+	x, err := NewClusters(dev, kvHeads, headDim, c, first, count)
+	if err != nil {
+		return nil, err
+	}
+	x.Contiguous = true
+	counts, starts := make([]uint32, kvHeads*c), make([]uint32, kvHeads*c)
+	members, assign := make([]uint32, kvHeads*count), make([]uint32, kvHeads*count)
+	for g := 0; g < kvHeads; g++ {
+		for j := 0; j < c; j++ {
+			starts[g*c+j] = uint32(j * pageSize)
+			counts[g*c+j] = uint32(min(pageSize, count-j*pageSize))
+		}
+		for r := 0; r < count; r++ {
+			members[g*count+r] = uint32(first + r)
+			assign[g*count+r] = uint32(r / pageSize)
+		}
+	}
+	err = errors.Join(
+		x.Counts.WriteUint32(0, counts),
+		x.Starts.WriteUint32(0, starts),
+		x.Members.WriteUint32(0, members),
+		x.Assign.WriteUint32(0, assign),
+		dev.Run(func(cmd *vk.Commands) {
+			cmd.Fill(x.Centroids.All(), 0)
+			cmd.Fill(x.Norms.All(), 0)
+		}))
+	if err != nil {
+		x.Release()
+		return nil, fmt.Errorf("kvcache: page index: %w", err)
+	}
+	return x, nil
+}

@@ -1,0 +1,232 @@
+#version 450
+// A policy's selection of clusters by bins of a per-cluster score, in one
+// dispatch: the fixed-budget baselines (Quest, top-k of page bounds) and
+// the oracles (top-p of true mass over tokens or clusters).
+//
+// Rows: a workgroup scores ROWS rows of KV head gl_WorkGroupID.y for the up
+// to HB query heads of block gl_WorkGroupID.z, LANES lanes sharing a row,
+// and writes row[h][r] for every head h of the block:
+//   KIND 0 (Quest), rows are clusters: scale · Σ_i max(q_i·lo_i, q_i·hi_i)
+//     over the cluster's per-channel key bounds lo and hi (scale > 0);
+//   KIND 1 (mass), rows are the index's slots first + r: the exact logit
+//     scale · q · k of the key stored there.
+// Cuts: the last workgroup of a block to arrive (an arrival counter; no
+// workgroup waits for another) takes its heads one after another. It
+// gives each cluster c its score l_c (KIND 0 the row of c; KIND 1
+// log Σ_{j < s_c} exp(row[first-relative start_c + j]), the log of the
+// cluster's true mass), −∞ for an empty cluster, and ranks clusters by
+// bin(l) = min(NB − 1, ⌊(m − l)·u⌋), m and m0 the best and worst finite
+// scores, u = 2^(log2 NB − e) for m − m0 = f·2^e, f in [0.5, 1) (u = 1 if
+// m = m0; NB for an empty cluster, past every cut). Then the cut, in bins:
+//   TOPP 0: the fewest leading bins holding at least k clusters (whole
+//     bins: at least k clusters; 0 for k = 0, NB if there are fewer);
+//   TOPP 1: the fewest leading bins holding at least p of the mass
+//     Σ_c exp(l_c), each bin's mass summed in fixed point with integer
+//     atomics only: term exp(l − m_b), m_b = m − b/u the bin's top, times
+//     pc.quant, truncated; the bin's mass is that sum / quant · exp(−b/u).
+// It writes each cluster's score and bin and each head's cut, then resets
+// the counter.
+#extension GL_EXT_control_flow_attributes : enable
+
+layout(local_size_x_id = 0) in;
+layout(constant_id = 0) const uint WG = 256;   // threads, a power of two; WG·HB ≤ 4096, WG ≤ NB
+layout(constant_id = 1) const uint D = 128;    // head dimension, a multiple of 8
+layout(constant_id = 2) const uint HB = 4;     // query heads per block, 1 to 8
+layout(constant_id = 3) const uint NB = 1024;  // bins, a multiple of WG
+layout(constant_id = 4) const int LOG2NB = 10;
+layout(constant_id = 5) const uint KIND = 0;
+layout(constant_id = 6) const uint TOPP = 0;
+
+const uint D4 = D / 4;
+const uint DV = D / 8;         // uvec4 per fp16 key row
+const uint LANES = 8;          // threads per row
+const uint ROWS = WG / LANES;  // rows per workgroup
+const uint SCRATCH = HB * WG > NB ? HB * WG : NB;
+const float NEG = -1.0 / 0.0;
+
+layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };     // [Hq][D/4]
+layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };       // [Hkv][headStride], KIND 1
+layout(std430, binding = 2) readonly buffer Lo { vec4 lo[]; };         // [Hkv][C][D/4], KIND 0
+layout(std430, binding = 3) readonly buffer Hi { vec4 hi[]; };         // [Hkv][C][D/4], KIND 0
+// Written by every workgroup of a block, read by the last: coherent.
+layout(std430, binding = 4) coherent buffer Rows { float row[]; };     // [Hq][R]
+layout(std430, binding = 5) writeonly buffer Scores { float score[]; }; // [Hq][C]
+layout(std430, binding = 6) readonly buffer Starts { uint starts[]; }; // [Hkv][C]
+layout(std430, binding = 7) readonly buffer Sizes { uint sizes[]; };   // [Hkv][C]
+layout(std430, binding = 8) writeonly buffer BinOf { uint binOf[]; };  // [Hq][C]
+layout(std430, binding = 9) writeonly buffer Cut { uint cut[]; };      // [Hq]
+layout(std430, binding = 10) coherent buffer Arrived { uint arrived[]; }; // [Hkv][blocks], 0 between steps
+
+layout(push_constant) uniform Push {
+	uint C;           // clusters per KV head
+	uint R;           // rows per KV head: C (KIND 0) or the indexed slots (KIND 1)
+	uint groupSize;   // query heads per KV head
+	float scale;      // multiplies q·k, > 0
+	float p;          // TOPP 1: the mass target, in (0, 1]
+	uint k;           // TOPP 0: the clusters to reach
+	float quant;      // TOPP 1: fixed-point scale of a term, C · quant ≤ 2^31
+	uint first;       // KIND 1: slot of row 0
+	uint headStride;  // KIND 1: uvec4 words between consecutive KV heads
+} pc;
+
+shared vec4 qs[HB][D4];
+// The rows' lane sums, then a head's bins' counts or fixed-point masses.
+shared uint scratch[SCRATCH];
+shared uint keyMax, keyMin, found;
+shared float part[WG];  // scan of the bins
+shared bool last;
+
+// key maps a float to a uint of the same order.
+uint key(float x) {
+	uint b = floatBitsToUint(x);
+	return (b & 0x80000000u) != 0 ? ~b : b | 0x80000000u;
+}
+
+// unkey inverts key.
+float unkey(uint x) {
+	return uintBitsToFloat((x & 0x80000000u) != 0 ? x & 0x7fffffffu : ~x);
+}
+
+// weight returns what bin b holds: its cluster count, or its mass relative
+// to m from its fixed-point sum.
+float weight(uint b, float u) {
+	uint x = scratch[b];
+	return TOPP == 0 ? float(x) : float(x) / pc.quant * exp(-float(b) / u);
+}
+
+// clusterScore returns the score of non-empty cluster c (of KV head g,
+// size members) for head h from the rows.
+float clusterScore(uint h, uint g, uint c, uint size) {
+	if (KIND == 0) return row[h * pc.R + c];
+	uint at = h * pc.R + starts[g * pc.C + c];
+	float m = NEG;
+	for (uint j = 0; j < size; j++) m = max(m, row[at + j]);
+	float s = 0.0;
+	for (uint j = 0; j < size; j++) s += exp(row[at + j] - m);
+	return m + log(s);
+}
+
+void main() {
+	uint tid = gl_LocalInvocationID.x;
+	uint g = gl_WorkGroupID.y;
+	uint block = g * gl_NumWorkGroups.z + gl_WorkGroupID.z;
+	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
+	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
+	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
+	barrier();
+
+	// Rows.
+	uint r = gl_WorkGroupID.x * ROWS + tid / LANES, lane = tid % LANES;
+	float acc[HB];
+	[[unroll]] for (uint j = 0; j < HB; j++) acc[j] = 0.0;
+	if (r < pc.R) {
+		if (KIND == 0) {
+			uint base = (g * pc.C + r) * D4;
+			for (uint i = lane; i < D4; i += LANES) {
+				vec4 a = lo[base + i], b = hi[base + i];
+				[[unroll]] for (uint j = 0; j < HB; j++) {
+					if (j < heads) acc[j] += dot(max(qs[j][i] * a, qs[j][i] * b), vec4(1.0));
+				}
+			}
+		} else {
+			uint base = g * pc.headStride + (pc.first + r) * DV;
+			for (uint i = lane; i < DV; i += LANES) {
+				uvec4 w = k[base + i];
+				vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+				vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+				[[unroll]] for (uint j = 0; j < HB; j++) {
+					if (j < heads) acc[j] += dot(a, qs[j][2 * i]) + dot(b, qs[j][2 * i + 1]);
+				}
+			}
+		}
+	}
+	[[unroll]] for (uint j = 0; j < HB; j++) scratch[j * WG + tid] = floatBitsToUint(acc[j]);
+	barrier();
+	if (r < pc.R && lane < heads) {
+		float sum = 0.0;
+		uint at = lane * WG + (tid / LANES) * LANES;
+		[[unroll]] for (uint j = 0; j < LANES; j++) sum += uintBitsToFloat(scratch[at + j]);
+		row[(h0 + lane) * pc.R + r] = sum;
+	}
+
+	// The last workgroup of the block to arrive cuts its heads.
+	memoryBarrierBuffer();
+	barrier();
+	if (tid == 0) {
+		last = atomicAdd(arrived[block], 1) == gl_NumWorkGroups.x - 1;
+		if (last) arrived[block] = 0;
+	}
+	barrier();
+	if (!last) return;
+	memoryBarrierBuffer();
+
+	const uint PER = NB / WG;  // bins a thread scans
+	for (uint hl = 0; hl < heads; hl++) {
+		uint h = h0 + hl;
+		if (tid == 0) {
+			keyMax = 0;
+			keyMin = 0;
+			found = NB;
+		}
+		for (uint i = tid; i < NB; i += WG) scratch[i] = 0;
+		barrier();
+		// Scores.
+		for (uint c = tid; c < pc.C; c += WG) {
+			uint size = sizes[g * pc.C + c];
+			float l = size > 0 ? clusterScore(h, g, c, size) : NEG;
+			if (size > 0) {
+				atomicMax(keyMax, key(l));
+				atomicMax(keyMin, ~key(l));
+			}
+			score[h * pc.C + c] = l;
+		}
+		barrier();
+		float m = unkey(keyMax), m0 = unkey(~keyMin);
+		float u = 1.0;
+		if (m - m0 > 0.0) {
+			int ex;
+			frexp(m - m0, ex);
+			u = ldexp(1.0, LOG2NB - ex);
+		}
+		for (uint c = tid; c < pc.C; c += WG) {
+			uint size = sizes[g * pc.C + c];
+			uint b = NB;
+			if (size > 0) {
+				float l = clusterScore(h, g, c, size);  // again: Scores is write-only
+				b = min(NB - 1, uint(floor((m - l) * u)));
+				uint add = 1;
+				if (TOPP != 0) add = uint(min(exp(l - (m - float(b) / u)), 1.0) * pc.quant);
+				atomicAdd(scratch[b], add);
+			}
+			binOf[h * pc.C + c] = b;
+		}
+		barrier();
+
+		// Inclusive scan of the bins over the threads: thread tid sums bins
+		// [tid·PER, (tid+1)·PER).
+		float mine = 0.0;
+		for (uint i = 0; i < PER; i++) mine += weight(tid * PER + i, u);
+		part[tid] = mine;
+		barrier();
+		for (uint s = 1; s < WG; s <<= 1) {
+			float y = tid >= s ? part[tid - s] : 0.0;
+			barrier();
+			part[tid] += y;
+			barrier();
+		}
+		float total = part[WG - 1];
+		float target = TOPP == 0 ? float(pc.k) : pc.p * total;
+		float run = part[tid] - mine;
+		for (uint i = 0; i < PER; i++) {
+			uint b = tid * PER + i;
+			run += weight(b, u);
+			if (run >= target) {
+				atomicMin(found, b);
+				break;
+			}
+		}
+		barrier();
+		if (tid == 0) cut[h] = total > 0.0 && target > 0.0 ? (found == NB ? NB : found + 1) : 0;
+		barrier();  // the next head clears the bins
+	}
+}

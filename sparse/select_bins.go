@@ -1,0 +1,232 @@
+package sparse
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/shaders"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// SelectStages names the dispatches of the selections by bins of a score
+// (Quest and the oracles): scores, bins and cut in one dispatch.
+var SelectStages = []string{"select"}
+
+// binScore is the score kind of shaders/select_bins.comp.
+type binScore uint32
+
+const (
+	// scoreBounds is Quest's: scale · Σ_i max(q_i·lo_i, q_i·hi_i) over a
+	// cluster's per-channel key bounds.
+	scoreBounds binScore = 0
+	// scoreMass is the log of a cluster's true mass,
+	// log Σ_{t∈c} exp(scale·q·k_t).
+	scoreMass binScore = 1
+)
+
+// binSelector is a selection of clusters by bins of a per-cluster score
+// (shaders/select_bins.comp), one dispatch a step: every query head ranks
+// the clusters of its KV head by the bin of their score (TacticBin
+// semantics, bin 0 the best) and cuts at the fewest leading bins holding
+// at least k clusters (top-k) or at least p of the mass Σ exp(score)
+// (top-p). It is the shared part of QuestSelector and OracleSelector.
+type binSelector struct {
+	dense    *Dense
+	layer    *kvcache.Layer
+	clusters *kvcache.Clusters
+	owned    *kvcache.Clusters // released with the selector
+	kind     binScore
+	topP     bool
+	p        float64
+	k        int
+	pipe     *vk.Pipeline
+	bind     *vk.Binding
+	// rows is the rows a workgroup scores, heads the query heads of its
+	// block.
+	rows, heads int
+	bufs        []*vk.Buffer
+	lo, hi      *vk.Buffer // float32 [Hkv][C][D]: scoreBounds only
+	row         *vk.Buffer // float32 [Hq][R]
+	score       *vk.Buffer // float32 [Hq][C]
+	binOf, cut  *vk.Buffer // uint32 [Hq][C] and [Hq]
+	arrived     *vk.Buffer // uint32 [Hkv][blocks], 0 between steps
+}
+
+// newBinSelector builds the selection kernel over clusters of layer (in
+// cluster order), with top-p target p when topP, else top-k of k clusters.
+func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, kind binScore, topP bool, p float64, k int) (*binSelector, error) {
+	h, dev := dense.heads, dense.dev
+	switch {
+	case clusters.KVHeads != h.KV || clusters.HeadDim != h.Dim || layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
+		return nil, fmt.Errorf("sparse: an index of %d heads of %d and a cache of %d of %d for kernels of %d of %d", clusters.KVHeads, clusters.HeadDim, layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
+	case clusters.First+clusters.Count > layer.Len():
+		return nil, fmt.Errorf("sparse: indexed tokens [%d, %d) beyond the %d stored", clusters.First, clusters.First+clusters.Count, layer.Len())
+	case !clusters.Contiguous:
+		return nil, fmt.Errorf("sparse: the selection reads clusters as runs of slots: put the layer in cluster order first (kvcache.Layer.Reorder)")
+	case topP && !(p > 0 && p <= 1):
+		return nil, fmt.Errorf("sparse: top-p target %v outside (0, 1]", p)
+	case !topP && k < 0:
+		return nil, fmt.Errorf("sparse: top-k of %d clusters", k)
+	case h.Dim%8 != 0 || layer.HeadBytes()*uint64(h.KV) > uint64(dev.Info().MaxStorageBufferRange):
+		return nil, fmt.Errorf("%w: selection over keys of dimension %d in %d bytes", vk.ErrUnsupported, h.Dim, layer.HeadBytes()*uint64(h.KV))
+	}
+	s := &binSelector{dense: dense, layer: layer, clusters: clusters, kind: kind, topP: topP, p: p, k: k}
+	// Blocks of up to 8 query heads; the workgroup as large as the scratch
+	// allows (workgroup × heads ≤ 4096 words), a power of two of at most
+	// TacticBins threads.
+	s.heads = min(h.Group(), 8)
+	wg := min(tacticWorkgroup(dev.Info()), uint32(4096/s.heads), TacticBins)
+	for wg&(wg-1) != 0 {
+		wg &= wg - 1
+	}
+	s.rows = int(wg) / 8
+	var err error
+	alloc := func(words int) *vk.Buffer {
+		if err != nil {
+			return nil
+		}
+		var b *vk.Buffer
+		b, err = dev.NewBuffer(uint64(max(words, 1))*4, vk.DeviceLocal)
+		s.bufs = append(s.bufs, b)
+		return b
+	}
+	hq, c := h.Query, clusters.C
+	s.row, s.score = alloc(hq*s.rowCount()), alloc(hq*c)
+	s.binOf, s.cut = alloc(hq*c), alloc(hq)
+	s.arrived = alloc(h.KV * ceilDiv(h.Group(), s.heads))
+	if kind == scoreBounds {
+		s.lo, s.hi = alloc(h.KV*c*h.Dim), alloc(h.KV*c*h.Dim)
+		if err == nil {
+			err = s.computeBounds()
+		}
+	}
+	if err == nil {
+		err = dev.Run(func(c *vk.Commands) { c.Fill(s.arrived.All(), 0) })
+	}
+	if err == nil {
+		var code []byte
+		if code, err = shaders.SPIRV("select_bins"); err == nil {
+			s.pipe, err = dev.NewPipeline(vk.Kernel{Name: "select_bins", SPIRV: code, Bindings: 11, PushWords: 9,
+				Specialization: []uint32{wg, uint32(h.Dim), uint32(s.heads), TacticBins, 10, uint32(kind), boolWord(topP)}})
+		}
+	}
+	if err != nil {
+		return nil, errors.Join(err, s.release())
+	}
+	return s, nil
+}
+
+// rowCount is the rows the kernel scores per KV head: the clusters
+// (scoreBounds) or the indexed slots (scoreMass).
+func (s *binSelector) rowCount() int {
+	if s.kind == scoreBounds {
+		return s.clusters.C
+	}
+	return s.clusters.Count
+}
+
+// boundsWorkgroup is the threads per workgroup of page_bounds.
+const boundsWorkgroup = 128
+
+// computeBounds writes every cluster's per-channel key minima and maxima
+// (page_bounds).
+func (s *binSelector) computeBounds() error {
+	h, dev, x := s.dense.heads, s.dense.dev, s.clusters
+	code, err := shaders.SPIRV("page_bounds")
+	if err != nil {
+		return err
+	}
+	pipe, err := dev.NewPipeline(vk.Kernel{Name: "page_bounds", SPIRV: code, Bindings: 5, PushWords: 3, Specialization: []uint32{boundsWorkgroup, uint32(h.Dim)}})
+	if err != nil {
+		return err
+	}
+	defer pipe.Release()
+	bind, err := pipe.Bind(s.layer.Keys().All(), x.Starts.All(), x.Counts.All(), s.lo.All(), s.hi.All())
+	if err != nil {
+		return err
+	}
+	defer bind.Release()
+	return dev.Run(func(c *vk.Commands) {
+		c.Dispatch(pipe, bind, []uint32{uint32(x.C), uint32(s.layer.HeadBytes() / 4), uint32(x.First)},
+			uint32(ceilDiv(x.C*h.Dim/2, boundsWorkgroup)), uint32(h.KV), 1)
+	})
+}
+
+func (s *binSelector) selection() Selection {
+	return Selection{Clusters: s.clusters, Rank: s.binOf.All(), Cut: s.cut.All()}
+}
+
+func (s *binSelector) bindQuery(query vk.Range) error {
+	x := s.clusters
+	lo, hi := s.row.All(), s.row.All() // unused bindings get a valid range
+	if s.lo != nil {
+		lo, hi = s.lo.All(), s.hi.All()
+	}
+	b, err := s.pipe.Bind(query, s.layer.Keys().All(), lo, hi, s.row.All(), s.score.All(), x.Starts.All(), x.Counts.All(), s.binOf.All(), s.cut.All(), s.arrived.All())
+	if err != nil {
+		return err
+	}
+	if s.bind != nil {
+		s.bind.Release()
+	}
+	s.bind = b
+	return nil
+}
+
+func (s *binSelector) recordStage(c *vk.Commands, stage int) error {
+	if stage != 0 || s.bind == nil {
+		return fmt.Errorf("sparse: the selection has one stage (asked for %d) and needs its queries bound", stage)
+	}
+	h, x := s.dense.heads, s.clusters
+	// Fixed-point masses: C terms of at most quant each stay below 2^31.
+	quant := math.Ldexp(1, min(24, 31-bits.Len(uint(x.C))))
+	push := []uint32{uint32(x.C), uint32(s.rowCount()), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))),
+		math.Float32bits(float32(s.p)), uint32(s.k), math.Float32bits(float32(quant)), uint32(x.First), uint32(s.layer.HeadBytes() / 16)}
+	c.Dispatch(s.pipe, s.bind, push, uint32(ceilDiv(s.rowCount(), s.rows)), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
+	return nil
+}
+
+// scores returns the last step's score of every cluster, [Hq][C].
+func (s *binSelector) scores() ([]float32, error) {
+	out := make([]float32, s.dense.heads.Query*s.clusters.C)
+	return out, s.score.ReadFloat32(0, out)
+}
+
+// bins returns the last step's bin of every cluster, [Hq][C].
+func (s *binSelector) bins() ([]int, error) {
+	return readInts(s.binOf, s.dense.heads.Query*s.clusters.C)
+}
+
+// cuts returns the last step's cut per query head, in bins.
+func (s *binSelector) cuts() ([]int, error) { return readInts(s.cut, s.dense.heads.Query) }
+
+// bounds returns the clusters' key minima and maxima, [Hkv][C][D] each
+// (scoreBounds only).
+func (s *binSelector) bounds() (lo, hi []float32, err error) {
+	n := s.dense.heads.KV * s.clusters.C * s.dense.heads.Dim
+	lo, hi = make([]float32, n), make([]float32, n)
+	return lo, hi, errors.Join(s.lo.ReadFloat32(0, lo), s.hi.ReadFloat32(0, hi))
+}
+
+func (s *binSelector) release() error {
+	var errs []error
+	if s.bind != nil {
+		errs = append(errs, s.bind.Release())
+	}
+	if s.pipe != nil {
+		errs = append(errs, s.pipe.Release())
+	}
+	for _, b := range s.bufs {
+		if b != nil {
+			errs = append(errs, b.Release())
+		}
+	}
+	if s.owned != nil {
+		errs = append(errs, s.owned.Release())
+	}
+	s.bind, s.pipe, s.bufs, s.owned = nil, nil, nil, nil
+	return errors.Join(errs...)
+}
