@@ -8,22 +8,26 @@
 // and writes row[h][r] for every head h of the block:
 //   KIND 0 (Quest), rows are clusters: scale · Σ_i max(q_i·lo_i, q_i·hi_i)
 //     over the cluster's per-channel key bounds lo and hi (scale > 0);
-//   KIND 1 (mass), rows are the index's slots first + r: the exact logit
+//   KIND 1 (mass), rows are the layer's slots [0, n): the exact logit
 //     scale · q · k of the key stored there.
 // Cuts: the last workgroup of a block to arrive (an arrival counter; no
 // workgroup waits for another) takes its heads one after another. It
 // gives each cluster c its score l_c (KIND 0 the row of c; KIND 1
-// log Σ_{j < s_c} exp(row[first-relative start_c + j]), the log of the
-// cluster's true mass), −∞ for an empty cluster, and ranks clusters by
+// log Σ_{j < s_c} exp(row[first + start_c + j]), the log of the cluster's
+// true mass), −∞ for an empty cluster, and ranks clusters by
 // bin(l) = min(NB − 1, ⌊(m − l)·u⌋), m and m0 the best and worst finite
 // scores, u = 2^(log2 NB − e) for m − m0 = f·2^e, f in [0.5, 1) (u = 1 if
 // m = m0; NB for an empty cluster, past every cut). Then the cut, in bins:
 //   TOPP 0: the fewest leading bins holding at least k clusters (whole
 //     bins: at least k clusters; 0 for k = 0, NB if there are fewer);
-//   TOPP 1: the fewest leading bins holding at least p of the mass
-//     Σ_c exp(l_c), each bin's mass summed in fixed point with integer
-//     atomics only: term exp(l − m_b), m_b = m − b/u the bin's top, times
-//     pc.quant, truncated; the bin's mass is that sum / quant · exp(−b/u).
+//   TOPP 1 (KIND 1): the fewest leading bins whose mass T, with the mass F
+//     of the slots outside the index ([0, first) and [first + clustered,
+//     n), attended anyway), reaches p of all: F + T ≥ p·(F + M), M the
+//     index's mass Σ_c exp(l_c); that is T ≥ p·M − (1 − p)·F (0 bins when
+//     F alone reaches it). Each bin's mass is summed in fixed point with
+//     integer atomics only: term exp(l − m_b), m_b = m − b/u the bin's
+//     top, times pc.quant, truncated; the bin's mass is that sum / quant ·
+//     exp(−b/u). F, relative to m, is summed in float32.
 // It writes each cluster's score and bin and each head's cut, then resets
 // the counter.
 #extension GL_EXT_control_flow_attributes : enable
@@ -59,7 +63,7 @@ layout(std430, binding = 10) coherent buffer Arrived { uint arrived[]; }; // [Hk
 
 layout(push_constant) uniform Push {
 	uint C;           // clusters per KV head
-	uint R;           // rows per KV head: C (KIND 0) or the indexed slots (KIND 1)
+	uint R;           // row stride per query head: C (KIND 0) or the layer's capacity (KIND 1)
 	uint groupSize;   // query heads per KV head
 	float scale;      // multiplies q·k, > 0
 	float p;          // TOPP 1: the mass target, in (0, 1]
@@ -67,6 +71,8 @@ layout(push_constant) uniform Push {
 	float quant;      // TOPP 1: fixed-point scale of a term, C · quant ≤ 2^31
 	uint first;       // KIND 1: slot of row 0
 	uint headStride;  // KIND 1: uvec4 words between consecutive KV heads
+	uint n;           // rows scored: C (KIND 0) or the slots stored (KIND 1)
+	uint clustered;   // KIND 1: the indexed slots are [first, first + clustered)
 } pc;
 
 shared vec4 qs[HB][D4];
@@ -98,7 +104,7 @@ float weight(uint b, float u) {
 // size members) for head h from the rows.
 float clusterScore(uint h, uint g, uint c, uint size) {
 	if (KIND == 0) return row[h * pc.R + c];
-	uint at = h * pc.R + starts[g * pc.C + c];
+	uint at = h * pc.R + pc.first + starts[g * pc.C + c];
 	float m = NEG;
 	for (uint j = 0; j < size; j++) m = max(m, row[at + j]);
 	float s = 0.0;
@@ -119,7 +125,7 @@ void main() {
 	uint r = gl_WorkGroupID.x * ROWS + tid / LANES, lane = tid % LANES;
 	float acc[HB];
 	[[unroll]] for (uint j = 0; j < HB; j++) acc[j] = 0.0;
-	if (r < pc.R) {
+	if (r < pc.n) {
 		if (KIND == 0) {
 			uint base = (g * pc.C + r) * D4;
 			for (uint i = lane; i < D4; i += LANES) {
@@ -129,7 +135,7 @@ void main() {
 				}
 			}
 		} else {
-			uint base = g * pc.headStride + (pc.first + r) * DV;
+			uint base = g * pc.headStride + r * DV;
 			for (uint i = lane; i < DV; i += LANES) {
 				uvec4 w = k[base + i];
 				vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
@@ -142,7 +148,7 @@ void main() {
 	}
 	[[unroll]] for (uint j = 0; j < HB; j++) scratch[j * WG + tid] = floatBitsToUint(acc[j]);
 	barrier();
-	if (r < pc.R && lane < heads) {
+	if (r < pc.n && lane < heads) {
 		float sum = 0.0;
 		uint at = lane * WG + (tid / LANES) * LANES;
 		[[unroll]] for (uint j = 0; j < LANES; j++) sum += uintBitsToFloat(scratch[at + j]);
@@ -202,6 +208,23 @@ void main() {
 		}
 		barrier();
 
+		// The mass of the slots outside the index, relative to m.
+		float fixedMass = 0.0;
+		if (TOPP != 0) {
+			float mine = 0.0;
+			for (uint t = tid; t < pc.n; t += WG) {
+				if (t < pc.first || t >= pc.first + pc.clustered) mine += exp(row[h * pc.R + t] - m);
+			}
+			part[tid] = mine;
+			barrier();
+			for (uint s = WG / 2; s > 0; s >>= 1) {
+				if (tid < s) part[tid] += part[tid + s];
+				barrier();
+			}
+			fixedMass = part[0];
+			barrier();
+		}
+
 		// Inclusive scan of the bins over the threads: thread tid sums bins
 		// [tid·PER, (tid+1)·PER).
 		float mine = 0.0;
@@ -215,7 +238,7 @@ void main() {
 			barrier();
 		}
 		float total = part[WG - 1];
-		float target = TOPP == 0 ? float(pc.k) : pc.p * total;
+		float target = TOPP == 0 ? float(pc.k) : pc.p * total - (pc.p < 1.0 ? (1.0 - pc.p) * fixedMass : 0.0);
 		float run = part[tid] - mine;
 		for (uint i = 0; i < PER; i++) {
 			uint b = tid * PER + i;

@@ -31,8 +31,8 @@ const (
 // (shaders/select_bins.comp), one dispatch a step: every query head ranks
 // the clusters of its KV head by the bin of their score (TacticBin
 // semantics, bin 0 the best) and cuts at the fewest leading bins holding
-// at least k clusters (top-k) or at least p of the mass Σ exp(score)
-// (top-p). It is the shared part of QuestSelector and OracleSelector.
+// at least k clusters (top-k) or, with the mass of the tokens outside the
+// index, at least p of all the mass (top-p). It is the shared part of QuestSelector and OracleSelector.
 type binSelector struct {
 	dense    *Dense
 	layer    *kvcache.Layer
@@ -94,7 +94,7 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 		return b
 	}
 	hq, c := h.Query, clusters.C
-	s.row, s.score = alloc(hq*s.rowCount()), alloc(hq*c)
+	s.row, s.score = alloc(hq*s.rowStride()), alloc(hq*c)
 	s.binOf, s.cut = alloc(hq*c), alloc(hq)
 	s.arrived = alloc(h.KV * ceilDiv(h.Group(), s.heads))
 	if kind == scoreBounds {
@@ -109,7 +109,7 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 	if err == nil {
 		var code []byte
 		if code, err = shaders.SPIRV("select_bins"); err == nil {
-			s.pipe, err = dev.NewPipeline(vk.Kernel{Name: "select_bins", SPIRV: code, Bindings: 11, PushWords: 9,
+			s.pipe, err = dev.NewPipeline(vk.Kernel{Name: "select_bins", SPIRV: code, Bindings: 11, PushWords: 11,
 				Specialization: []uint32{wg, uint32(h.Dim), uint32(s.heads), TacticBins, 10, uint32(kind), boolWord(topP)}})
 		}
 	}
@@ -119,13 +119,23 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 	return s, nil
 }
 
-// rowCount is the rows the kernel scores per KV head: the clusters
-// (scoreBounds) or the indexed slots (scoreMass).
+// rowStride is the rows the kernel keeps per query head: the clusters
+// (scoreBounds) or the layer's slots (scoreMass).
+func (s *binSelector) rowStride() int {
+	if s.kind == scoreBounds {
+		return s.clusters.C
+	}
+	return s.layer.Capacity()
+}
+
+// rowCount is the rows the kernel scores per query head: the clusters
+// (scoreBounds) or the slots stored (scoreMass; the mass of the slots
+// outside the index enters the top-p target).
 func (s *binSelector) rowCount() int {
 	if s.kind == scoreBounds {
 		return s.clusters.C
 	}
-	return s.clusters.Count
+	return s.layer.Len()
 }
 
 // boundsWorkgroup is the threads per workgroup of page_bounds.
@@ -183,8 +193,9 @@ func (s *binSelector) recordStage(c *vk.Commands, stage int) error {
 	h, x := s.dense.heads, s.clusters
 	// Fixed-point masses: C terms of at most quant each stay below 2^31.
 	quant := math.Ldexp(1, min(24, 31-bits.Len(uint(x.C))))
-	push := []uint32{uint32(x.C), uint32(s.rowCount()), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))),
-		math.Float32bits(float32(s.p)), uint32(s.k), math.Float32bits(float32(quant)), uint32(x.First), uint32(s.layer.HeadBytes() / 16)}
+	push := []uint32{uint32(x.C), uint32(s.rowStride()), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))),
+		math.Float32bits(float32(s.p)), uint32(s.k), math.Float32bits(float32(quant)), uint32(x.First), uint32(s.layer.HeadBytes() / 16),
+		uint32(s.rowCount()), uint32(x.Count)}
 	c.Dispatch(s.pipe, s.bind, push, uint32(ceilDiv(s.rowCount(), s.rows)), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
 	return nil
 }

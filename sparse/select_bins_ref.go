@@ -42,21 +42,50 @@ func BinnedTopKRef(scores []float32, k int) (rank []int, cut int) {
 
 // BinnedTopPRef returns each cluster's bin and the top-p cut as the GPU
 // computes them for the oracles: rank = DoublePBinRanks(scores), and cut,
-// the least r such that the clusters of rank < r hold at least p of the
-// mass Σ_c exp(score_c) (the keep cut of DoublePCutsRef with P1 = p: whole
-// bins, masses summed in float64 relative to the best score; 0 when no
-// score is finite). The target is p of the index's mass only: the tokens
-// outside the index (sinks, recent window), attended anyway, do not count
-// towards it, unlike TokenOracleRef and ClusterOracleRef, whose target
-// counts them.
-func BinnedTopPRef(scores []float32, p float64) (rank []int, cut int) {
+// the least r such that the clusters of rank < r, with the tokens outside
+// the index (of log mass fixed: log Σ_{t∈F} exp(scale·q·k_t), −∞ for
+// none), hold at least p of all the mass: F + T_r ≥ p·(F + M), M =
+// Σ_c exp(score_c), T_r the mass of the clusters of rank < r; that is
+// T_r ≥ p·M − (1 − p)·F. Whole bins are taken; 0 when F alone reaches the
+// target or no score is finite; TacticBins when rounding keeps the target
+// out of reach. Masses are summed in float64 relative to the best score.
+// The target is TokenOracleRef's and ClusterOracleRef's.
+func BinnedTopPRef(scores []float32, fixed, p float64) (rank []int, cut int) {
 	rank = DoublePBinRanks(scores)
-	x := make([]float64, len(scores))
-	for i, s := range scores {
-		x[i] = float64(s)
+	best := math.Inf(-1)
+	for _, x := range scores {
+		best = max(best, float64(x))
 	}
-	_, cut = DoublePCutsRef(x, rank, TacticBins, DoubleP{P1: p, P2: 1})
-	return rank, cut
+	mass := make([]float64, TacticBins)
+	total := 0.0
+	for c, x := range scores {
+		if rank[c] < TacticBins {
+			w := math.Exp(float64(x) - best)
+			mass[rank[c]] += w
+			total += w
+		}
+	}
+	target := BinnedTopPTarget(total, math.Exp(fixed-best), p)
+	if total == 0 || !(target > 0) {
+		return rank, 0
+	}
+	run := 0.0
+	for b, w := range mass {
+		if run += w; run >= target {
+			return rank, b + 1
+		}
+	}
+	return rank, TacticBins
+}
+
+// BinnedTopPTarget returns the mass the clusters taken must reach for all
+// the mass taken, fixed included, to reach p of index + fixed:
+// p·index − (1 − p)·fixed (index for p = 1, however large fixed is).
+func BinnedTopPTarget(index, fixed, p float64) float64 {
+	if p >= 1 {
+		return index
+	}
+	return p*index - (1-p)*fixed
 }
 
 // ClusterLogMassRef returns every cluster's log true mass for the query q:
