@@ -3,7 +3,6 @@ package sparse
 import (
 	"fmt"
 	"math"
-	"sort"
 )
 
 // H2OSplit divides a budget of middle tokens between H2O's two parts the
@@ -149,7 +148,7 @@ func (h *H2O) Select(j, n, budget int) ([]int32, error) {
 	for t := lo; t < split; t++ {
 		cand = append(cand, int32(t))
 	}
-	sort.SliceStable(cand, func(a, b int) bool { return score(int(cand[a])) > score(int(cand[b])) })
+	sortDescending(cand, func(t int32) float64 { return score(int(t)) })
 	out = append(out, cand[:min(heavy, len(cand))]...)
 	return UnionTokens(out), nil
 }

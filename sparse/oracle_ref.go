@@ -1,9 +1,6 @@
 package sparse
 
-import (
-	"fmt"
-	"sort"
-)
+import "fmt"
 
 // The two oracles of the Tactic paper's Table 3, as selections rather than
 // counts: what an exact top-p over tokens and over whole clusters would
@@ -45,7 +42,7 @@ func TokenOracleRef(probs []float64, fixed []int32, p float64) ([]int32, error) 
 				rest = append(rest, int32(t))
 			}
 		}
-		sort.SliceStable(rest, func(a, b int) bool { return probs[rest[a]] > probs[rest[b]] })
+		sortDescending(rest, func(t int32) float64 { return probs[t] })
 		for _, t := range rest {
 			out = append(out, t)
 			got += probs[t]
@@ -104,7 +101,7 @@ func ClusterOracleRef(probs []float64, idx *ClusterIndex, fixed []int32, p float
 		for c := range order {
 			order[c] = c
 		}
-		sort.SliceStable(order, func(a, b int) bool { return mass[order[a]] > mass[order[b]] })
+		sortDescending(order, func(c int) float64 { return mass[c] })
 		for _, c := range order {
 			for _, t := range idx.Members[c] {
 				if !inF[t] {

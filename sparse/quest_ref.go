@@ -97,7 +97,7 @@ func QuestSelectRef(q []float64, pages *QuestPages, budget int) ([]int32, error)
 	for j := range order {
 		order[j] = j
 	}
-	sort.SliceStable(order, func(a, b int) bool { return u[order[a]] > u[order[b]] })
+	sortDescending(order, func(j int) float64 { return u[j] })
 	top := order[:k]
 	sort.Ints(top)
 	var out []int32

@@ -1,6 +1,7 @@
 package sparse
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 )
@@ -84,6 +85,22 @@ func UnionTokens(sets ...[]int32) []int32 {
 	}
 	slices.Sort(out)
 	return slices.Compact(out)
+}
+
+// sortDescending sorts ids by descending score, ties by ascending id (a
+// total order for scores that are not NaN, so the result does not depend
+// on the sort).
+func sortDescending[T int | int32](ids []T, score func(T) float64) {
+	slices.SortFunc(ids, func(a, b T) int {
+		sa, sb := score(a), score(b)
+		switch {
+		case sa > sb:
+			return -1
+		case sa < sb:
+			return 1
+		}
+		return cmp.Compare(a, b)
+	})
 }
 
 // checkHeads validates the query heads qs (at least one, all of one
