@@ -3,6 +3,7 @@ package sparse
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -14,7 +15,7 @@ import (
 // single-token pages (NewStreamingStep) for budgets of none, some and all
 // of the middle; over pages of 16 whose last page is short, with the
 // budget the whole pages taken hold (the fewest most recent pages holding
-// at least the budget).
+// at least the budget); and that such a step can be timed.
 func TestStreamingStepMatchesReference(t *testing.T) {
 	f := newBaselineFixture(t, 3000)
 	layout := DefaultBaselineLayout()
@@ -60,4 +61,14 @@ func TestStreamingStepMatchesReference(t *testing.T) {
 	}
 	_, err = NewStreamingSelector(f.dense, pages, -1)
 	require.Error(t, err)
+
+	// Timing a step of attention alone.
+	step, err := NewStreamingStep(f.dense, f.layer, 256)
+	require.NoError(t, err)
+	defer step.Release()
+	require.NoError(t, step.SetQuery(f.q))
+	stages, total, err := step.TimeStages(1, 2)
+	require.NoError(t, err)
+	require.Len(t, stages, 1)
+	require.Greater(t, total, time.Duration(0))
 }
