@@ -82,7 +82,7 @@ layout(std430, binding = 13) restrict writeonly buffer Out { vec4 o[]; };      /
 // APPROX = 1 only.
 layout(std430, binding = 14) restrict readonly buffer Logits { float logit[]; };  // [Hq][C]
 layout(std430, binding = 15) restrict readonly buffer Keep { uint keep[]; };      // [Hq]
-layout(std430, binding = 16) restrict readonly buffer Means { float means[]; };   // [heads][C][D]
+layout(std430, binding = 16) restrict readonly buffer Means { vec4 means[]; };    // [heads][C][D/4]
 
 layout(push_constant) uniform Push {
 	uint n;           // tokens of this sequence (GATHER: token-list stride)
@@ -422,20 +422,26 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 // (APPROX = 1): for each query head h0 + j of the block, over the clusters
 // of run a = c − (chunks − clusterChunks) that the head keeps and no head
 // of the group takes, m = max logit, l = Σ exp(logit − m) and
-// o = Σ exp(logit − m)·mean (m = −∞, l = 0, o unwritten where none).
+// o = Σ exp(logit − m)·mean (m = −∞, l = 0, o unwritten where none). The
+// clusters some head approximates are listed in lst, TILE at a time, with
+// their weights in sc; then every listed mean row is read once, a vec4
+// per thread, for all the block's heads, LA lanes of rows at a time.
 void approxChunk(uint c, uint h0, uint kvLocal) {
 	uint tid = gl_LocalInvocationID.x;
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
 	uint g = pc.kvBase + kvLocal;
 	uint c0 = (c - (gl_NumWorkGroups.x - pc.clusterChunks)) * pc.chunk;
 	uint cEnd = min(c0 + pc.chunk, pc.C);
-	const uint W = SCORE_SLOTS / GROUP;  // clusters weighed at once
-	const uint PAIRS = (GROUP * D + WG - 1) / WG;  // (head, dimension) pairs per thread
+	const uint LA = WG / D4;  // lanes of mean rows
+	const uint MU = 4;        // rows whose loads a lane has in flight
+	uint lane = tid / D4, d4 = tid % D4;
 	float m[GROUP];
 	float l[GROUP];
+	vec4 acc[GROUP];
 	[[unroll]] for (uint j = 0; j < GROUP; j++) {
 		m[j] = -1.0 / 0.0;
 		l[j] = 0.0;
+		acc[j] = vec4(0.0);
 	}
 	for (uint cl = c0 + tid; cl < cEnd; cl += WG) {
 		if (takenByGroup(g, cl)) continue;
@@ -445,41 +451,57 @@ void approxChunk(uint c, uint h0, uint kvLocal) {
 		}
 	}
 	combine(m, 0);
-	float acc[PAIRS];
-	[[unroll]] for (uint p = 0; p < PAIRS; p++) acc[p] = 0.0;
-	for (uint w0 = c0; w0 < cEnd; w0 += W) {
-		uint len = min(W, cEnd - w0);
+	for (uint w0 = c0; w0 < cEnd; w0 += TILE) {
+		uint len = min(TILE, cEnd - w0);
+		if (tid == 0) pre[0] = 0;
+		barrier();
 		for (uint i = tid; i < len; i += WG) {
 			uint cl = w0 + i;
-			bool taken = takenByGroup(g, cl);
+			if (takenByGroup(g, cl)) continue;
+			float w[GROUP];
+			bool any = false;
 			[[unroll]] for (uint j = 0; j < GROUP; j++) {
 				uint h = h0 + j;
-				float w = 0.0;
-				if (!taken && rank[h * pc.C + cl] < keep[h]) w = exp(logit[h * pc.C + cl] - m[j]);
-				sc[j * W + i] = w;
-				l[j] += w;
+				w[j] = rank[h * pc.C + cl] < keep[h] ? exp(logit[h * pc.C + cl] - m[j]) : 0.0;
+				l[j] += w[j];
+				any = any || w[j] > 0.0;
+			}
+			if (any) {
+				uint slot = atomicAdd(pre[0], 1);
+				lst[slot] = cl;
+				[[unroll]] for (uint j = 0; j < GROUP; j++) sc[j * TILE + slot] = w[j];
 			}
 		}
 		barrier();
-		[[unroll]] for (uint p = 0; p < PAIRS; p++) {
-			uint pair = tid + p * WG;
-			if (pair < GROUP * D) {
-				uint j = pair / D, dim = pair % D;
-				uint row = (g * pc.C + w0) * D + dim;
-				float sum = 0.0;
-				for (uint i = 0; i < len; i++) {
-					float w = sc[j * W + i];
-					if (w != 0.0) sum += w * means[row + i * D];
+		uint count = pre[0];
+		if (lane < LA) {
+			for (uint s0 = lane; s0 < count; s0 += MU * LA) {
+				vec4 x[MU];
+				[[unroll]] for (uint r = 0; r < MU; r++) {
+					uint slot = min(s0 + r * LA, count - 1);
+					x[r] = means[(g * pc.C + lst[slot]) * D4 + d4];
 				}
-				acc[p] += sum;
+				[[unroll]] for (uint r = 0; r < MU; r++) {
+					uint slot = s0 + r * LA;
+					if (slot < count) {
+						[[unroll]] for (uint j = 0; j < GROUP; j++) acc[j] += sc[j * TILE + slot] * x[r];
+					}
+				}
 			}
 		}
-		barrier();
+		barrier();  // the next window rewrites lst, sc and the count
 	}
 	combine(l, 1);
-	[[unroll]] for (uint p = 0; p < PAIRS; p++) {
-		uint pair = tid + p * WG;
-		if (pair < GROUP * D && l[pair / D] > 0.0) po[(base + (pair / D) * pc.maxChunks) * D + pair % D] = acc[p];
+	// Sum the lanes, one head at a time, in the score slots (4 · WG floats).
+	[[unroll]] for (uint j = 0; j < GROUP; j++) {
+		[[unroll]] for (uint k = 0; k < 4; k++) sc[4 * tid + k] = lane < LA ? acc[j][k] : 0.0;
+		barrier();
+		for (uint i = tid; i < D && l[j] > 0.0; i += WG) {
+			float sum = 0.0;
+			for (uint ln = 0; ln < LA; ln++) sum += sc[4 * (ln * D4 + i / 4) + i % 4];
+			po[(base + j * pc.maxChunks) * D + i] = sum;
+		}
+		barrier();
 	}
 	if (tid < GROUP) pml[base + tid * pc.maxChunks] = vec2(l[tid] > 0.0 ? m[tid] : -1.0 / 0.0, l[tid]);
 }

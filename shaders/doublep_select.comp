@@ -36,6 +36,7 @@ const uint LANES = 8;          // threads per centroid
 const uint ROWS = WG / LANES;  // centroids per workgroup
 const uint HP = HB >= 4 ? 4 : (HB >= 2 ? 2 : 1);  // heads cut side by side
 const uint T = WG / HP;        // threads per head in the cuts
+const uint BATCH = 8;          // logits a thread loads at once in the cuts
 const uint SCRATCH = HB * ROWS * LANES > HP * NB ? HB * ROWS * LANES : HP * NB;
 const float NEG = -1.0 / 0.0;
 
@@ -168,16 +169,30 @@ void main() {
 		barrier();
 
 		if (cutting) {
-			for (uint cl = lt; cl < pc.C; cl += T) {
-				float l = s[sb + cl];
-				uint b = NB;
-				if (l != NEG) {
-					b = min(NB - 1, uint(floor((m - l) * u)));
-					float term = min(exp(l - (m - float(b) / u)), 1.0);
-					atomicAdd(scratch[st + b], uint(term * pc.quant));
+			// BATCH logits loaded at once, all in flight together. A thread
+			// adds up its run of clusters in one bin before one atomic: most
+			// clusters fall in few bins.
+			uint runBin = NB, runSum = 0;
+			for (uint c0 = lt; c0 < pc.C; c0 += T * BATCH) {
+				float lv[BATCH];
+				[[unroll]] for (uint i = 0; i < BATCH; i++) lv[i] = s[sb + min(c0 + i * T, pc.C - 1)];
+				[[unroll]] for (uint i = 0; i < BATCH; i++) {
+					uint cl = c0 + i * T;
+					if (cl >= pc.C) break;
+					uint b = NB;
+					if (lv[i] != NEG) {
+						b = min(NB - 1, uint(floor((m - lv[i]) * u)));
+						if (b != runBin) {
+							if (runSum != 0) atomicAdd(scratch[st + runBin], runSum);
+							runBin = b;
+							runSum = 0;
+						}
+						runSum += uint(min(exp(lv[i] - (m - float(b) / u)), 1.0) * pc.quant);
+					}
+					binOf[sb + cl] = b;
 				}
-				binOf[sb + cl] = b;
 			}
+			if (runSum != 0) atomicAdd(scratch[st + runBin], runSum);
 		}
 		barrier();
 

@@ -32,6 +32,8 @@ commands:
             stage times, speed-up, fidelity ("vkbench tactic -h" for flags)
   fidelity  how well Tactic's selection reaches the target mass, by the
             float64 reference on the CPU ("vkbench fidelity -h" for flags)
+  compare   every policy on the same layer: step times beside dense
+            attention ("vkbench compare -h" for flags)
 
 global flags:
   -progress auto|always|never
@@ -66,6 +68,8 @@ func main() {
 		err = tactic(args[1:])
 	case "fidelity":
 		err = fidelity(args[1:])
+	case "compare":
+		err = compare(args[1:])
 	case "help":
 		fmt.Print(usage)
 		return

@@ -1,0 +1,285 @@
+package evaluate
+
+import (
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/sparse"
+	"github.com/vksparse/vksparse/trace"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// Stepper is a decode step of any policy on the GPU (sparse.Step,
+// sparse.TacticStep).
+type Stepper interface {
+	SetQuery(q []float32) error
+	Time(warmup, reps int) ([]time.Duration, error)
+	TimeStages(warmup, reps int) ([]time.Duration, time.Duration, error)
+	Stages() []string
+	Output() *vk.Buffer
+	Release() error
+}
+
+// Layers is what a policy's step is made over: one sequence's cache in
+// cluster order with its K-means index, the same tokens in positional
+// order (for page and token policies), and the dense kernels.
+type Layers struct {
+	Dense      *sparse.Dense
+	Ordered    *kvcache.Layer
+	Clusters   *kvcache.Clusters
+	Positional *kvcache.Layer
+	Sinks      int // tokens before the index
+	Recent     int // tokens after it
+	// Budget is the tokens a fixed-budget policy attends beside the sinks
+	// and the recent window: the exactly attended tokens of the first
+	// adaptive policy run, mean over KV heads.
+	Budget int
+}
+
+// Policy names a decode policy and makes its step.
+type Policy struct {
+	Name string
+	// Adaptive policies set the budget of the fixed-budget ones.
+	Adaptive bool
+	Make     func(l *Layers) (Stepper, error)
+	// Ranks, if set, reads the last step's cluster ranks [Hq][C] and cuts
+	// [Hq] (a KV head attends the clusters some head ranks below its cut).
+	Ranks func(s Stepper) (ranks, cuts []int, err error)
+}
+
+// StepRun is one policy's decode step on the GPU over a trace's tokens:
+// medians of GPU times (timestamps) against dense attention from the same
+// run, and its output against dense attention's.
+type StepRun struct {
+	Source     string             `json:"source"`
+	Policy     string             `json:"policy"`
+	Tokens     int                `json:"tokens"`
+	Dispatches int                `json:"dependent_dispatches"`
+	StepUs     float64            `json:"step_us"`
+	StageUs    map[string]float64 `json:"stage_us"`
+	DenseUs    float64            `json:"dense_us"`
+	DenseGBps  float64            `json:"dense_gb_per_s"`
+	Speedup    float64            `json:"speedup"`
+	Budget     int                `json:"budget_tokens,omitempty"`
+	// ExactPct is the tokens attended exactly, % of all, mean over KV
+	// heads (where the policy reports them).
+	ExactPct float64 `json:"exact_pct,omitempty"`
+	// RelErr is ‖o − o_dense‖/‖o_dense‖ per query head, mean over heads,
+	// both outputs from the GPU for the trace's last query.
+	RelErr float64 `json:"mean_rel_err"`
+}
+
+// Steps times each policy's step over all of a trace's tokens for its last
+// query (the first Sinks tokens and the last Recent outside the K-means
+// index, clustered in spans of sparse.KMeansDefaultSpan) beside dense
+// attention (kernels built with opts). progress, if not nil, is told each policy before it runs.
+func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, policies []Policy, sinks, recent, reps int, seed uint64, progress func(name string)) ([]StepRun, error) {
+	heads := sparse.Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
+	n := t.Tokens
+	if reps <= 0 || n <= sinks+recent+1 {
+		return nil, fmt.Errorf("evaluate: Steps: %d tokens with %d sinks and %d recent, %d timed runs", n, sinks, recent, reps)
+	}
+	dense, err := sparse.NewDenseWith(dev, heads, opts)
+	if err != nil {
+		return nil, err
+	}
+	defer dense.Release()
+	l := &Layers{Dense: dense, Sinks: sinks, Recent: recent}
+	for _, x := range []**kvcache.Layer{&l.Ordered, &l.Positional} {
+		if *x, err = kvcache.NewLayer(dev, heads.KV, heads.Dim, n); err != nil {
+			return nil, err
+		}
+		defer (*x).Release()
+		if err := (*x).Prefill(t.K, t.V, n); err != nil {
+			return nil, err
+		}
+	}
+	km, err := sparse.NewKMeans(dev, heads.KV, heads.Dim)
+	if err != nil {
+		return nil, err
+	}
+	defer km.Release()
+	if l.Clusters, err = km.Cluster(l.Ordered, sinks, n-sinks-recent, sparse.KMeansOptions{Seed: seed, Span: sparse.KMeansDefaultSpan}); err != nil {
+		return nil, err
+	}
+	defer l.Clusters.Release()
+	if err := l.Ordered.Reorder(l.Clusters); err != nil {
+		return nil, err
+	}
+	q := t.Query(t.Queries() - 1)
+
+	plan, err := dense.Plan([]*kvcache.Layer{l.Positional})
+	if err != nil {
+		return nil, err
+	}
+	defer plan.Release()
+	ref, err := plan.Attend(q)
+	if err != nil {
+		return nil, err
+	}
+	// Keep the GPU busy a while so that its clocks have risen.
+	for spin := time.Now(); time.Since(spin) < time.Second; {
+		if _, err := plan.Time(0, 20); err != nil {
+			return nil, err
+		}
+	}
+	times, err := plan.Time(10, reps)
+	if err != nil {
+		return nil, err
+	}
+	denseUs := micros(times[len(times)/2])
+	kvBytes := float64(2 * n * heads.KV * heads.Dim * 2)
+
+	var out []StepRun
+	for _, p := range policies {
+		if progress != nil {
+			progress(p.Name)
+		}
+		r, err := timeStep(dev, l, p, q, ref, reps)
+		if err != nil {
+			return nil, fmt.Errorf("evaluate: %s: %w", p.Name, err)
+		}
+		r.Policy, r.Tokens, r.DenseUs, r.Speedup = p.Name, n, denseUs, denseUs/r.StepUs
+		r.DenseGBps = kvBytes / denseUs / 1e3
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+// timeStep makes, checks and times one policy's step.
+func timeStep(dev *vk.Device, l *Layers, p Policy, q []float32, ref []float32, reps int) (StepRun, error) {
+	var r StepRun
+	step, err := p.Make(l)
+	if err != nil {
+		return r, err
+	}
+	defer step.Release()
+	if err := step.SetQuery(q); err != nil {
+		return r, err
+	}
+	if _, err := step.Time(0, 1); err != nil {
+		return r, err
+	}
+	got := make([]float32, len(q))
+	if err := step.Output().ReadFloat32(0, got); err != nil {
+		return r, err
+	}
+	d := l.Dense.Heads().Dim
+	for h := 0; h*d < len(q); h++ {
+		var num, den float64
+		for i := h * d; i < (h+1)*d; i++ {
+			diff := float64(got[i]) - float64(ref[i])
+			num += diff * diff
+			den += float64(ref[i]) * float64(ref[i])
+		}
+		r.RelErr += math.Sqrt(num/math.Max(den, 1e-300)) / float64(len(q)/d)
+	}
+	for spin := time.Now(); time.Since(spin) < 300*time.Millisecond; {
+		if _, err := step.Time(0, 20); err != nil {
+			return r, err
+		}
+	}
+	stages, _, err := step.TimeStages(10, reps)
+	if err != nil {
+		return r, err
+	}
+	r.StageUs = map[string]float64{}
+	for i, s := range step.Stages() {
+		r.StageUs[s] = micros(stages[i])
+	}
+	r.Dispatches = len(stages)
+	times, err := step.Time(10, reps)
+	if err != nil {
+		return r, err
+	}
+	r.StepUs = micros(times[len(times)/2])
+	r.Budget = l.Budget
+	if p.Ranks != nil {
+		ranks, cuts, err := p.Ranks(step)
+		if err != nil {
+			return r, err
+		}
+		tokens, err := exactTokens(l, ranks, cuts)
+		if err != nil {
+			return r, err
+		}
+		r.ExactPct = 100 * tokens / float64(l.Ordered.Len())
+		if p.Adaptive && l.Budget == 0 {
+			l.Budget = int(tokens) - l.Sinks - l.Recent
+		}
+	}
+	return r, nil
+}
+
+// exactTokens returns the tokens a KV head attends, mean over KV heads:
+// those outside the index and the members of every cluster some query
+// head of its group ranks below its cut.
+func exactTokens(l *Layers, ranks, cuts []int) (float64, error) {
+	h, x := l.Dense.Heads(), l.Clusters
+	total := 0
+	for g := 0; g < h.KV; g++ {
+		hc, err := x.Read(g)
+		if err != nil {
+			return 0, err
+		}
+		total += l.Ordered.Len() - x.Count
+		for c, m := range hc.Members {
+			for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
+				if ranks[hh*x.C+c] < cuts[hh] {
+					total += len(m)
+					break
+				}
+			}
+		}
+	}
+	return float64(total) / float64(h.KV), nil
+}
+
+func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
+
+// DefaultPolicies returns the policies `vkbench compare` runs on the GPU:
+// Tactic at each P (default fit) and Double-P with its default targets.
+func DefaultPolicies(ps []float64) []Policy {
+	var out []Policy
+	out = append(out, doubleP("double-p", sparse.DefaultDoubleP()))
+	for _, p := range ps {
+		out = append(out, Policy{Name: fmt.Sprintf("tactic P=%v", p), Adaptive: true, Make: func(l *Layers) (Stepper, error) {
+			return sparse.NewTacticStep(l.Dense, l.Ordered, l.Clusters, p, sparse.DefaultTacticFit())
+		}, Ranks: func(s Stepper) ([]int, []int, error) {
+			t := s.(*sparse.TacticStep)
+			ranks, err := t.BinsOf()
+			if err != nil {
+				return nil, nil, err
+			}
+			cuts, err := t.Cuts()
+			return ranks, cuts, err
+		}})
+	}
+	return out
+}
+
+// doubleP is Double-P with targets opts.
+func doubleP(name string, opts sparse.DoubleP) Policy {
+	return Policy{Name: name, Adaptive: true, Make: func(l *Layers) (Stepper, error) {
+		return sparse.NewDoublePStep(l.Dense, l.Ordered, l.Clusters, opts)
+	}, Ranks: func(s Stepper) ([]int, []int, error) {
+		sel := s.(*sparse.Step).Selector().(*sparse.DoublePSelector)
+		ranks, err := sel.Bins()
+		if err != nil {
+			return nil, nil, err
+		}
+		exact, _, err := sel.Cuts()
+		return ranks, exact, err
+	}}
+}
+
+// DoublePVariants returns Double-P at other targets, named by them.
+func DoublePVariants(targets []sparse.DoubleP) []Policy {
+	var out []Policy
+	for _, o := range targets {
+		out = append(out, doubleP(fmt.Sprintf("double-p %v/%v", o.P1, o.P2), o))
+	}
+	return out
+}
