@@ -26,16 +26,29 @@ type StreamingSelector struct {
 
 // NewStreamingStep prepares StreamingLLM steps over layer with a budget
 // of budget middle tokens, in the layout of DefaultBaselineLayout at the
-// layer's current length: the middle in single-token pages (the step owns
-// that index), so that the step attends the sinks, the last budget tokens
-// of the middle and every token after it (the window, then the tokens
-// appended later).
+// layer's current length: the step attends the sinks, the last budget
+// tokens of the middle and every token after it (the window, then the
+// tokens appended later). The middle tokens it drops form one page that
+// no head takes (the step owns that index), so attention reads only the
+// tokens it keeps, with nothing to scan; when the budget covers the
+// middle, the page is the whole middle and every head takes it.
 func NewStreamingStep(dense *Dense, layer *kvcache.Layer, budget int) (*Step, error) {
-	pages, err := baselinePages(dense, layer, 1)
+	if budget < 0 {
+		return nil, fmt.Errorf("sparse: StreamingLLM budget %d is negative", budget)
+	}
+	lo, hi := DefaultBaselineLayout().Middle(layer.Len())
+	if hi <= lo {
+		return nil, fmt.Errorf("sparse: no middle tokens in %d (%d sinks, a window of %d)", layer.Len(), BaselineSinks, BaselineWindow)
+	}
+	drop, keep := hi-lo-budget, 0
+	if drop <= 0 {
+		drop, keep = hi-lo, budget
+	}
+	pages, err := kvcache.NewPages(dense.dev, layer.KVHeads(), layer.HeadDim(), lo, drop, drop)
 	if err != nil {
 		return nil, err
 	}
-	sel, err := NewStreamingSelector(dense, pages, budget)
+	sel, err := NewStreamingSelector(dense, pages, keep)
 	if err != nil {
 		return nil, errors.Join(err, pages.Release())
 	}
