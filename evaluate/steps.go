@@ -240,7 +240,10 @@ func exactTokens(l *Layers, ranks, cuts []int) (float64, error) {
 func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
 // DefaultPolicies returns the policies `vkbench compare` runs on the GPU:
-// Tactic at each P (default fit) and Double-P with its default targets.
+// Double-P with its default targets (whose exactly attended tokens set the
+// fixed budgets), Tactic at each P (default fit), the oracle taking
+// clusters by true mass at each P, and Quest and StreamingLLM at
+// Double-P's budget.
 func DefaultPolicies(ps []float64) []Policy {
 	var out []Policy
 	out = append(out, doubleP("double-p", sparse.DefaultDoubleP()))
@@ -257,6 +260,16 @@ func DefaultPolicies(ps []float64) []Policy {
 			return ranks, cuts, err
 		}})
 	}
+	for _, p := range ps {
+		out = append(out, Policy{Name: fmt.Sprintf("cluster oracle P=%v", p), Make: func(l *Layers) (Stepper, error) {
+			return sparse.NewClusterOracleStep(l.Dense, l.Ordered, l.Clusters, p)
+		}})
+	}
+	out = append(out, Policy{Name: "quest", Make: func(l *Layers) (Stepper, error) {
+		return sparse.NewQuestStep(l.Dense, l.Positional, l.Budget)
+	}}, Policy{Name: "streaming", Make: func(l *Layers) (Stepper, error) {
+		return sparse.NewStreamingStep(l.Dense, l.Positional, l.Budget)
+	}})
 	return out
 }
 
