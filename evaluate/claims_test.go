@@ -2,7 +2,6 @@ package evaluate
 
 import (
 	"fmt"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -19,9 +18,10 @@ var claimsP = []float64{0.5, 0.7, 0.9, 0.95}
 // token counts, up to beyond what Double-P attends at P1 = 0.95.
 var claimsTacticCurve = []float64{0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.96, 0.97, 0.98, 0.99}
 
-// claimsErrExceptions lists, per layer, the target masses at which claim
-// 2 of TestClaimsMatchedBudgets does not hold on the real traces.
-var claimsErrExceptions = map[string][]float64{"L4": {0.5, 0.7}}
+// claimsErrFrom is the least P1 at which claim 2 of
+// TestClaimsMatchedBudgets is asserted: the Double-P paper's targets (0.95
+// for Llama-3.1-8B, 0.99 for Qwen-3-8B) and 0.9; below, it is logged.
+const claimsErrFrom = 0.9
 
 // interpolateErr returns the relative error of a curve (in ascending
 // order of union size) at union size x, linear between its points; below
@@ -64,15 +64,14 @@ func interpolateErr(curve []PolicyResult, x float64) (err float64, ok bool) {
 //     interpolation of a convex falling curve and leaving the
 //     pseudo-tokens out both favour Double-P slightly.
 //
-// Claim 2 does not hold on layer 4 at P1 = 0.5 and 0.7
-// (claimsErrExceptions): there Double-P's error is 4 % and 1 % above
+// Claim 2 is asserted from P1 = 0.9 (claimsErrFrom) and logged below: on
+// layer 4 at P1 = 0.5 and 0.7 Double-P's error is 4 % and 1 % above
 // Tactic's at the same tokens (0.0407 against 0.0390 at 317 tokens, 0.0288
 // against 0.0286 at 504). In that sharply peaked layer the 4 sinks and
 // the 64 recent tokens hold about 91 % of the mass, and at these targets the
 // clusters Double-P ranks by size-weighted logits attend no better than
 // Tactic's; from P1 = 0.9 (its own setting is 0.95) its error is 15–17 %
-// below Tactic's, and on layer 1 22–68 % below at every P. Those cases are
-// logged, not failed; any other failure fails the test.
+// below Tactic's, and on layer 1 22–68 % below at every P.
 func TestClaimsMatchedBudgets(t *testing.T) {
 	if testing.Short() {
 		t.Skip("compares every policy on two real layers (about 40 s on 2 cores); skipped in -short mode")
@@ -122,14 +121,11 @@ func TestClaimsMatchedBudgets(t *testing.T) {
 			}
 			row("%s P=%.2f doublep union %7.1f (+%.1f pseudo-tokens per head): relerr %.4f, Tactic at %.1f tokens %.4f (ratio %.2f)",
 				name, r.P, dp.Union, dp.Approximated, dp.RelErr, dp.Union, tacticErr, dp.RelErr/tacticErr)
-			known := slices.Contains(claimsErrExceptions[name], r.P)
 			switch {
-			case dp.RelErr >= tacticErr && known:
-				row("%s P=%.2f   claim 2 does not hold (a known exception)", name, r.P)
+			case dp.RelErr >= tacticErr && r.P < claimsErrFrom:
+				row("%s P=%.2f   claim 2 does not hold below the papers' targets (logged)", name, r.P)
 			case dp.RelErr >= tacticErr:
 				failures = append(failures, failure{name, fmt.Sprintf("P=%.2f: Double-P relerr %.4f ≥ Tactic's %.4f at %.1f tokens", r.P, dp.RelErr, tacticErr, dp.Union)})
-			case known:
-				row("%s P=%.2f   claim 2 holds, though listed as an exception: remove it from claimsErrExceptions", name, r.P)
 			}
 		}
 		for _, c := range curve {
