@@ -1,10 +1,15 @@
 package main
 
 import (
+	"cmp"
 	"flag"
 	"fmt"
+	"io"
 	"os"
+	"path/filepath"
+	"slices"
 	"sort"
+	"strconv"
 	"strings"
 
 	"github.com/vksparse/vksparse/evaluate"
@@ -22,7 +27,7 @@ type compareRow struct {
 func compare(args []string) error {
 	fs := flag.NewFlagSet("compare", flag.ExitOnError)
 	ns := fs.String("n", "32768", "context lengths of the generated workload (comma-separated)")
-	ps := fs.String("p", "0.9", "Tactic's target masses (comma-separated)")
+	ps := fs.String("p", "0.9", "target masses P: Tactic's on the GPU, every policy's in the fidelity comparison (comma-separated)")
 	tracePath := fs.String("trace", "", "a trace file to run instead of the generated workload")
 	qHeads := fs.Int("heads", 32, "query heads (generated workload)")
 	kvHeads := fs.Int("kv-heads", 8, "KV heads (generated workload)")
@@ -35,10 +40,35 @@ func compare(args []string) error {
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	chunk := fs.Int("cluster-chunk", 0, "clusters per workgroup of attention over clusters (0: chosen from the sizes)")
 	variants := fs.String("double-p", "", "Double-P at other targets beside the default, as p1/p2 pairs (comma-separated)")
+	fid := &autoBool{}
+	fs.Var(fid, "fidelity", fmt.Sprintf("also compare every policy's fidelity at matched budgets by the float64 reference on the CPU (evaluate.Compare) at each -p; default: on for a trace and for generated layers of N ≤ %d, -fidelity=false to skip", fidelityAutoTokens))
+	queries := fs.Int("queries", 8, "decode queries the fidelity comparison evaluates: the last (up to) this many of the layer's consecutive tail, the earlier ones observed by H2O as its prompt (0: the whole tail); 8, a generated layer's whole tail, takes about 1 minute at N = 131072 on 2 cores for one P, 2 for four")
+	p2 := fs.Float64("double-p2", sparse.DefaultDoubleP().P2, "Double-P's P2 in the fidelity comparison (its P1 is each -p)")
+	span := fs.Int("span", sparse.KMeansDefaultSpan, "K-means within spans of this many tokens in the fidelity comparison, as on the GPU (0: the whole prefill, the Tactic paper's clustering, far slower)")
+	plotPath := fs.String("plot", "", "draw the fidelity comparison's mass reached against tokens attended, one curve per policy, into this PNG file")
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), "usage: vkbench compare [flags]\n\nTimes every policy's decode step on the GPU beside dense attention, then\ncompares their fidelity at matched budgets by the float64 reference (CPU).\n\n")
+		fs.PrintDefaults()
+	}
 	fs.Parse(args)
+	if fs.NArg() > 0 {
+		return fmt.Errorf("compare: unexpected arguments %q", fs.Args())
+	}
 	pList, err := floats(*ps)
 	if err != nil {
 		return fmt.Errorf("-p: %v", err)
+	}
+	if *queries < 0 {
+		return fmt.Errorf("-queries: %d is negative", *queries)
+	}
+	if *span < 0 {
+		return fmt.Errorf("-span: %d is negative", *span)
+	}
+	copts := evaluate.DefaultCompareOptions()
+	copts.P, copts.DoubleP2, copts.KMeansSpan = pList, *p2, *span
+	copts.Sinks, copts.Window, copts.Seed = *sinks, *recent, uint64(*seed)
+	if err := copts.Validate(); err != nil {
+		return err
 	}
 	var traces []*trace.Trace
 	var names []string
@@ -47,7 +77,7 @@ func compare(args []string) error {
 		if err != nil {
 			return err
 		}
-		traces, names = append(traces, t), append(names, *tracePath)
+		traces, names = append(traces, t), append(names, filepath.Base(*tracePath))
 	} else {
 		nList, err := ints(*ns)
 		if err != nil {
@@ -96,6 +126,53 @@ func compare(args []string) error {
 		}
 	}
 	prog.finish()
+	printSteps(rows)
+
+	out := compareReport{Steps: rows, Fidelity: []compareFidelity{}}
+	for i, t := range traces {
+		if !fid.on(*tracePath != "", t.Tokens) {
+			continue
+		}
+		o := copts
+		o.Queries = lastQueries(t, *queries)
+		p := &progress{}
+		what := fmt.Sprintf("fidelity %s: %d queries", names[i], len(o.Queries))
+		o.Progress = func(_, total int) { p.total = total; p.step(what) }
+		c, err := evaluate.Compare(t, o)
+		p.finish()
+		if err != nil {
+			return err
+		}
+		out.Fidelity = append(out.Fidelity, compareFidelity{Source: names[i], Comparison: c})
+	}
+	if len(out.Fidelity) > 0 {
+		fmt.Println()
+		printFidelity(os.Stdout, out.Fidelity)
+		for _, f := range out.Fidelity {
+			for _, r := range f.Results {
+				for _, pr := range r.Policies {
+					if pr.BoundApplies && pr.BoundWorst > 1 {
+						fmt.Fprintf(os.Stderr, "vkbench: %s P=%g %s: output error exceeds the bound 2(1 − p(I))·max‖v‖ (worst ratio %.3g)\n", f.Source, r.P, policyLabel(pr), pr.BoundWorst)
+					}
+				}
+			}
+		}
+	}
+	if *plotPath != "" {
+		if len(out.Fidelity) == 0 {
+			fmt.Fprintln(os.Stderr, "vkbench: -plot: no fidelity comparison ran, no plot drawn")
+		} else if err := plotCompare(*plotPath, out.Fidelity); err != nil {
+			return err
+		}
+	}
+	if *jsonPath != "" {
+		return writeJSON(*jsonPath, "compare "+strings.Join(args, " "), dev.Info(), out)
+	}
+	return nil
+}
+
+// printSteps prints the GPU table of `vkbench compare`.
+func printSteps(rows []compareRow) {
 	var cells [][]string
 	for _, r := range rows {
 		var stages []string
@@ -111,8 +188,132 @@ func compare(args []string) error {
 			fmt.Sprint(r.Dispatches), fmt.Sprintf("%.1f", r.ExactPct), fmt.Sprintf("%.1e", r.RelErr), st})
 	}
 	table(os.Stdout, []string{"source", "policy", "dense µs", "dense GB/s", "step µs", "speed-up", "dispatches", "exact %", "rel err", "stages µs"}, cells)
-	if *jsonPath != "" {
-		return writeJSON(*jsonPath, "compare "+fmt.Sprint(args), dev.Info(), rows)
+}
+
+// fidelityAutoTokens is the largest generated layer the fidelity
+// comparison runs on unless -fidelity says otherwise.
+const fidelityAutoTokens = 131072
+
+// autoBool is a boolean flag that remembers whether it was given: unset,
+// the command decides.
+type autoBool struct{ set, value bool }
+
+func (b *autoBool) String() string {
+	if b == nil || !b.set {
+		return "auto"
 	}
+	return strconv.FormatBool(b.value)
+}
+
+func (b *autoBool) Set(s string) error {
+	v, err := strconv.ParseBool(s)
+	if err != nil {
+		return fmt.Errorf("%q is not true or false", s)
+	}
+	b.set, b.value = true, v
 	return nil
+}
+
+func (b *autoBool) IsBoolFlag() bool { return true }
+
+// on says whether the fidelity comparison runs on a layer of tokens
+// tokens, read from a trace or generated.
+func (b *autoBool) on(fromTrace bool, tokens int) bool {
+	if b.set {
+		return b.value
+	}
+	return fromTrace || tokens <= fidelityAutoTokens
+}
+
+// lastQueries returns the last k of the trace's consecutive tail queries
+// (evaluate.TailQueries), all of them when k is 0 or exceeds them.
+func lastQueries(t *trace.Trace, k int) []int {
+	tail := evaluate.TailQueries(t)
+	if k == 0 || k > len(tail) {
+		return tail
+	}
+	return tail[len(tail)-k:]
+}
+
+// compareReport is what `vkbench compare -json` writes under results.
+type compareReport struct {
+	// Steps are the GPU rows.
+	Steps []compareRow `json:"steps"`
+	// Fidelity holds the float64 comparison of each layer it ran on.
+	Fidelity []compareFidelity `json:"fidelity"`
+}
+
+// compareFidelity is evaluate.Compare's result on one layer.
+type compareFidelity struct {
+	Source string `json:"source"`
+	*evaluate.Comparison
+}
+
+// policyLabel names a policy's entry: a fixed-budget policy with the
+// adaptive policy whose budget it was given.
+func policyLabel(r evaluate.PolicyResult) string {
+	if r.BudgetFrom == "" {
+		return r.Policy
+	}
+	return fmt.Sprintf("%s (%s budget)", r.Policy, r.BudgetFrom)
+}
+
+// printFidelity prints the fidelity comparison: a line per layer on what
+// was evaluated, then one row per (layer, P, policy, budget source).
+func printFidelity(w io.Writer, fids []compareFidelity) {
+	var cells [][]string
+	for _, f := range fids {
+		o := f.Options
+		fmt.Fprintf(w, "fidelity at matched budgets, float64 reference: %s, N = %d, %d queries × %d heads, prefill %d, K-means span %d, Double-P P2 = %g\n",
+			f.Source, f.Tokens, len(o.Queries), f.QHeads, o.Prefill, o.KMeansSpan, o.DoubleP2)
+		for _, r := range f.Results {
+			for _, pr := range r.Policies {
+				budget, bound := "—", "—"
+				if pr.BudgetFrom != "" {
+					budget = fmt.Sprintf("%s %.0f", pr.BudgetFrom, pr.Budget)
+				}
+				if pr.BoundApplies {
+					bound = fmt.Sprintf("%.3f", pr.BoundWorst)
+				}
+				cells = append(cells, []string{f.Source, fmt.Sprint(r.P), pr.Policy, budget, fmt.Sprintf("%.1f", pr.Union), fmt.Sprintf("%.2f%%", 100*pr.UnionFrac),
+					fmt.Sprintf("%.3f", pr.Mass), fmt.Sprintf("%.3f", pr.Covered), fmt.Sprintf("%.1f%%", 100*pr.SuccessRate),
+					fmt.Sprintf("%.2e", pr.RelErr), fmt.Sprintf("%.2e", pr.MaxRelErr), bound})
+			}
+		}
+	}
+	table(w, []string{"source", "P", "policy", "budget from", "tokens", "% of N", "mass", "covered", "success", "rel err", "max rel err", "bound"}, cells)
+}
+
+// fidelityCurve is one policy's mass reached against tokens attended: a
+// point per P, in ascending order of tokens.
+type fidelityCurve struct {
+	Name   string
+	Points []fidelityPoint
+}
+
+// fidelityPoint is a policy's figures at one P: the tokens its KV heads
+// attend exactly (% of the tokens a query could attend) and the mass its
+// output accounts for (Double-P's approximated clusters included).
+type fidelityPoint struct {
+	P, TokensPct, Mass float64
+}
+
+// fidelityCurves returns a curve per policy and budget source, in the
+// order Compare reports them.
+func fidelityCurves(c *evaluate.Comparison) []fidelityCurve {
+	if len(c.Results) == 0 {
+		return nil
+	}
+	var out []fidelityCurve
+	for _, e := range c.Results[0].Policies {
+		fc := fidelityCurve{Name: policyLabel(e)}
+		for i := range c.Results {
+			if r := c.Results[i].Policy(e.Policy, e.BudgetFrom); r != nil {
+				fc.Points = append(fc.Points, fidelityPoint{P: c.Results[i].P, TokensPct: 100 * r.UnionFrac, Mass: r.Covered})
+			}
+		}
+		slices.SortStableFunc(fc.Points, func(a, b fidelityPoint) int { return cmp.Compare(a.TokensPct, b.TokensPct) })
+		out = append(out, fc)
+	}
+	return out
 }

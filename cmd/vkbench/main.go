@@ -6,6 +6,7 @@
 //	vkbench cluster [flags]         time K-means clustering of a layer
 //	vkbench tactic [flags]          Tactic decode steps on the GPU: times and fidelity
 //	vkbench fidelity [flags]        Tactic's selection by the float64 reference (CPU)
+//	vkbench compare [flags]         every policy: GPU step times, then fidelity at matched budgets
 //
 // The global flag -progress=auto|always|never (before the command) says
 // whether to draw progress lines on stderr; auto, the default, draws them
@@ -33,7 +34,9 @@ commands:
   fidelity  how well Tactic's selection reaches the target mass, by the
             float64 reference on the CPU ("vkbench fidelity -h" for flags)
   compare   every policy on the same layer: step times beside dense
-            attention ("vkbench compare -h" for flags)
+            attention on the GPU, then fidelity at matched budgets by the
+            float64 reference on the CPU: tokens, mass, success, error
+            ("vkbench compare -h" for flags)
 
 global flags:
   -progress auto|always|never

@@ -2,8 +2,10 @@ package main
 
 import (
 	"fmt"
+	"math"
 	"os"
 	"slices"
+	"strconv"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
@@ -114,10 +116,27 @@ func plotSteps(path string, rows []stepRow) error {
 	if err := plotutil.AddLinePoints(tokens, tk...); err != nil {
 		return err
 	}
-	img := vgimg.New(12*vg.Inch, 5*vg.Inch)
-	canvases := plot.Align([][]*plot.Plot{{speed, tokens}}, draw.Tiles{Rows: 1, Cols: 2, PadX: vg.Inch / 4}, draw.New(img))
-	speed.Draw(canvases[0][0])
-	tokens.Draw(canvases[0][1])
+	return savePanels(path, []*plot.Plot{speed, tokens}, 12*vg.Inch, 5*vg.Inch)
+}
+
+// savePanels draws plots side by side, their axes aligned, into a PNG
+// file of the given size.
+func savePanels(path string, panels []*plot.Plot, width, height vg.Length) error {
+	img := vgimg.New(width, height)
+	drawPanels(draw.New(img), panels)
+	return savePNG(path, img)
+}
+
+// drawPanels draws plots side by side on c, their axes aligned.
+func drawPanels(c draw.Canvas, panels []*plot.Plot) {
+	canvases := plot.Align([][]*plot.Plot{panels}, draw.Tiles{Rows: 1, Cols: len(panels), PadX: vg.Inch / 4}, c)
+	for i, p := range panels {
+		p.Draw(canvases[0][i])
+	}
+}
+
+// savePNG writes img to a PNG file.
+func savePNG(path string, img *vgimg.Canvas) error {
 	f, err := os.Create(path)
 	if err != nil {
 		return err
@@ -127,4 +146,67 @@ func plotSteps(path string, rows []stepRow) error {
 		return err
 	}
 	return f.Close()
+}
+
+// plotCompare draws, for each layer of the fidelity comparison, the mass
+// every policy reaches against the tokens it attends exactly (% of N, on a
+// log scale): one curve per policy and budget source, a point per P. The
+// panels share one legend, on their right.
+func plotCompare(path string, fids []compareFidelity) error {
+	var panels []*plot.Plot
+	var legend plot.Legend
+	for i, f := range fids {
+		p := plot.New()
+		p.Title.Text = fmt.Sprintf("%s, N = %d", f.Source, f.Tokens)
+		p.X.Label.Text, p.Y.Label.Text = "tokens attended exactly (% of N)", "attention mass reached"
+		p.X.Scale, p.X.Tick.Marker = plot.LogScale{}, plot.TickerFunc(logTicks125)
+		var series []any
+		for _, c := range fidelityCurves(f.Comparison) {
+			xy := make(plotter.XYs, len(c.Points))
+			for i, pt := range c.Points {
+				xy[i] = plotter.XY{X: pt.TokensPct, Y: pt.Mass}
+			}
+			series = append(series, c.Name, xy)
+		}
+		if err := plotutil.AddLinePoints(p, series...); err != nil {
+			return err
+		}
+		if i == 0 {
+			legend = p.Legend
+			legend.Top, legend.Left = true, true
+		}
+		p.Legend = plot.NewLegend()
+		panels = append(panels, p)
+	}
+	if len(panels) == 0 {
+		return fmt.Errorf("plot: no fidelity comparison to draw")
+	}
+	legendWidth := 2.5 * vg.Inch
+	img := vgimg.New(vg.Length(len(panels))*6*vg.Inch+legendWidth, 5*vg.Inch)
+	c := draw.New(img)
+	drawPanels(draw.Crop(c, 0, -legendWidth, 0, 0), panels)
+	legend.Draw(draw.Crop(c, c.Max.X-c.Min.X-legendWidth+vg.Inch/4, 0, 0, -vg.Inch/2))
+	return savePNG(path, img)
+}
+
+// logTicks125 places ticks for a log axis over [min, max] (min > 0): a
+// label at 1, 2 and 5 times each power of ten, unlabelled ticks at the
+// other integers times it.
+func logTicks125(min, max float64) []plot.Tick {
+	var ticks []plot.Tick
+	for e := math.Floor(math.Log10(min)); math.Pow(10, e) <= max; e++ {
+		base := math.Pow(10, e)
+		for m := 1; m <= 9; m++ {
+			v := float64(m) * base
+			if v < min || v > max {
+				continue
+			}
+			t := plot.Tick{Value: v}
+			if m == 1 || m == 2 || m == 5 {
+				t.Label = strconv.FormatFloat(v, 'g', -1, 64)
+			}
+			ticks = append(ticks, t)
+		}
+	}
+	return ticks
 }
