@@ -62,7 +62,8 @@ type StepRun struct {
 	DenseUs    float64            `json:"dense_us"`
 	DenseGBps  float64            `json:"dense_gb_per_s"`
 	Speedup    float64            `json:"speedup"`
-	Budget     int                `json:"budget_tokens,omitempty"`
+	// Budget is a fixed-budget policy's middle tokens (Layers.Budget).
+	Budget int `json:"budget_tokens,omitempty"`
 	// ExactPct is the tokens attended exactly, % of all, mean over KV
 	// heads (where the policy reports them).
 	ExactPct float64 `json:"exact_pct,omitempty"`
@@ -195,7 +196,9 @@ func timeStep(dev *vk.Device, l *Layers, p Policy, q []float32, ref []float32, r
 		return r, err
 	}
 	r.StepUs = micros(times[len(times)/2])
-	r.Budget = l.Budget
+	if !p.Adaptive {
+		r.Budget = l.Budget
+	}
 	if p.Ranks != nil {
 		ranks, cuts, err := p.Ranks(step)
 		if err != nil {
@@ -241,9 +244,10 @@ func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
 // DefaultPolicies returns the policies `vkbench compare` runs on the GPU:
 // Double-P with its default targets (whose exactly attended tokens set the
-// fixed budgets), Tactic at each P (default fit), the oracle taking
-// clusters by true mass at each P, and Quest and StreamingLLM at
-// Double-P's budget.
+// fixed budgets), Tactic at each P (default fit), the oracles of the
+// Tactic paper's Table 3 at each P (clusters by true mass, exact top-p over
+// tokens), and Quest and StreamingLLM at Double-P's budget. H2O has no GPU
+// step.
 func DefaultPolicies(ps []float64) []Policy {
 	var out []Policy
 	out = append(out, doubleP("double-p", sparse.DefaultDoubleP()))
@@ -261,8 +265,10 @@ func DefaultPolicies(ps []float64) []Policy {
 		}})
 	}
 	for _, p := range ps {
-		out = append(out, Policy{Name: fmt.Sprintf("cluster oracle P=%v", p), Make: func(l *Layers) (Stepper, error) {
+		out = append(out, Policy{Name: fmt.Sprintf("cluster oracle P=%v", p), Adaptive: true, Make: func(l *Layers) (Stepper, error) {
 			return sparse.NewClusterOracleStep(l.Dense, l.Ordered, l.Clusters, p)
+		}}, Policy{Name: fmt.Sprintf("token oracle P=%v", p), Adaptive: true, Make: func(l *Layers) (Stepper, error) {
+			return sparse.NewTokenOracleStep(l.Dense, l.Positional, p)
 		}})
 	}
 	out = append(out, Policy{Name: "quest", Make: func(l *Layers) (Stepper, error) {
