@@ -12,13 +12,15 @@ import (
 )
 
 // DoublePStages names the dispatches of Double-P's selection: logits of
-// the size-weighted centroids with both cuts (one dispatch).
-var DoublePStages = []string{"select"}
+// the size-weighted centroids, then both cuts (one workgroup per query
+// head).
+var DoublePStages = []string{"score", "cut"}
 
-// DoublePSelector is Double-P's selection (seed 004, §4) on the GPU, in one
-// dispatch (shaders/doublep_select.comp): per query head h and cluster c
-// the pseudo-token logit ℓ = scale·q_h·C_c + ln s_c, clusters ranked by
-// bins of ℓ (DoublePBinRanks), and two cuts in bins, keep for P1 of the
+// DoublePSelector is Double-P's selection (seed 004, §4) on the GPU, in two
+// dispatches (shaders/doublep_score.comp, doublep_cut.comp): per query
+// head h and cluster c the pseudo-token logit ℓ = scale·q_h·C_c + ln s_c
+// (C_c rounded to fp16 when the selector is made), clusters ranked by bins
+// of ℓ (DoublePBinRanks), and two cuts in bins, keep for P1 of the
 // estimated mass and exact for P2 of the kept mass (DoublePCutsRef over
 // the bins, the bins' masses summed in fixed point). Attention then takes
 // the clusters below the exact cut exactly (their union over the group)
@@ -28,8 +30,9 @@ type DoublePSelector struct {
 	dense    *Dense
 	clusters *kvcache.Clusters
 	opts     DoubleP
-	pipe     *vk.Pipeline
-	bind     *vk.Binding
+	score    *vk.Pipeline
+	cut      *vk.Pipeline
+	binds    struct{ score, cut *vk.Binding }
 	// rows is the centroids a workgroup scores, heads the query heads of
 	// its block.
 	rows, heads int
@@ -38,8 +41,8 @@ type DoublePSelector struct {
 	binOf       *vk.Buffer // uint32 [Hq][C]
 	exact, keep *vk.Buffer // uint32 [Hq]
 	means       *vk.Buffer // float32 [Hkv][C][D]
+	centroids   *vk.Buffer // fp16 [Hkv][C][D], the index's centroids rounded
 	extremes    *vk.Buffer // uint32 [Hq][2], 0 between steps
-	arrived     *vk.Buffer // uint32 [Hkv][blocks], 0 between steps
 }
 
 // NewDoublePStep prepares Double-P decode steps with targets opts over
@@ -90,27 +93,52 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 	hq, c := h.Query, clusters.C
 	s.logits, s.binOf, s.exact, s.keep = alloc(hq*c), alloc(hq*c), alloc(hq), alloc(hq)
 	s.means = alloc(h.KV * c * h.Dim)
-	s.extremes, s.arrived = alloc(2*hq), alloc(h.KV*ceilDiv(h.Group(), s.heads))
+	s.extremes = alloc(2 * hq)
+	s.centroids = alloc(h.KV * c * h.Dim / 2)
+	if err == nil {
+		err = s.roundCentroids()
+	}
 	if err == nil {
 		err = s.computeMeans(layer)
 	}
 	if err == nil {
-		err = dev.Run(func(c *vk.Commands) {
-			c.Fill(s.extremes.All(), 0)
-			c.Fill(s.arrived.All(), 0)
-		})
+		err = dev.Run(func(c *vk.Commands) { c.Fill(s.extremes.All(), 0) })
 	}
-	if err == nil {
-		var code []byte
-		if code, err = shaders.SPIRV("doublep_select"); err == nil {
-			s.pipe, err = dev.NewPipeline(vk.Kernel{Name: "doublep_select", SPIRV: code, Bindings: 9, PushWords: 6,
-				Specialization: []uint32{wg, uint32(h.Dim), uint32(s.heads), TacticBins, 10}})
+	build := func(name string, bindings, push int, spec ...uint32) *vk.Pipeline {
+		if err != nil {
+			return nil
 		}
+		var code []byte
+		if code, err = shaders.SPIRV(name); err != nil {
+			return nil
+		}
+		var pipe *vk.Pipeline
+		pipe, err = dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: bindings, PushWords: push, Specialization: spec})
+		return pipe
 	}
+	s.score = build("doublep_score", 5, 3, wg, uint32(h.Dim), uint32(s.heads))
+	// The cuts: one workgroup per head, as many threads as the device
+	// allows up to the bins.
+	s.cut = build("doublep_cut", 5, 4, min(tacticWorkgroup(dev.Info()), TacticBins), TacticBins, 10)
 	if err != nil {
 		return nil, errors.Join(err, s.Release())
 	}
 	return s, nil
+}
+
+// roundCentroids writes the index's centroids rounded to fp16 (scoring
+// then reads half the bytes), through the host, once.
+func (s *DoublePSelector) roundCentroids() error {
+	h, x := s.dense.heads, s.clusters
+	f := make([]float32, h.KV*x.C*h.Dim)
+	if err := x.Centroids.ReadFloat32(0, f); err != nil {
+		return err
+	}
+	halves, err := kvcache.ToHalves(f)
+	if err != nil {
+		return fmt.Errorf("sparse: Double-P's centroids: %w", err)
+	}
+	return s.centroids.WriteUint16(0, halves)
 }
 
 // meansWorkgroup is the threads per workgroup of cluster_means.
@@ -149,34 +177,47 @@ func (s *DoublePSelector) Selection() Selection {
 		Approx: &Approximation{Keep: s.keep.All(), Logits: s.logits.All(), Means: s.means.All()}}
 }
 
-// Bind makes the kernel read the queries from query.
+// Bind makes the kernels read the queries from query.
 func (s *DoublePSelector) Bind(query vk.Range) error {
 	x := s.clusters
-	b, err := s.pipe.Bind(query, x.Centroids.All(), s.logits.All(), x.Counts.All(), s.binOf.All(), s.exact.All(), s.keep.All(), s.extremes.All(), s.arrived.All())
+	score, err := s.score.Bind(query, s.centroids.All(), s.logits.All(), x.Counts.All(), s.extremes.All())
 	if err != nil {
 		return err
 	}
-	if s.bind != nil {
-		s.bind.Release()
+	cut, err := s.cut.Bind(s.logits.All(), s.binOf.All(), s.exact.All(), s.keep.All(), s.extremes.All())
+	if err != nil {
+		return errors.Join(err, score.Release())
 	}
-	s.bind = b
+	for _, b := range []*vk.Binding{s.binds.score, s.binds.cut} {
+		if b != nil {
+			b.Release()
+		}
+	}
+	s.binds.score, s.binds.cut = score, cut
 	return nil
 }
 
 // Stages returns DoublePStages.
 func (s *DoublePSelector) Stages() []string { return DoublePStages }
 
-// RecordStage appends the selection (stage 0).
+// RecordStage appends stage 0 (scores) or 1 (cuts).
 func (s *DoublePSelector) RecordStage(c *vk.Commands, stage int) error {
-	if stage != 0 || s.bind == nil {
-		return fmt.Errorf("sparse: Double-P has one stage (asked for %d) and needs its queries bound", stage)
+	if s.binds.score == nil {
+		return fmt.Errorf("sparse: Double-P needs its queries bound")
 	}
 	h, x := s.dense.heads, s.clusters
-	// Fixed-point masses: C terms of at most quant each stay below 2^31.
-	quant := math.Ldexp(1, min(24, 31-bits.Len(uint(x.C))))
-	push := []uint32{uint32(x.C), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))),
-		math.Float32bits(float32(s.opts.P1)), math.Float32bits(float32(s.opts.P2)), math.Float32bits(float32(quant))}
-	c.Dispatch(s.pipe, s.bind, push, uint32(ceilDiv(x.C, s.rows)), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
+	switch stage {
+	case 0:
+		c.Dispatch(s.score, s.binds.score, []uint32{uint32(x.C), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))},
+			uint32(ceilDiv(x.C, s.rows)), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
+	case 1:
+		// Fixed-point masses: C terms of at most quant each stay below 2^31.
+		quant := math.Ldexp(1, min(24, 31-bits.Len(uint(x.C))))
+		c.Dispatch(s.cut, s.binds.cut, []uint32{uint32(x.C), math.Float32bits(float32(s.opts.P1)), math.Float32bits(float32(s.opts.P2)), math.Float32bits(float32(quant))},
+			uint32(h.Query), 1, 1)
+	default:
+		return fmt.Errorf("sparse: Double-P has 2 stages, not %d", stage+1)
+	}
 	return nil
 }
 
@@ -207,20 +248,24 @@ func (s *DoublePSelector) Means() ([]float32, error) {
 	return out, s.means.ReadFloat32(0, out)
 }
 
-// Release frees the kernel, its binding and the buffers.
+// Release frees the kernels, their bindings and the buffers.
 func (s *DoublePSelector) Release() error {
 	var errs []error
-	if s.bind != nil {
-		errs = append(errs, s.bind.Release())
+	for _, b := range []*vk.Binding{s.binds.score, s.binds.cut} {
+		if b != nil {
+			errs = append(errs, b.Release())
+		}
 	}
-	if s.pipe != nil {
-		errs = append(errs, s.pipe.Release())
+	for _, p := range []*vk.Pipeline{s.score, s.cut} {
+		if p != nil {
+			errs = append(errs, p.Release())
+		}
 	}
 	for _, b := range s.bufs {
 		if b != nil {
 			errs = append(errs, b.Release())
 		}
 	}
-	s.bind, s.pipe, s.bufs = nil, nil, nil
+	s.binds.score, s.binds.cut, s.score, s.cut, s.bufs = nil, nil, nil, nil, nil
 	return errors.Join(errs...)
 }

@@ -15,7 +15,8 @@ import (
 
 // TestDoublePStepMatchesReference runs Double-P steps on a generated layer
 // and checks each stage against float64: the clusters' mean values
-// (ClusterValueMeansRef), every pseudo-token logit, each cluster's bin
+// (ClusterValueMeansRef), every pseudo-token logit (with the centroids
+// rounded to fp16, as the selection reads them), each cluster's bin
 // (DoublePBinRanks of the GPU's logits), both cuts (DoublePCutsRef over
 // those bins, up to the rounding of the fixed-point masses at the
 // boundary), and the output against DoublePGroupRef with the GPU's ranks
@@ -51,6 +52,16 @@ func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP) {
 	require.NoError(t, err)
 	defer dense.Release()
 	index := hostIndex(t, clusters)
+	// The selection scores with the centroids rounded to fp16.
+	for _, x := range index {
+		c32 := make([]float32, len(x.Centroids))
+		for i, v := range x.Centroids {
+			c32[i] = float32(v)
+		}
+		halves, err := kvcache.ToHalves(c32)
+		require.NoError(t, err)
+		x.Centroids = HalvesToFloat64(halves)
+	}
 	fixed, err := TacticFixedTokens(sinks, n-tail, n-1)
 	require.NoError(t, err)
 	k, v := HalvesToFloat64(tr.K), HalvesToFloat64(tr.V)

@@ -1,0 +1,98 @@
+#version 450
+// Double-P's centroid scoring (seed 004, §4.2): l[h][c] = scale · q_h ·
+// centroid_c + ln s_c (centroids in fp16, packed two per 32-bit word), the logit of cluster c's pseudo-token (Eq. 5), for
+// every query head h and cluster c of its KV head, −∞ for an empty
+// cluster. A workgroup scores ROWS centroids of KV head gl_WorkGroupID.y
+// for the up to HB query heads of block gl_WorkGroupID.z, LANES lanes
+// sharing a row so that each row is read once for all the block's heads,
+// and folds its finite logits into the heads' best and worst (atomic
+// maxima of order-preserving keys, which doublep_cut reads and resets).
+#extension GL_EXT_control_flow_attributes : enable
+
+layout(local_size_x_id = 0) in;
+layout(constant_id = 0) const uint WG = 256;   // threads, a power of two; WG·HB ≤ 4096
+layout(constant_id = 1) const uint D = 128;
+layout(constant_id = 2) const uint HB = 4;     // query heads per block, 1 to 8
+
+const uint D4 = D / 4;
+const uint D8 = D / 8;         // uvec4 (8 halves) per centroid
+const uint LANES = 8;          // threads per centroid
+const uint ROWS = WG / LANES;  // centroids per workgroup
+const float NEG = -1.0 / 0.0;
+
+layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };       // [Hq][D/4]
+layout(std430, binding = 1) readonly buffer Centroids { uvec4 cent[]; }; // [Hkv][C][D/8] fp16
+layout(std430, binding = 2) writeonly buffer Logits { float s[]; };      // [Hq][C]
+layout(std430, binding = 3) readonly buffer Sizes { uint sizes[]; };     // [Hkv][C]
+// Per head the largest key of its finite logits and of their complements
+// (so both are maxima); 0 between steps.
+layout(std430, binding = 4) buffer Extremes { uvec2 ext[]; };            // [Hq]
+
+layout(push_constant) uniform Push {
+	uint C;
+	uint groupSize;
+	float scale;
+} pc;
+
+shared vec4 qs[HB][D4];
+shared float lanes[HB * ROWS * LANES];  // the lanes' partial sums
+shared uint keyMax[HB], keyMin[HB];
+
+// key maps a float to a uint of the same order.
+uint key(float x) {
+	uint b = floatBitsToUint(x);
+	return (b & 0x80000000u) != 0 ? ~b : b | 0x80000000u;
+}
+
+void main() {
+	uint tid = gl_LocalInvocationID.x;
+	uint g = gl_WorkGroupID.y;
+	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
+	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
+	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
+	if (tid < HB) {
+		keyMax[tid] = 0;
+		keyMin[tid] = 0;
+	}
+	barrier();
+
+	uint r = tid / LANES, lane = tid % LANES;
+	uint c = gl_WorkGroupID.x * ROWS + r;
+	float acc[HB];
+	[[unroll]] for (uint k = 0; k < HB; k++) acc[k] = 0.0;
+	if (c < pc.C) {
+		// Every load of the row in flight at once.
+		const uint PER = (D8 + LANES - 1) / LANES;
+		uint row = (g * pc.C + c) * D8;
+		uvec4 x[PER];
+		[[unroll]] for (uint i = 0; i < PER; i++) x[i] = lane + i * LANES < D8 ? cent[row + lane + i * LANES] : uvec4(0);
+		[[unroll]] for (uint i = 0; i < PER; i++) {
+			uint j = lane + i * LANES;
+			if (j < D8) {
+				vec4 lo = vec4(unpackHalf2x16(x[i].x), unpackHalf2x16(x[i].y));
+				vec4 hi = vec4(unpackHalf2x16(x[i].z), unpackHalf2x16(x[i].w));
+				[[unroll]] for (uint k = 0; k < HB; k++) {
+					if (k < heads) acc[k] += dot(lo, qs[k][2 * j]) + dot(hi, qs[k][2 * j + 1]);
+				}
+			}
+		}
+	}
+	[[unroll]] for (uint k = 0; k < HB; k++) lanes[(k * ROWS + r) * LANES + lane] = acc[k];
+	barrier();
+	if (c < pc.C && lane < heads) {
+		uint size = sizes[g * pc.C + c];
+		float sum = 0.0;
+		[[unroll]] for (uint j = 0; j < LANES; j++) sum += lanes[(lane * ROWS + r) * LANES + j];
+		float l = size == 0 ? NEG : sum + log(float(size));
+		s[(h0 + lane) * pc.C + c] = l;
+		if (size != 0) {
+			atomicMax(keyMax[lane], key(l));
+			atomicMax(keyMin[lane], ~key(l));
+		}
+	}
+	barrier();
+	if (tid < heads) {
+		atomicMax(ext[h0 + tid].x, keyMax[tid]);
+		atomicMax(ext[h0 + tid].y, keyMin[tid]);
+	}
+}
