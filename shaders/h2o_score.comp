@@ -1,0 +1,151 @@
+#version 450
+// H2O, first stage: the logits of the attention a step's query heads paid
+// and the softmax normalisers, for the accumulation the next stage adds.
+//
+// A workgroup scores ROWS slots of KV head gl_WorkGroupID.y for the up to
+// HB query heads of block gl_WorkGroupID.z, LANES lanes sharing a slot.
+// The query heads attended, over the first N slots (N = state[block], the
+// length of the previous step, 0 before the first: nothing to do; every
+// slot of the layer's pc.n when pc.observe is set), every slot outside
+// the single-token index [first, first + C) and each indexed token c that
+// some query head h of the KV head took, rank[h][c] < cut[h] (the ranks
+// and cuts the previous step's selection left). For each of those slots
+// it writes row[h][t] = scale · q_h · k_t, −∞ for the others, and each
+// workgroup its heads' partial (max, Σ exp(l − max)) over its slots. The
+// last workgroup of the block to arrive (an arrival counter; no workgroup
+// waits for another) merges the partials into mz[h] = (m, z), the max
+// and the normaliser, and resets the counter.
+#extension GL_EXT_control_flow_attributes : enable
+
+layout(local_size_x_id = 0) in;
+layout(constant_id = 0) const uint WG = 256;  // threads, a power of two, at least 8
+layout(constant_id = 1) const uint D = 128;   // head dimension, a multiple of 8
+layout(constant_id = 2) const uint HB = 4;    // query heads per block, 1 to 8
+
+const uint D4 = D / 4;
+const uint DV = D / 8;         // uvec4 per fp16 key row
+const uint LANES = 8;          // threads per slot
+const uint ROWS = WG / LANES;  // slots per workgroup
+const float NEG = -1.0 / 0.0;
+
+layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };     // [Hq][D/4]
+layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };       // [Hkv][headStride]
+layout(std430, binding = 2) readonly buffer Rank { uint rank[]; };     // [Hq][C]
+layout(std430, binding = 3) readonly buffer Cut { uint cut[]; };       // [Hq]
+layout(std430, binding = 4) writeonly buffer Rows { float row[]; };    // [Hq][R]
+// Written by every workgroup of a block, read by the last: coherent.
+layout(std430, binding = 5) coherent buffer Part { vec2 part[]; };     // [Hq][W]
+layout(std430, binding = 6) writeonly buffer MZ { vec2 mz[]; };        // [Hq]
+layout(std430, binding = 7) coherent buffer Arrived { uint arrived[]; }; // [blocks], 0 between steps
+layout(std430, binding = 8) readonly buffer State { uint state[]; };   // [blocks]: the previous step's length
+
+layout(push_constant) uniform Push {
+	uint C;           // indexed tokens per KV head
+	uint first;       // slot of indexed token 0
+	uint groupSize;   // query heads per KV head
+	float scale;      // multiplies q·k
+	uint headStride;  // uvec4 words between consecutive KV heads
+	uint n;           // slots stored (the grid covers them)
+	uint R;           // row stride per query head: the layer's capacity
+	uint W;           // partial stride per query head: the most workgroups in x
+	uint observe;     // 1: every slot of n attended, state ignored
+} pc;
+
+shared vec4 qs[HB][D4];
+shared float scratch[HB * WG];
+shared float lg[HB][ROWS];
+shared vec2 red[WG];
+shared bool last;
+
+// merge combines two (max, Σ exp(l − max)) pairs.
+vec2 merge(vec2 a, vec2 b) {
+	float m = max(a.x, b.x);
+	if (m == NEG) return vec2(NEG, 0.0);
+	return vec2(m, a.y * exp(a.x - m) + b.y * exp(b.x - m));
+}
+
+void main() {
+	uint tid = gl_LocalInvocationID.x;
+	uint g = gl_WorkGroupID.y;
+	uint block = g * gl_NumWorkGroups.z + gl_WorkGroupID.z;
+	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
+	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
+	uint N = pc.observe != 0 ? pc.n : state[block];
+	if (N == 0) return;  // the whole grid: nothing attended yet
+	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
+	barrier();
+
+	uint r = gl_WorkGroupID.x * ROWS + tid / LANES, lane = tid % LANES;
+	bool att = false;
+	if (r < N) {
+		att = pc.observe != 0 || r < pc.first || r >= pc.first + pc.C;
+		if (!att) {
+			uint c = r - pc.first;
+			for (uint hh = g * pc.groupSize; hh < g * pc.groupSize + pc.groupSize; hh++) {
+				if (rank[hh * pc.C + c] < cut[hh]) {
+					att = true;
+					break;
+				}
+			}
+		}
+	}
+	float acc[HB];
+	[[unroll]] for (uint j = 0; j < HB; j++) acc[j] = 0.0;
+	if (att) {
+		uint base = g * pc.headStride + r * DV;
+		for (uint i = lane; i < DV; i += LANES) {
+			uvec4 w = k[base + i];
+			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+			[[unroll]] for (uint j = 0; j < HB; j++) {
+				if (j < heads) acc[j] += dot(a, qs[j][2 * i]) + dot(b, qs[j][2 * i + 1]);
+			}
+		}
+	}
+	[[unroll]] for (uint j = 0; j < HB; j++) scratch[j * WG + tid] = acc[j];
+	barrier();
+	if (lane < heads) {
+		float l = NEG;
+		if (att) {
+			l = 0.0;
+			uint at = lane * WG + (tid / LANES) * LANES;
+			[[unroll]] for (uint j = 0; j < LANES; j++) l += scratch[at + j];
+		}
+		lg[lane][tid / LANES] = l;
+		if (r < N) row[(h0 + lane) * pc.R + r] = l;
+	}
+	barrier();
+	if (tid < heads) {
+		float m = NEG;
+		for (uint j = 0; j < ROWS; j++) m = max(m, lg[tid][j]);
+		float z = 0.0;
+		if (m != NEG) {
+			for (uint j = 0; j < ROWS; j++) z += exp(lg[tid][j] - m);
+		}
+		part[(h0 + tid) * pc.W + gl_WorkGroupID.x] = vec2(m, z);
+	}
+
+	// The last workgroup of the block to arrive merges the partials.
+	memoryBarrierBuffer();
+	barrier();
+	if (tid == 0) {
+		last = atomicAdd(arrived[block], 1) == gl_NumWorkGroups.x - 1;
+		if (last) arrived[block] = 0;
+	}
+	barrier();
+	if (!last) return;
+	memoryBarrierBuffer();
+	for (uint hl = 0; hl < heads; hl++) {
+		uint h = h0 + hl;
+		vec2 mine = vec2(NEG, 0.0);
+		for (uint x = tid; x < gl_NumWorkGroups.x; x += WG) mine = merge(mine, part[h * pc.W + x]);
+		red[tid] = mine;
+		barrier();
+		for (uint s = WG / 2; s > 0; s >>= 1) {
+			if (tid < s) red[tid] = merge(red[tid], red[tid + s]);
+			barrier();
+		}
+		if (tid == 0) mz[h] = red[0];
+		barrier();
+	}
+}

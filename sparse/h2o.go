@@ -1,0 +1,301 @@
+package sparse
+
+import (
+	"errors"
+	"fmt"
+	"math"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/shaders"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// H2OStages names H2OSelector's dispatches: the logits of the previous
+// step's attention, then its accumulation with the selection.
+var H2OStages = []string{"accumulate", "select"}
+
+// H2OSelector is H2O on the GPU over a single-token index of a positional
+// layer (kvcache.NewPages with pages of one token), its state, every query
+// head's accumulated attention to each indexed token, kept on the device
+// (float32 [Hq][C]) from one step to the next. A step's selection is
+// exactly H2O.Select's from that state: the recent part (the last recent
+// indexed tokens) always, and the heavy part, the heavy tokens of the
+// greatest accumulated attention among the others, ties to the lower id
+// (an exact radix select over the float32 scores, no bins), with (heavy,
+// recent) = H2OSplit(budget); every indexed token when the budget covers
+// the index. It writes rank 0 for a token taken, 1 for the others, and
+// cut 1.
+//
+// A step's weights are accumulated at the next step, before its
+// selection, from the query the selector copied and the ranks and cuts
+// the step left (stage "accumulate": the logits over every token the KV
+// head attended, that is outside the index or taken by some query head of
+// its group, and each head's softmax normaliser; stage "select": the
+// weights added, then the selection), so a selection uses the state of
+// the steps before it, as H2O's does. Observe adds a dense prompt-phase
+// softmax (H2O.Observe). The index is fixed when the selector is made;
+// tokens appended later are outside it and attended.
+type H2OSelector struct {
+	dense         *Dense
+	layer         *kvcache.Layer
+	tokens        *kvcache.Clusters
+	owned         *kvcache.Clusters // released with the selector
+	heavy, recent int
+	cands         int // candidates for the heavy part: indexed tokens [0, cands)
+	heads         int // query heads per block
+	wg            uint32
+	score, choose *vk.Pipeline
+	scoreBind     *vk.Binding // the previous step's query
+	observeBind   *vk.Binding // Observe's query
+	chooseBind    *vk.Binding
+	bufs          []*vk.Buffer
+	prev, obs     *vk.Buffer // float32 [Hq][D]
+	row           *vk.Buffer // float32 [Hq][capacity]
+	part          *vk.Buffer // float32 [Hq][partials][2]
+	mz            *vk.Buffer // float32 [Hq][2]
+	acc           *vk.Buffer // float32 [Hq][C]
+	rank, cut     *vk.Buffer // uint32 [Hq][C] and [Hq]
+	arrivedScore  *vk.Buffer // uint32 [blocks], 0 between steps
+	arrivedChoose *vk.Buffer
+	state         *vk.Buffer // uint32 [blocks]: the previous step's length, 0 for none
+}
+
+// NewH2OStep prepares H2O steps over layer (in positional order) with a
+// budget of budget middle tokens, in the layout of DefaultBaselineLayout
+// at the layer's current length: the middle in single-token clusters (the
+// step owns that index), budget split by H2OSplit; the sinks and every
+// token after the middle (the window, then the tokens appended later) are
+// attended. Nothing is accumulated at first: the first step's heavy part
+// is the lowest ids, as H2O's; H2OSelector.Observe adds a prompt phase.
+func NewH2OStep(dense *Dense, layer *kvcache.Layer, budget int) (*Step, error) {
+	if budget < 0 {
+		return nil, fmt.Errorf("sparse: H2O budget %d is negative", budget)
+	}
+	tokens, err := baselinePages(dense, layer, 1)
+	if err != nil {
+		return nil, err
+	}
+	sel, err := NewH2OSelector(dense, layer, tokens, budget)
+	if err != nil {
+		return nil, errors.Join(err, tokens.Release())
+	}
+	sel.owned = tokens
+	return NewStep(dense, layer, sel)
+}
+
+// NewH2OSelector builds H2O's selection with a budget of budget indexed
+// tokens over tokens, a single-token index of layer (kvcache.NewPages of
+// pages of one token), nothing accumulated. The caller keeps tokens.
+func NewH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters, budget int) (*H2OSelector, error) {
+	h, dev := dense.heads, dense.dev
+	switch {
+	case budget < 0:
+		return nil, fmt.Errorf("sparse: H2O budget %d is negative", budget)
+	case tokens.KVHeads != h.KV || tokens.HeadDim != h.Dim || layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
+		return nil, fmt.Errorf("sparse: an index of %d heads of %d and a cache of %d of %d for kernels of %d of %d", tokens.KVHeads, tokens.HeadDim, layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
+	case tokens.C != tokens.Count || !tokens.Contiguous:
+		return nil, fmt.Errorf("sparse: H2O needs a single-token index in positional order (kvcache.NewPages of pages of 1), not %d clusters of %d tokens", tokens.C, tokens.Count)
+	case tokens.First+tokens.Count > layer.Len():
+		return nil, fmt.Errorf("sparse: indexed tokens [%d, %d) beyond the %d stored", tokens.First, tokens.First+tokens.Count, layer.Len())
+	case h.Dim%8 != 0 || layer.HeadBytes()*uint64(h.KV) > uint64(dev.Info().MaxStorageBufferRange):
+		return nil, fmt.Errorf("%w: H2O over keys of dimension %d in %d bytes", vk.ErrUnsupported, h.Dim, layer.HeadBytes()*uint64(h.KV))
+	}
+	s := &H2OSelector{dense: dense, layer: layer, tokens: tokens}
+	s.heavy, s.recent = H2OSplit(budget)
+	s.cands = tokens.C - s.recent
+	if budget >= tokens.C {
+		s.heavy, s.cands = 0, 0
+	}
+	s.heads = min(h.Group(), 8)
+	s.wg = 256
+	for s.wg > 8 && s.wg > dev.Info().MaxWorkgroupInvocations {
+		s.wg /= 2
+	}
+	blocks := h.KV * ceilDiv(h.Group(), s.heads)
+	var err error
+	alloc := func(words int) *vk.Buffer {
+		if err != nil {
+			return nil
+		}
+		var b *vk.Buffer
+		b, err = dev.NewBuffer(uint64(max(words, 1))*4, vk.DeviceLocal)
+		s.bufs = append(s.bufs, b)
+		return b
+	}
+	hq, c := h.Query, tokens.C
+	s.prev, s.obs = alloc(hq*h.Dim), alloc(hq*h.Dim)
+	s.row, s.part, s.mz = alloc(hq*layer.Capacity()), alloc(hq*s.partials()*2), alloc(hq*2)
+	s.acc, s.rank, s.cut = alloc(hq*c), alloc(hq*c), alloc(hq)
+	s.arrivedScore, s.arrivedChoose, s.state = alloc(blocks), alloc(blocks), alloc(blocks)
+	if err == nil {
+		err = dev.Run(func(cmd *vk.Commands) {
+			for _, b := range []*vk.Buffer{s.acc, s.rank, s.cut, s.arrivedScore, s.arrivedChoose, s.state} {
+				cmd.Fill(b.All(), 0)
+			}
+		})
+	}
+	spec := []uint32{s.wg, uint32(h.Dim), uint32(s.heads)}
+	pipe := func(name string, bindings, push int) *vk.Pipeline {
+		if err != nil {
+			return nil
+		}
+		var code []byte
+		if code, err = shaders.SPIRV(name); err != nil {
+			return nil
+		}
+		var p *vk.Pipeline
+		p, err = dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: bindings, PushWords: push, Specialization: spec})
+		return p
+	}
+	s.score = pipe("h2o_score", 9, 9)
+	s.choose = pipe("h2o_select", 9, 8)
+	bindScore := func(query *vk.Buffer) *vk.Binding {
+		if err != nil {
+			return nil
+		}
+		var b *vk.Binding
+		b, err = s.score.Bind(query.All(), layer.Keys().All(), s.rank.All(), s.cut.All(), s.row.All(), s.part.All(), s.mz.All(), s.arrivedScore.All(), s.state.All())
+		return b
+	}
+	s.scoreBind = bindScore(s.prev)
+	s.observeBind = bindScore(s.obs)
+	if err != nil {
+		return nil, errors.Join(err, s.Release())
+	}
+	return s, nil
+}
+
+// rowsPerScore is the slots a workgroup of h2o_score takes.
+func (s *H2OSelector) rowsPerScore() int { return int(s.wg) / 8 }
+
+// partials is h2o_score's most workgroups per row of the grid.
+func (s *H2OSelector) partials() int { return ceilDiv(s.layer.Capacity(), s.rowsPerScore()) }
+
+// Selection returns the ranks (0 taken, 1 not) and the cuts (1).
+func (s *H2OSelector) Selection() Selection {
+	return Selection{Clusters: s.tokens, Rank: s.rank.All(), Cut: s.cut.All()}
+}
+
+// Bind makes the selection copy the step's queries from query for the
+// next step's accumulation.
+func (s *H2OSelector) Bind(query vk.Range) error {
+	b, err := s.choose.Bind(query, s.prev.All(), s.row.All(), s.mz.All(), s.acc.All(), s.rank.All(), s.cut.All(), s.arrivedChoose.All(), s.state.All())
+	if err != nil {
+		return err
+	}
+	if s.chooseBind != nil {
+		s.chooseBind.Release()
+	}
+	s.chooseBind = b
+	return nil
+}
+
+// Stages returns H2OStages.
+func (s *H2OSelector) Stages() []string { return H2OStages }
+
+// RecordStage appends stage 0 (the previous step's logits) or 1 (their
+// accumulation and the selection).
+func (s *H2OSelector) RecordStage(c *vk.Commands, stage int) error {
+	if s.chooseBind == nil {
+		return fmt.Errorf("sparse: H2O needs its queries bound")
+	}
+	switch stage {
+	case 0:
+		s.recordScore(c, s.scoreBind, false)
+	case 1:
+		s.recordChoose(c, false)
+	default:
+		return fmt.Errorf("sparse: H2O has two stages (asked for %d)", stage)
+	}
+	return nil
+}
+
+func (s *H2OSelector) recordScore(c *vk.Commands, bind *vk.Binding, observe bool) {
+	h, x, n := s.dense.heads, s.tokens, s.layer.Len()
+	push := []uint32{uint32(x.C), uint32(x.First), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))),
+		uint32(s.layer.HeadBytes() / 16), uint32(n), uint32(s.layer.Capacity()), uint32(s.partials()), boolWord(observe)}
+	c.Dispatch(s.score, bind, push, uint32(ceilDiv(n, s.rowsPerScore())), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
+}
+
+func (s *H2OSelector) recordChoose(c *vk.Commands, observe bool) {
+	h, x := s.dense.heads, s.tokens
+	push := []uint32{uint32(x.C), uint32(x.First), uint32(h.Group()), uint32(s.layer.Len()), uint32(s.layer.Capacity()),
+		uint32(s.heavy), uint32(s.cands), boolWord(observe)}
+	c.Dispatch(s.choose, s.chooseBind, push, uint32(ceilDiv(x.C, int(s.wg))), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
+}
+
+// Observe adds, for every query head h, its softmax over every token the
+// layer holds for the query q[h] ([Hq][D] float32) to the accumulated
+// attention of the indexed tokens, selecting nothing (H2O.Observe: the
+// dense prompt phase). The accumulation of a step before it is kept for
+// the next step. The queries must be bound (Bind; NewStep does it).
+func (s *H2OSelector) Observe(q []float32) error {
+	if err := checkQuery(q, 1, s.dense.heads); err != nil {
+		return err
+	}
+	if s.chooseBind == nil {
+		return fmt.Errorf("sparse: H2O needs its queries bound")
+	}
+	if err := s.obs.WriteFloat32(0, q); err != nil {
+		return err
+	}
+	return runOnce(s.dense.dev, func(c *vk.Commands) error {
+		s.recordScore(c, s.observeBind, true)
+		c.ComputeBarrier()
+		s.recordChoose(c, true)
+		return nil
+	})
+}
+
+// Split returns the heavy hitters and the recent tokens a head takes (0
+// and the index's size when the budget covers the index).
+func (s *H2OSelector) Split() (heavy, recent int) {
+	if s.cands == 0 {
+		return 0, s.tokens.C
+	}
+	return s.heavy, s.recent
+}
+
+// Tokens returns the single-token index.
+func (s *H2OSelector) Tokens() *kvcache.Clusters { return s.tokens }
+
+// Accumulated returns every query head's accumulated attention to each
+// indexed token, [Hq][C]: the steps before the last one's selection (the
+// last step's own weights are added at the next step) and the
+// observations.
+func (s *H2OSelector) Accumulated() ([]float32, error) {
+	out := make([]float32, s.dense.heads.Query*s.tokens.C)
+	return out, s.acc.ReadFloat32(0, out)
+}
+
+// Ranks returns the last step's rank of every indexed token, [Hq][C]: 0
+// for a token taken, 1 for the others.
+func (s *H2OSelector) Ranks() ([]int, error) { return readInts(s.rank, s.dense.heads.Query*s.tokens.C) }
+
+// Cuts returns the last step's cut per query head (1).
+func (s *H2OSelector) Cuts() ([]int, error) { return readInts(s.cut, s.dense.heads.Query) }
+
+// Release frees the kernels, the state and an index the step made.
+func (s *H2OSelector) Release() error {
+	var errs []error
+	for _, b := range []*vk.Binding{s.scoreBind, s.observeBind, s.chooseBind} {
+		if b != nil {
+			errs = append(errs, b.Release())
+		}
+	}
+	for _, p := range []*vk.Pipeline{s.score, s.choose} {
+		if p != nil {
+			errs = append(errs, p.Release())
+		}
+	}
+	for _, b := range s.bufs {
+		if b != nil {
+			errs = append(errs, b.Release())
+		}
+	}
+	if s.owned != nil {
+		errs = append(errs, s.owned.Release())
+	}
+	s.scoreBind, s.observeBind, s.chooseBind, s.score, s.choose, s.bufs, s.owned = nil, nil, nil, nil, nil, nil, nil
+	return errors.Join(errs...)
+}
