@@ -246,8 +246,7 @@ func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 // Double-P with its default targets (whose exactly attended tokens set the
 // fixed budgets), Tactic at each P (default fit), the oracles of the
 // Tactic paper's Table 3 at each P (clusters by true mass, exact top-p over
-// tokens), and Quest and StreamingLLM at Double-P's budget. H2O has no GPU
-// step.
+// tokens), and Quest, StreamingLLM and H2O at Double-P's budget.
 func DefaultPolicies(ps []float64) []Policy {
 	var out []Policy
 	out = append(out, doubleP("double-p", sparse.DefaultDoubleP()))
@@ -275,8 +274,40 @@ func DefaultPolicies(ps []float64) []Policy {
 		return sparse.NewQuestStep(l.Dense, l.Positional, l.Budget)
 	}}, Policy{Name: "streaming", Make: func(l *Layers) (Stepper, error) {
 		return sparse.NewStreamingStep(l.Dense, l.Positional, l.Budget)
+	}}, Policy{Name: "h2o", Make: func(l *Layers) (Stepper, error) {
+		s, err := sparse.NewH2OStep(l.Dense, l.Positional, l.Budget)
+		if err != nil {
+			return nil, err
+		}
+		return &h2oStep{Step: s, warm: true}, nil
 	}})
 	return out
+}
+
+// h2oStep is H2O's step, its accumulated attention filled before it is
+// checked and timed: when its query is first set, a dense prompt-phase
+// observation of that query (sparse.H2OSelector.Observe) and h2oWarmup
+// steps of it. The prompt phase saw the query the output is checked for,
+// which flatters H2O's error a little.
+type h2oStep struct {
+	*sparse.Step
+	warm bool
+}
+
+// h2oWarmup is the steps H2O takes before it is checked.
+const h2oWarmup = 3
+
+// SetQuery sets the query and, the first time, warms the state with it.
+func (s *h2oStep) SetQuery(q []float32) error {
+	if err := s.Step.SetQuery(q); err != nil || !s.warm {
+		return err
+	}
+	s.warm = false
+	if err := s.Selector().(*sparse.H2OSelector).Observe(q); err != nil {
+		return err
+	}
+	_, err := s.Time(0, h2oWarmup)
+	return err
 }
 
 // doubleP is Double-P with targets opts.
