@@ -331,18 +331,21 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 			attendTile(min(TILE, chunkEnd - t0), headBase, headBase + t0 * DV, listBase, t0, m, l, acc);
 		}
 	} else if (c < pc.clusterChunks) {
-		// Clusters [c·chunk, +chunk) of KV head g, CW at a time: the taken
-		// ones' member counts are scanned, and their members' token ids
-		// appended to lst; each full tile is attended, so that tiles stay
-		// full however few clusters a window takes.
+		// Clusters c, c + R, c + 2R, ... of KV head g (R = clusterChunks
+		// runs), CW at a time: the taken ones' member counts are scanned,
+		// and their members' token ids appended to lst; each full tile is
+		// attended, so that tiles stay full however few clusters a window
+		// takes. Striding spreads the clusters a region of the context
+		// holds, and so the tokens taken, over the runs.
 		uint g = pc.kvBase + kvLocal;
 		attended = 0;
 		uint fill = 0;  // token ids in lst not yet attended
-		uint cEnd = min(chunkStart + pc.chunk, pc.C);
-		for (uint w0 = chunkStart; w0 < cEnd; w0 += CW) {
-			uint cl = w0 + tid;
+		uint stride = pc.clusterChunks;
+		uint cEnd = (pc.C - c + stride - 1) / stride;  // clusters of this run
+		for (uint w0 = 0; w0 < cEnd; w0 += CW) {
+			uint cl = c + (w0 + tid) * stride;
 			uint size = 0;
-			if (tid < CW && cl < cEnd) {
+			if (tid < CW && w0 + tid < cEnd) {
 				if (takenByGroup(g, cl)) size = sizes[g * pc.C + cl];
 				// Clusters are runs of slots (kvcache Layer.Reorder).
 				from[tid] = pc.first + starts[g * pc.C + cl];
