@@ -1,8 +1,8 @@
 #version 450
 // Double-P's two top-p cuts (seed 004, §4.2-4.3), one workgroup per query
-// head h = gl_WorkGroupID.x, after doublep_score. It ranks the head's
+// head h = gl_WorkGroupID.x, after centroid_score (LOG_SIZE = 1). It ranks the head's
 // clusters by bin(l) = min(NB − 1, ⌊(m − l)·u⌋), m and m0 the best and
-// worst finite logits (from the extremes doublep_score folded, which it
+// worst finite logits (from the extremes centroid_score folded, which it
 // resets to 0 for the next step) and u = 2^(log2 NB − e) for m − m0 =
 // f·2^e, f in [0.5, 1) (NB for an empty cluster, past every cut). It sums
 // each bin's estimated mass in fixed point, with integer atomics only:
@@ -40,7 +40,7 @@ shared float part[WG];  // scan of the bins' masses
 shared uint found[2];
 shared float kept;
 
-// unkey inverts doublep_score's key.
+// unkey inverts centroid_score's key.
 float unkey(uint k) {
 	return uintBitsToFloat((k & 0x80000000u) != 0 ? k & 0x7fffffffu : ~k);
 }

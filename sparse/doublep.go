@@ -17,7 +17,7 @@ import (
 var DoublePStages = []string{"score", "cut"}
 
 // DoublePSelector is Double-P's selection (seed 004, §4) on the GPU, in two
-// dispatches (shaders/doublep_score.comp, doublep_cut.comp): per query
+// dispatches (shaders/centroid_score.comp, doublep_cut.comp): per query
 // head h and cluster c the pseudo-token logit ℓ = scale·q_h·C_c + ln s_c
 // (C_c rounded to fp16 when the selector is made), clusters ranked by bins
 // of ℓ (DoublePBinRanks), and two cuts in bins, keep for P1 of the
@@ -96,7 +96,7 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 	s.extremes = alloc(2 * hq)
 	s.centroids = alloc(h.KV * c * h.Dim / 2)
 	if err == nil {
-		err = s.roundCentroids()
+		err = halfCentroids(clusters, s.centroids)
 	}
 	if err == nil {
 		err = s.computeMeans(layer)
@@ -116,7 +116,7 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 		pipe, err = dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: bindings, PushWords: push, Specialization: spec})
 		return pipe
 	}
-	s.score = build("doublep_score", 5, 3, wg, uint32(h.Dim), uint32(s.heads))
+	s.score = build("centroid_score", 5, 3, wg, uint32(h.Dim), uint32(s.heads), 1)
 	// The cuts: one workgroup per head, as many threads as the device
 	// allows up to the bins.
 	s.cut = build("doublep_cut", 5, 4, min(tacticWorkgroup(dev.Info()), TacticBins), TacticBins, 10)
@@ -124,21 +124,6 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 		return nil, errors.Join(err, s.Release())
 	}
 	return s, nil
-}
-
-// roundCentroids writes the index's centroids rounded to fp16 (scoring
-// then reads half the bytes), through the host, once.
-func (s *DoublePSelector) roundCentroids() error {
-	h, x := s.dense.heads, s.clusters
-	f := make([]float32, h.KV*x.C*h.Dim)
-	if err := x.Centroids.ReadFloat32(0, f); err != nil {
-		return err
-	}
-	halves, err := kvcache.ToHalves(f)
-	if err != nil {
-		return fmt.Errorf("sparse: Double-P's centroids: %w", err)
-	}
-	return s.centroids.WriteUint16(0, halves)
 }
 
 // meansWorkgroup is the threads per workgroup of cluster_means.

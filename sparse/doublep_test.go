@@ -52,16 +52,7 @@ func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP) {
 	require.NoError(t, err)
 	defer dense.Release()
 	index := hostIndex(t, clusters)
-	// The selection scores with the centroids rounded to fp16.
-	for _, x := range index {
-		c32 := make([]float32, len(x.Centroids))
-		for i, v := range x.Centroids {
-			c32[i] = float32(v)
-		}
-		halves, err := kvcache.ToHalves(c32)
-		require.NoError(t, err)
-		x.Centroids = HalvesToFloat64(halves)
-	}
+	halfIndex(t, index) // the selection scores with the centroids in fp16
 	fixed, err := TacticFixedTokens(sinks, n-tail, n-1)
 	require.NoError(t, err)
 	k, v := HalvesToFloat64(tr.K), HalvesToFloat64(tr.V)
@@ -227,4 +218,19 @@ func hostIndex(t *testing.T, clusters *kvcache.Clusters) []*ClusterIndex {
 		}
 	}
 	return index
+}
+
+// halfIndex rounds the centroids of every index to fp16, as the selection
+// kernels read them.
+func halfIndex(t *testing.T, index []*ClusterIndex) {
+	t.Helper()
+	for _, x := range index {
+		c32 := make([]float32, len(x.Centroids))
+		for i, v := range x.Centroids {
+			c32[i] = float32(v)
+		}
+		halves, err := kvcache.ToHalves(c32)
+		require.NoError(t, err)
+		x.Centroids = HalvesToFloat64(halves)
+	}
 }

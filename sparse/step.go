@@ -220,3 +220,17 @@ func (s *Step) Release() error {
 	s.plan, s.sel = nil, nil
 	return errors.Join(errs...)
 }
+
+// halfCentroids writes the centroids of x rounded to fp16 into dst (the
+// selection kernels read half the bytes), through the host, once per index.
+func halfCentroids(x *kvcache.Clusters, dst *vk.Buffer) error {
+	f := make([]float32, x.KVHeads*x.C*x.HeadDim)
+	if err := x.Centroids.ReadFloat32(0, f); err != nil {
+		return err
+	}
+	halves, err := kvcache.ToHalves(f)
+	if err != nil {
+		return fmt.Errorf("sparse: centroids in fp16: %w", err)
+	}
+	return dst.WriteUint16(0, halves)
+}

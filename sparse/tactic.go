@@ -48,7 +48,7 @@ type tacticSelector struct {
 // buffers sized by it and the kernels' bindings.
 type tacticBound struct {
 	clusters *kvcache.Clusters
-	binds    struct{ order, fit *vk.Binding }
+	binds    struct{ score, order, fit *vk.Binding }
 	bufs     []*vk.Buffer
 	scores   *vk.Buffer // float32 [Hq][C]
 	binOf    *vk.Buffer // uint32 [Hq][C]
@@ -59,16 +59,18 @@ type tacticBound struct {
 	expoFix  *vk.Buffer // float32 [Hq][fixedStride]: e(t) of the fixed tokens
 	cut      *vk.Buffer // uint32 [Hq]
 	extremes *vk.Buffer // uint32 [Hq][2]: keys of each head's best and worst score, 0 between steps
-	// Arrival counters of the fused stages, 0 between steps: scoring
-	// workgroups done per [Hkv][head block], sampling ones per [Hq].
-	orderArrived, fitArrived *vk.Buffer
+	// centroids holds the index's centroids rounded to fp16, [Hkv][C][D].
+	centroids *vk.Buffer
+	// fitArrived counts the sampling workgroups done per query head, 0
+	// between steps.
+	fitArrived *vk.Buffer
 	fixedCap                 int // fixedStride: the most fixed tokens the cache can hold (capacity − clustered)
 }
 
 // release frees the bindings and buffers.
 func (b *tacticBound) release() error {
 	var errs []error
-	for _, x := range []*vk.Binding{b.binds.order, b.binds.fit} {
+	for _, x := range []*vk.Binding{b.binds.score, b.binds.order, b.binds.fit} {
 		if x != nil {
 			errs = append(errs, x.Release())
 		}
@@ -129,10 +131,10 @@ func tacticWorkgroup(info vk.Info) uint32 {
 // tacticKernels are the selection kernels of Tactic steps, shared by the
 // steps of a batch.
 type tacticKernels struct {
-	order, fit *vk.Pipeline
-	// orderRows is the centroids an ordering workgroup scores, orderHeads
+	score, order, fit *vk.Pipeline
+	// scoreRows is the centroids a scoring workgroup scores, scoreHeads
 	// the query heads it scores them for.
-	orderRows, orderHeads int
+	scoreRows, scoreHeads int
 	// sampleTeams is the clusters a sampling workgroup reads at once.
 	sampleTeams int
 }
@@ -140,7 +142,7 @@ type tacticKernels struct {
 // release destroys the kernels.
 func (k *tacticKernels) release() error {
 	var errs []error
-	for _, p := range []*vk.Pipeline{k.order, k.fit} {
+	for _, p := range []*vk.Pipeline{k.score, k.order, k.fit} {
 		if p != nil {
 			errs = append(errs, p.Release())
 		}
@@ -205,26 +207,24 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 		return pipe
 	}
 	k := &tacticKernels{}
-	// Ordering: up to 8 query heads per block, the workgroup as large as
-	// its scratch allows (workgroup × heads ≤ 4096 words), heads ordered
-	// side by side by threads of a power of two (ordering in tactic_score).
-	k.orderHeads = min(h.Group(), 8)
-	wg := min(tacticWorkgroup(dev.Info()), uint32(4096/k.orderHeads))
+	// Scoring: up to 8 query heads per block, the workgroup as large as
+	// its lanes' sums allow (workgroup × heads ≤ 4096 words). Ordering:
+	// one workgroup per query head.
+	k.scoreHeads = min(h.Group(), 8)
+	wg := min(tacticWorkgroup(dev.Info()), uint32(4096/k.scoreHeads))
 	for wg&(wg-1) != 0 {
 		wg &= wg - 1
 	}
-	k.orderRows = int(wg) / 8
-	side := uint32(1)
-	for side*2 <= uint32(min(k.orderHeads, 4)) {
-		side *= 2
-	}
+	k.scoreRows = int(wg) / 8
+	orderWG := min(tacticWorkgroup(dev.Info()), TacticBins)
 	// Subgroup reductions and scans in the per-head passes where the dense
 	// kernels use them (not with DenseOptions.TreeReduce).
 	info := dev.Info()
 	subgroups := func(threads uint32) uint32 {
 		return boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= threads)
 	}
-	k.order = build("tactic_score", 10, 9, wg, uint32(h.Dim), uint32(k.orderHeads), TacticBins, 10, subgroups(wg/side))
+	k.score = build("centroid_score", 5, 3, wg, uint32(h.Dim), uint32(k.scoreHeads), 0)
+	k.order = build("tactic_order", 7, 8, orderWG, TacticBins, 10, subgroups(orderWG))
 	tpr := dense.tpr       // shuffles among tpr threads work on this device
 	team := max(16, 4*tpr) // threads per sampled cluster, a power of two
 	k.sampleTeams = sampleWorkgroup / team
@@ -296,10 +296,14 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 	x.fixedCap = s.seq.Capacity() - n // fixed tokens: the stored ones past the clustered
 	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
 	x.tokStart, x.planBuf, x.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
-	x.extremes, x.orderArrived, x.fitArrived = alloc(2*hq), alloc(h.KV*ceilDiv(h.Group(), s.kernels.orderHeads)), alloc(hq)
+	x.extremes, x.fitArrived = alloc(2*hq), alloc(hq)
+	x.centroids = alloc(h.KV * c * h.Dim / 2)
+	if err == nil {
+		err = halfCentroids(clusters, x.centroids)
+	}
 	if err == nil {
 		err = dev.Run(func(c *vk.Commands) {
-			for _, b := range []*vk.Buffer{x.extremes, x.orderArrived, x.fitArrived} {
+			for _, b := range []*vk.Buffer{x.extremes, x.fitArrived} {
 				c.Fill(b.All(), 0)
 			}
 		})
@@ -316,23 +320,25 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 // queries in query.
 func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query vk.Range) error {
 	clusters := x.clusters
-	order, err := k.order.Bind(query, clusters.Centroids.All(), x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All(),
-		x.extremes.All(), x.orderArrived.All())
+	score, err := k.score.Bind(query, x.centroids.All(), x.scores.All(), clusters.Counts.All(), x.extremes.All())
 	if err != nil {
 		return err
+	}
+	order, err := k.order.Bind(x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All(), x.extremes.All())
+	if err != nil {
+		return errors.Join(err, score.Release())
 	}
 	fit, err := k.fit.Bind(query, layer.Keys().All(), x.planBuf.All(), x.sampled.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(),
 		x.expo.All(), x.expoFix.All(), x.tokStart.All(), x.cut.All(), x.fitArrived.All())
 	if err != nil {
-		order.Release()
-		return err
+		return errors.Join(err, score.Release(), order.Release())
 	}
-	for _, b := range []*vk.Binding{x.binds.order, x.binds.fit} {
+	for _, b := range []*vk.Binding{x.binds.score, x.binds.order, x.binds.fit} {
 		if b != nil {
 			b.Release()
 		}
 	}
-	x.binds.order, x.binds.fit = order, fit
+	x.binds.score, x.binds.order, x.binds.fit = score, order, fit
 	return nil
 }
 
@@ -380,17 +386,17 @@ func windowPositions(fit TacticFit, n int) (need int, win [4]int) {
 	return need, win
 }
 
-// TacticStages names the stages of a step, in order: centroid scores with
-// the clusters' order and the sampling plan (one dispatch); sampling with
-// the fit and budget (one dispatch); attention over the selection.
-var TacticStages = []string{"order", "fit", "attend"}
+// TacticStages names the stages of a step, in order: centroid scores; the
+// clusters' order and the sampling plan (one workgroup per query head);
+// sampling with the fit and budget; attention over the selection.
+var TacticStages = []string{"score", "order", "fit", "attend"}
 
 // tacticStageCount is the number of dependent stages of a step (one
-// dispatch each): scores and order, sampling and fit, attention over the
+// dispatch each): scores, order, sampling and fit, attention over the
 // selection with its merge.
-const tacticStageCount = 3
+const tacticStageCount = 4
 
-// RecordStage appends selection stage s (0: scores and order, 1: sampling
+// RecordStage appends selection stage s (0: scores, 1: order, 2: sampling
 // and fit) for the layer's current length.
 func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	h, x := s.d.heads, s.clusters
@@ -406,9 +412,10 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	}
 	switch stage {
 	case 0:
-		c.Dispatch(k.order, b.order, []uint32{cc, group, scale, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])},
-			uint32(ceilDiv(x.C, k.orderRows)), kv, uint32(ceilDiv(h.Group(), k.orderHeads)))
+		c.Dispatch(k.score, b.score, []uint32{cc, group, scale}, uint32(ceilDiv(x.C, k.scoreRows)), kv, uint32(ceilDiv(h.Group(), k.scoreHeads)))
 	case 1:
+		c.Dispatch(k.order, b.order, []uint32{cc, group, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])}, hq, 1, 1)
+	case 2:
 		// Workgroups per head so that the clusters of the expected samples
 		// (clusters of the mean size) and the fixed tokens (taken as
 		// clusters of 16) are read in one round, one per team; they stride
@@ -417,7 +424,7 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		c.Dispatch(k.fit, b.fit, []uint32{group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(s.fixedCap), scale, cc,
 			math.Float32bits(float32(s.p))}, uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, k.sampleTeams)))), hq, 1)
 	default:
-		return fmt.Errorf("sparse: Tactic's selection has 2 stages, not %d", stage+1)
+		return fmt.Errorf("sparse: Tactic's selection has 3 stages, not %d", stage+1)
 	}
 	return nil
 }

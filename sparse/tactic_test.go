@@ -30,7 +30,7 @@ func generated(t *testing.T, h Heads, n, queries int) *trace.Trace {
 
 // TestTacticStepMatchesReference runs whole GPU decode steps on a
 // generated layer and checks each stage: centroid scores against float64
-// products with the GPU's centroids, each head's cut against
+// products with the GPU's centroids rounded to fp16, each head's cut against
 // TacticBinnedBudgetRef on those scores, the token lists against the union
 // of the selected clusters with sinks and tail, and the output against
 // AttendSubsetRef over that union.
@@ -79,6 +79,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 			index[g].Sizes = append(index[g].Sizes, len(mem))
 		}
 	}
+	halfIndex(t, index) // the step scores with the centroids in fp16
 	fixed, err := TacticFixedTokens(sinks, n-tail, n-1)
 	require.NoError(t, err)
 	k, v := HalvesToFloat64(tr.K), HalvesToFloat64(tr.V)
@@ -120,6 +121,8 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 			c.Fill(step.expo.All(), nan)
 			c.Fill(step.expoFix.All(), nan)
 			c.Fill(step.cut.All(), nan)
+			c.Fill(step.scores.All(), nan)
+			c.Fill(step.binOf.All(), nan)
 		}))
 		got, err := step.Attend(q)
 		require.NoError(t, err)

@@ -1,18 +1,21 @@
 #version 450
-// Double-P's centroid scoring (seed 004, §4.2): l[h][c] = scale · q_h ·
-// centroid_c + ln s_c (centroids in fp16, packed two per 32-bit word), the logit of cluster c's pseudo-token (Eq. 5), for
-// every query head h and cluster c of its KV head, −∞ for an empty
-// cluster. A workgroup scores ROWS centroids of KV head gl_WorkGroupID.y
-// for the up to HB query heads of block gl_WorkGroupID.z, LANES lanes
-// sharing a row so that each row is read once for all the block's heads,
-// and folds its finite logits into the heads' best and worst (atomic
-// maxima of order-preserving keys, which doublep_cut reads and resets).
+// Centroid scores of a clustered layer: l[h][c] = scale · q_h · centroid_c
+// (Tactic, LOG_SIZE = 0) or scale · q_h · centroid_c + ln s_c, the logit of
+// cluster c's pseudo-token in Double-P (seed 004, Eq. 5; −∞ for an empty
+// cluster, LOG_SIZE = 1), for every query head h and cluster c of its KV
+// head, the centroids in fp16, packed two per 32-bit word. A workgroup
+// scores ROWS centroids of KV head gl_WorkGroupID.y for the up to HB query
+// heads of block gl_WorkGroupID.z, LANES lanes sharing a row so that each
+// row is read once for all the block's heads, and folds its finite scores
+// into the heads' best and worst (atomic maxima of order-preserving keys,
+// which the next kernel reads and resets: doublep_cut, tactic_order).
 #extension GL_EXT_control_flow_attributes : enable
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 256;   // threads, a power of two; WG·HB ≤ 4096
 layout(constant_id = 1) const uint D = 128;
 layout(constant_id = 2) const uint HB = 4;     // query heads per block, 1 to 8
+layout(constant_id = 3) const uint LOG_SIZE = 1;
 
 const uint D4 = D / 4;
 const uint D8 = D / 8;         // uvec4 (8 halves) per centroid
@@ -83,9 +86,9 @@ void main() {
 		uint size = sizes[g * pc.C + c];
 		float sum = 0.0;
 		[[unroll]] for (uint j = 0; j < LANES; j++) sum += lanes[(lane * ROWS + r) * LANES + j];
-		float l = size == 0 ? NEG : sum + log(float(size));
+		float l = LOG_SIZE == 0 ? sum : (size == 0 ? NEG : sum + log(float(size)));
 		s[(h0 + lane) * pc.C + c] = l;
-		if (size != 0) {
+		if (LOG_SIZE == 0 || size != 0) {
 			atomicMax(keyMax[lane], key(l));
 			atomicMax(keyMin[lane], ~key(l));
 		}
