@@ -64,7 +64,7 @@ type tacticBound struct {
 	// fitArrived counts the sampling workgroups done per query head, 0
 	// between steps.
 	fitArrived *vk.Buffer
-	fixedCap                 int // fixedStride: the most fixed tokens the cache can hold (capacity − clustered)
+	fixedCap   int // fixedStride: the most fixed tokens the cache can hold (capacity − clustered)
 }
 
 // release frees the bindings and buffers.
