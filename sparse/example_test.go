@@ -101,3 +101,57 @@ func ExampleTacticDecoder() {
 	fmt.Printf("clustered %d, tail %d: %.3f %.3f %v\n", dec.Clusters().Count, dec.Tail(), out[0], out[len(out)-1], err)
 	// Output: clustered 1124, tail 22: 0.500 0.500 <nil>
 }
+
+// Double-P over a clustered cache (every policy's step works alike: a
+// Selector, then attention over what it selects). The values are all 0.5,
+// so every output element is 0.5 whatever the step attends, exactly or
+// through the clusters' mean values.
+func ExampleNewDoublePStep() {
+	dev, err := vk.Open(vk.OptionsFromEnv())
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer dev.Release()
+	heads := sparse.Heads{Query: 4, KV: 1, Dim: 64}
+	const n, sinks, recent = 2000, 4, 64
+	layer, _ := kvcache.NewLayer(dev, heads.KV, heads.Dim, n)
+	defer layer.Release()
+	k, v := make([]float32, n*heads.Dim), make([]float32, n*heads.Dim)
+	for i := range k {
+		k[i], v[i] = float32((i*7919)%13)/13-0.5, 0.5
+	}
+	kh, _ := kvcache.ToHalves(k)
+	vh, _ := kvcache.ToHalves(v)
+	if err := layer.Prefill(kh, vh, n); err != nil {
+		fmt.Println(err)
+		return
+	}
+	km, _ := sparse.NewKMeans(dev, heads.KV, heads.Dim)
+	defer km.Release()
+	clusters, err := km.Cluster(layer, sinks, n-sinks-recent, sparse.KMeansOptions{Span: sparse.KMeansDefaultSpan})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer clusters.Release()
+	if err := layer.Reorder(clusters); err != nil { // each cluster a run of slots
+		fmt.Println(err)
+		return
+	}
+	dense, _ := sparse.NewDense(dev, heads)
+	defer dense.Release()
+	step, err := sparse.NewDoublePStep(dense, layer, clusters, sparse.DefaultDoubleP())
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer step.Release()
+	q := make([]float32, heads.Query*heads.Dim)
+	for i := range q {
+		q[i] = float32(i%5) - 2
+	}
+	out, err := step.Attend(q)
+	fmt.Printf("%v %.3f %.3f %v\n", step.Stages(), out[0], out[len(out)-1], err)
+	// Output: [score cut attend] 0.500 0.500 <nil>
+}
