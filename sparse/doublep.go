@@ -80,21 +80,17 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 		wg &= wg - 1
 	}
 	s.rows = int(wg) / 8
-	var err error
-	alloc := func(words int) *vk.Buffer {
-		if err != nil {
-			return nil
-		}
-		var b *vk.Buffer
-		b, err = dev.NewBuffer(uint64(max(words, 1))*4, vk.DeviceLocal)
-		s.bufs = append(s.bufs, b)
-		return b
-	}
+	b := &builder{dev: dev, bufs: &s.bufs}
 	hq, c := h.Query, clusters.C
-	s.logits, s.binOf, s.exact, s.keep = alloc(hq*c), alloc(hq*c), alloc(hq), alloc(hq)
-	s.means = alloc(h.KV * c * h.Dim)
-	s.extremes = alloc(2 * hq)
-	s.centroids = alloc(h.KV * c * h.Dim / 2)
+	s.logits, s.binOf, s.exact, s.keep = b.words(hq*c), b.words(hq*c), b.words(hq), b.words(hq)
+	s.means = b.words(h.KV * c * h.Dim)
+	s.extremes = b.words(2 * hq)
+	s.centroids = b.words(h.KV * c * h.Dim / 2)
+	s.score = b.kernel("centroid_score", 5, 3, wg, uint32(h.Dim), uint32(s.heads), 1)
+	// The cuts: one workgroup per head, as many threads as the device
+	// allows up to the bins.
+	s.cut = b.kernel("doublep_cut", 5, 4, min(tacticWorkgroup(dev.Info()), TacticBins), TacticBins, 10)
+	err := b.err
 	if err == nil {
 		err = halfCentroids(clusters, s.centroids)
 	}
@@ -104,22 +100,6 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 	if err == nil {
 		err = dev.Run(func(c *vk.Commands) { c.Fill(s.extremes.All(), 0) })
 	}
-	build := func(name string, bindings, push int, spec ...uint32) *vk.Pipeline {
-		if err != nil {
-			return nil
-		}
-		var code []byte
-		if code, err = shaders.SPIRV(name); err != nil {
-			return nil
-		}
-		var pipe *vk.Pipeline
-		pipe, err = dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: bindings, PushWords: push, Specialization: spec})
-		return pipe
-	}
-	s.score = build("centroid_score", 5, 3, wg, uint32(h.Dim), uint32(s.heads), 1)
-	// The cuts: one workgroup per head, as many threads as the device
-	// allows up to the bins.
-	s.cut = build("doublep_cut", 5, 4, min(tacticWorkgroup(dev.Info()), TacticBins), TacticBins, 10)
 	if err != nil {
 		return nil, errors.Join(err, s.Release())
 	}

@@ -6,7 +6,6 @@ import (
 	"math"
 
 	"github.com/vksparse/vksparse/kvcache"
-	"github.com/vksparse/vksparse/shaders"
 	"github.com/vksparse/vksparse/vk"
 )
 
@@ -112,21 +111,17 @@ func NewH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 		s.wg /= 2
 	}
 	blocks := h.KV * ceilDiv(h.Group(), s.heads)
-	var err error
-	alloc := func(words int) *vk.Buffer {
-		if err != nil {
-			return nil
-		}
-		var b *vk.Buffer
-		b, err = dev.NewBuffer(uint64(max(words, 1))*4, vk.DeviceLocal)
-		s.bufs = append(s.bufs, b)
-		return b
-	}
+	b := &builder{dev: dev, bufs: &s.bufs}
+	alloc := b.words
 	hq, c := h.Query, tokens.C
 	s.prev, s.obs = alloc(hq*h.Dim), alloc(hq*h.Dim)
 	s.row, s.part, s.mz = alloc(hq*layer.Capacity()), alloc(hq*s.partials()*2), alloc(hq*2)
 	s.acc, s.rank, s.cut = alloc(hq*c), alloc(hq*c), alloc(hq)
 	s.arrivedScore, s.arrivedChoose, s.state = alloc(blocks), alloc(blocks), alloc(blocks)
+	spec := []uint32{s.wg, uint32(h.Dim), uint32(s.heads)}
+	s.score = b.kernel("h2o_score", 9, 9, spec...)
+	s.choose = b.kernel("h2o_select", 9, 8, spec...)
+	err := b.err
 	if err == nil {
 		err = dev.Run(func(cmd *vk.Commands) {
 			for _, b := range []*vk.Buffer{s.acc, s.rank, s.cut, s.arrivedScore, s.arrivedChoose, s.state} {
@@ -134,21 +129,6 @@ func NewH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 			}
 		})
 	}
-	spec := []uint32{s.wg, uint32(h.Dim), uint32(s.heads)}
-	pipe := func(name string, bindings, push int) *vk.Pipeline {
-		if err != nil {
-			return nil
-		}
-		var code []byte
-		if code, err = shaders.SPIRV(name); err != nil {
-			return nil
-		}
-		var p *vk.Pipeline
-		p, err = dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: bindings, PushWords: push, Specialization: spec})
-		return p
-	}
-	s.score = pipe("h2o_score", 9, 9)
-	s.choose = pipe("h2o_select", 9, 8)
 	bindScore := func(query *vk.Buffer) *vk.Binding {
 		if err != nil {
 			return nil

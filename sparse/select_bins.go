@@ -83,35 +83,22 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 		wg &= wg - 1
 	}
 	s.rows = int(wg) / 8
-	var err error
-	alloc := func(words int) *vk.Buffer {
-		if err != nil {
-			return nil
-		}
-		var b *vk.Buffer
-		b, err = dev.NewBuffer(uint64(max(words, 1))*4, vk.DeviceLocal)
-		s.bufs = append(s.bufs, b)
-		return b
-	}
+	b := &builder{dev: dev, bufs: &s.bufs}
+	alloc := b.words
 	hq, c := h.Query, clusters.C
 	s.row, s.score = alloc(hq*s.rowStride()), alloc(hq*c)
 	s.binOf, s.cut = alloc(hq*c), alloc(hq)
 	s.arrived = alloc(h.KV * ceilDiv(h.Group(), s.heads))
 	if kind == scoreBounds {
 		s.lo, s.hi = alloc(h.KV*c*h.Dim), alloc(h.KV*c*h.Dim)
-		if err == nil {
-			err = s.computeBounds()
-		}
+	}
+	s.pipe = b.kernel("select_bins", 11, 11, wg, uint32(h.Dim), uint32(s.heads), TacticBins, 10, uint32(kind), boolWord(topP))
+	err := b.err
+	if err == nil && kind == scoreBounds {
+		err = s.computeBounds()
 	}
 	if err == nil {
 		err = dev.Run(func(c *vk.Commands) { c.Fill(s.arrived.All(), 0) })
-	}
-	if err == nil {
-		var code []byte
-		if code, err = shaders.SPIRV("select_bins"); err == nil {
-			s.pipe, err = dev.NewPipeline(vk.Kernel{Name: "select_bins", SPIRV: code, Bindings: 11, PushWords: 11,
-				Specialization: []uint32{wg, uint32(h.Dim), uint32(s.heads), TacticBins, 10, uint32(kind), boolWord(topP)}})
-		}
 	}
 	if err != nil {
 		return nil, errors.Join(err, s.release())

@@ -8,7 +8,6 @@ import (
 	"sort"
 
 	"github.com/vksparse/vksparse/kvcache"
-	"github.com/vksparse/vksparse/shaders"
 	"github.com/vksparse/vksparse/vk"
 )
 
@@ -191,21 +190,9 @@ func newTacticSelector(dense *Dense, k *tacticKernels, layer *kvcache.Layer, clu
 
 // newTacticKernels compiles the selection kernels for dense's heads.
 func newTacticKernels(dense *Dense) (*tacticKernels, error) {
-	h := dense.heads
-	var err error
-	dev := dense.dev
-	build := func(name string, bindings, push int, spec ...uint32) *vk.Pipeline {
-		if err != nil {
-			return nil
-		}
-		var code []byte
-		if code, err = shaders.SPIRV(name); err != nil {
-			return nil
-		}
-		var pipe *vk.Pipeline
-		pipe, err = dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: bindings, PushWords: push, Specialization: spec})
-		return pipe
-	}
+	h, dev := dense.heads, dense.dev
+	b := &builder{dev: dev}
+	build := b.kernel
 	k := &tacticKernels{}
 	// Scoring: up to 8 query heads per block, the workgroup as large as
 	// its lanes' sums allow (workgroup × heads ≤ 4096 words). Ordering:
@@ -229,9 +216,9 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	team := max(16, 4*tpr) // threads per sampled cluster, a power of two
 	k.sampleTeams = sampleWorkgroup / team
 	k.fit = build("tactic_sample", 12, 10, sampleWorkgroup, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, subgroups(sampleWorkgroup))
-	if err != nil {
+	if b.err != nil {
 		k.release()
-		return nil, err
+		return nil, b.err
 	}
 	return k, nil
 }
@@ -282,22 +269,16 @@ func (s *tacticSelector) checkClusters(clusters *kvcache.Clusters) error {
 func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, error) {
 	h, dev := s.d.heads, s.d.dev
 	x := tacticBound{clusters: clusters}
-	var err error
-	alloc := func(words int) *vk.Buffer {
-		if err != nil {
-			return nil
-		}
-		var b *vk.Buffer
-		b, err = dev.NewBuffer(uint64(max(words, 1))*4, vk.DeviceLocal)
-		x.bufs = append(x.bufs, b)
-		return b
-	}
+	b := &builder{dev: dev, bufs: &x.bufs}
+	alloc := b.words
 	hq, c, n := h.Query, clusters.C, clusters.Count
 	x.fixedCap = s.seq.Capacity() - n // fixed tokens: the stored ones past the clustered
 	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
 	x.tokStart, x.planBuf, x.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
 	x.extremes, x.fitArrived = alloc(2*hq), alloc(hq)
 	x.centroids = alloc(h.KV * c * h.Dim / 2)
+	x.sampled, x.expo, x.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*x.fixedCap)
+	err := b.err
 	if err == nil {
 		err = halfCentroids(clusters, x.centroids)
 	}
@@ -308,7 +289,6 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 			}
 		})
 	}
-	x.sampled, x.expo, x.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*x.fixedCap)
 	if err != nil {
 		x.release()
 		return tacticBound{}, err
