@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/vk"
 	"github.com/vksparse/vksparse/vk/vktest"
 )
@@ -37,17 +38,7 @@ func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP) {
 	const tail, sinks = 64, 4
 	h := Heads{Query: 8, KV: 2, Dim: 64}
 	tr := generated(t, h, n, 2)
-	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
-	require.NoError(t, err)
-	defer layer.Release()
-	require.NoError(t, layer.Prefill(tr.K, tr.V, n))
-	km, err := NewKMeans(dev, h.KV, h.Dim)
-	require.NoError(t, err)
-	defer km.Release()
-	clusters, err := km.Cluster(layer, sinks, n-tail-sinks, KMeansOptions{Seed: 11, AvgClusterSize: avgCluster})
-	require.NoError(t, err)
-	defer clusters.Release()
-	require.NoError(t, layer.Reorder(clusters))
+	layer, clusters := orderedLayer(t, dev, h, tr, sinks, n-tail-sinks, KMeansOptions{Seed: 11, AvgClusterSize: avgCluster})
 	dense, err := NewDense(dev, h)
 	require.NoError(t, err)
 	defer dense.Release()
@@ -199,6 +190,25 @@ func requireNear(t *testing.T, want []float64, got []float32, tol float64, what 
 		}
 	}
 	require.Zero(t, bad, "%s: %d elements differ", what, bad)
+}
+
+// orderedLayer returns a cache of the trace's tokens in cluster order
+// and its index of tokens [first, first+count), both released when the
+// test ends.
+func orderedLayer(t *testing.T, dev *vk.Device, h Heads, tr *trace.Trace, first, count int, opts KMeansOptions) (*kvcache.Layer, *kvcache.Clusters) {
+	t.Helper()
+	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, tr.Tokens)
+	require.NoError(t, err)
+	t.Cleanup(func() { layer.Release() })
+	require.NoError(t, layer.Prefill(tr.K, tr.V, tr.Tokens))
+	km, err := NewKMeans(dev, h.KV, h.Dim)
+	require.NoError(t, err)
+	defer km.Release()
+	clusters, err := km.Cluster(layer, first, count, opts)
+	require.NoError(t, err)
+	t.Cleanup(func() { clusters.Release() })
+	require.NoError(t, layer.Reorder(clusters))
+	return layer, clusters
 }
 
 // hostIndex reads every KV head's index of clusters back as ClusterIndex.

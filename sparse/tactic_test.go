@@ -10,7 +10,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/vk"
 	"github.com/vksparse/vksparse/vk/vktest"
@@ -49,17 +48,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 	const tail, sinks = 150, 4
 	h := Heads{Query: 8, KV: 2, Dim: 64}
 	tr := generated(t, h, n, 2)
-	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
-	require.NoError(t, err)
-	defer layer.Release()
-	require.NoError(t, layer.Prefill(tr.K, tr.V, n))
-	km, err := NewKMeans(dev, h.KV, h.Dim)
-	require.NoError(t, err)
-	defer km.Release()
-	clusters, err := km.Cluster(layer, sinks, n-tail-sinks, KMeansOptions{Seed: 7, AvgClusterSize: avgCluster})
-	require.NoError(t, err)
-	defer clusters.Release()
-	require.NoError(t, layer.Reorder(clusters))
+	layer, clusters := orderedLayer(t, dev, h, tr, sinks, n-tail-sinks, KMeansOptions{Seed: 7, AvgClusterSize: avgCluster})
 	if !all {
 		require.Greater(t, clusters.C, int(tacticWorkgroup(dev.Info())), "clusters for several per thread")
 	}
