@@ -1,6 +1,10 @@
 package sparse
 
 import (
+	"errors"
+	"math"
+	"math/bits"
+
 	"github.com/vksparse/vksparse/shaders"
 	"github.com/vksparse/vksparse/vk"
 )
@@ -39,3 +43,42 @@ func (b *builder) kernel(name string, bindings, push int, spec ...uint32) *vk.Pi
 	pipe, b.err = b.dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: bindings, PushWords: push, Specialization: spec})
 	return pipe
 }
+
+// runKernelOnce builds the shader name, runs one dispatch of it over
+// bindings with push and groups workgroups, waits, and releases it: the
+// kernels a selector runs once, when it is made.
+func runKernelOnce(dev *vk.Device, name string, spec []uint32, bindings []vk.Range, push []uint32, groups [3]uint32) error {
+	b := &builder{dev: dev}
+	pipe := b.kernel(name, len(bindings), len(push), spec...)
+	if b.err != nil {
+		return b.err
+	}
+	defer pipe.Release()
+	bind, err := pipe.Bind(bindings...)
+	if err != nil {
+		return err
+	}
+	defer bind.Release()
+	return dev.Run(func(c *vk.Commands) { c.Dispatch(pipe, bind, push, groups[0], groups[1], groups[2]) })
+}
+
+// releaseAll releases every object of xs that is not nil and returns
+// their errors joined.
+func releaseAll[T interface {
+	comparable
+	Release() error
+}](xs ...T) error {
+	var zero T
+	var errs []error
+	for _, x := range xs {
+		if x != zero {
+			errs = append(errs, x.Release())
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// massScale is the fixed-point scale of the binned top-p kernels: each of
+// c terms in (0, 1] is summed as ⌊term·scale⌋ with integer atomics, so the
+// total stays below 2^31.
+func massScale(c int) float64 { return math.Ldexp(1, min(24, 31-bits.Len(uint(c)))) }

@@ -4,10 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"math/bits"
 
 	"github.com/vksparse/vksparse/kvcache"
-	"github.com/vksparse/vksparse/shaders"
 	"github.com/vksparse/vksparse/vk"
 )
 
@@ -115,24 +113,10 @@ func (s *DoublePSelector) computeMeans(layer *kvcache.Layer) error {
 	if meansWorkgroup%(h.Dim/8) != 0 || layer.HeadBytes()*uint64(h.KV) > uint64(dev.Info().MaxStorageBufferRange) {
 		return fmt.Errorf("%w: cluster means of head dimension %d over %d bytes of values", vk.ErrUnsupported, h.Dim, layer.HeadBytes()*uint64(h.KV))
 	}
-	code, err := shaders.SPIRV("cluster_means")
-	if err != nil {
-		return err
-	}
-	pipe, err := dev.NewPipeline(vk.Kernel{Name: "cluster_means", SPIRV: code, Bindings: 4, PushWords: 3, Specialization: []uint32{meansWorkgroup, uint32(h.Dim)}})
-	if err != nil {
-		return err
-	}
-	defer pipe.Release()
-	bind, err := pipe.Bind(layer.Values().All(), x.Starts.All(), x.Counts.All(), s.means.All())
-	if err != nil {
-		return err
-	}
-	defer bind.Release()
 	rows := meansWorkgroup / (h.Dim / 8)
-	return dev.Run(func(c *vk.Commands) {
-		c.Dispatch(pipe, bind, []uint32{uint32(x.C), uint32(layer.HeadBytes() / 16), uint32(x.First)}, uint32(ceilDiv(x.C, rows)), uint32(h.KV), 1)
-	})
+	return runKernelOnce(dev, "cluster_means", []uint32{meansWorkgroup, uint32(h.Dim)},
+		[]vk.Range{layer.Values().All(), x.Starts.All(), x.Counts.All(), s.means.All()},
+		[]uint32{uint32(x.C), uint32(layer.HeadBytes() / 16), uint32(x.First)}, [3]uint32{uint32(ceilDiv(x.C, rows)), uint32(h.KV), 1})
 }
 
 // Selection returns the ranks (bins), the exact cut and the pseudo-tokens
@@ -176,8 +160,7 @@ func (s *DoublePSelector) RecordStage(c *vk.Commands, stage int) error {
 		c.Dispatch(s.score, s.binds.score, []uint32{uint32(x.C), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))},
 			uint32(ceilDiv(x.C, s.rows)), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
 	case 1:
-		// Fixed-point masses: C terms of at most quant each stay below 2^31.
-		quant := math.Ldexp(1, min(24, 31-bits.Len(uint(x.C))))
+		quant := massScale(x.C)
 		c.Dispatch(s.cut, s.binds.cut, []uint32{uint32(x.C), math.Float32bits(float32(s.opts.P1)), math.Float32bits(float32(s.opts.P2)), math.Float32bits(float32(quant))},
 			uint32(h.Query), 1, 1)
 	default:
@@ -215,22 +198,7 @@ func (s *DoublePSelector) Means() ([]float32, error) {
 
 // Release frees the kernels, their bindings and the buffers.
 func (s *DoublePSelector) Release() error {
-	var errs []error
-	for _, b := range []*vk.Binding{s.binds.score, s.binds.cut} {
-		if b != nil {
-			errs = append(errs, b.Release())
-		}
-	}
-	for _, p := range []*vk.Pipeline{s.score, s.cut} {
-		if p != nil {
-			errs = append(errs, p.Release())
-		}
-	}
-	for _, b := range s.bufs {
-		if b != nil {
-			errs = append(errs, b.Release())
-		}
-	}
+	err := errors.Join(releaseAll(s.binds.score, s.binds.cut), releaseAll(s.score, s.cut), releaseAll(s.bufs...))
 	s.binds.score, s.binds.cut, s.score, s.cut, s.bufs = nil, nil, nil, nil, nil
-	return errors.Join(errs...)
+	return err
 }

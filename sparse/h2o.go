@@ -257,25 +257,7 @@ func (s *H2OSelector) Cuts() ([]int, error) { return readInts(s.cut, s.dense.hea
 
 // Release frees the kernels, the state and an index the step made.
 func (s *H2OSelector) Release() error {
-	var errs []error
-	for _, b := range []*vk.Binding{s.scoreBind, s.observeBind, s.chooseBind} {
-		if b != nil {
-			errs = append(errs, b.Release())
-		}
-	}
-	for _, p := range []*vk.Pipeline{s.score, s.choose} {
-		if p != nil {
-			errs = append(errs, p.Release())
-		}
-	}
-	for _, b := range s.bufs {
-		if b != nil {
-			errs = append(errs, b.Release())
-		}
-	}
-	if s.owned != nil {
-		errs = append(errs, s.owned.Release())
-	}
+	err := errors.Join(releaseAll(s.scoreBind, s.observeBind, s.chooseBind), releaseAll(s.score, s.choose), releaseAll(s.bufs...), releaseAll(s.owned))
 	s.scoreBind, s.observeBind, s.chooseBind, s.score, s.choose, s.bufs, s.owned = nil, nil, nil, nil, nil, nil, nil
-	return errors.Join(errs...)
+	return err
 }

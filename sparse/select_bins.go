@@ -4,10 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"math/bits"
 
 	"github.com/vksparse/vksparse/kvcache"
-	"github.com/vksparse/vksparse/shaders"
 	"github.com/vksparse/vksparse/vk"
 )
 
@@ -132,24 +130,9 @@ const boundsWorkgroup = 128
 // (page_bounds).
 func (s *binSelector) computeBounds() error {
 	h, dev, x := s.dense.heads, s.dense.dev, s.clusters
-	code, err := shaders.SPIRV("page_bounds")
-	if err != nil {
-		return err
-	}
-	pipe, err := dev.NewPipeline(vk.Kernel{Name: "page_bounds", SPIRV: code, Bindings: 5, PushWords: 3, Specialization: []uint32{boundsWorkgroup, uint32(h.Dim)}})
-	if err != nil {
-		return err
-	}
-	defer pipe.Release()
-	bind, err := pipe.Bind(s.layer.Keys().All(), x.Starts.All(), x.Counts.All(), s.lo.All(), s.hi.All())
-	if err != nil {
-		return err
-	}
-	defer bind.Release()
-	return dev.Run(func(c *vk.Commands) {
-		c.Dispatch(pipe, bind, []uint32{uint32(x.C), uint32(s.layer.HeadBytes() / 4), uint32(x.First)},
-			uint32(ceilDiv(x.C*h.Dim/2, boundsWorkgroup)), uint32(h.KV), 1)
-	})
+	return runKernelOnce(dev, "page_bounds", []uint32{boundsWorkgroup, uint32(h.Dim)},
+		[]vk.Range{s.layer.Keys().All(), x.Starts.All(), x.Counts.All(), s.lo.All(), s.hi.All()},
+		[]uint32{uint32(x.C), uint32(s.layer.HeadBytes() / 4), uint32(x.First)}, [3]uint32{uint32(ceilDiv(x.C*h.Dim/2, boundsWorkgroup)), uint32(h.KV), 1})
 }
 
 func (s *binSelector) selection() Selection {
@@ -178,8 +161,7 @@ func (s *binSelector) recordStage(c *vk.Commands, stage int) error {
 		return fmt.Errorf("sparse: the selection has one stage (asked for %d) and needs its queries bound", stage)
 	}
 	h, x := s.dense.heads, s.clusters
-	// Fixed-point masses: C terms of at most quant each stay below 2^31.
-	quant := math.Ldexp(1, min(24, 31-bits.Len(uint(x.C))))
+	quant := massScale(x.C)
 	push := []uint32{uint32(x.C), uint32(s.rowStride()), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))),
 		math.Float32bits(float32(s.p)), uint32(s.k), math.Float32bits(float32(quant)), uint32(x.First), uint32(s.layer.HeadBytes() / 16),
 		uint32(s.rowCount()), uint32(x.Count)}
@@ -210,21 +192,7 @@ func (s *binSelector) bounds() (lo, hi []float32, err error) {
 }
 
 func (s *binSelector) release() error {
-	var errs []error
-	if s.bind != nil {
-		errs = append(errs, s.bind.Release())
-	}
-	if s.pipe != nil {
-		errs = append(errs, s.pipe.Release())
-	}
-	for _, b := range s.bufs {
-		if b != nil {
-			errs = append(errs, b.Release())
-		}
-	}
-	if s.owned != nil {
-		errs = append(errs, s.owned.Release())
-	}
+	err := errors.Join(releaseAll(s.bind), releaseAll(s.pipe), releaseAll(s.bufs...), releaseAll(s.owned))
 	s.bind, s.pipe, s.bufs, s.owned = nil, nil, nil, nil
-	return errors.Join(errs...)
+	return err
 }

@@ -68,19 +68,9 @@ type tacticBound struct {
 
 // release frees the bindings and buffers.
 func (b *tacticBound) release() error {
-	var errs []error
-	for _, x := range []*vk.Binding{b.binds.score, b.binds.order, b.binds.fit} {
-		if x != nil {
-			errs = append(errs, x.Release())
-		}
-	}
-	for _, x := range b.bufs {
-		if x != nil {
-			errs = append(errs, x.Release())
-		}
-	}
+	err := errors.Join(releaseAll(b.binds.score, b.binds.order, b.binds.fit), releaseAll(b.bufs...))
 	*b = tacticBound{}
-	return errors.Join(errs...)
+	return err
 }
 
 // Sampling kernel's threads per workgroup, and the most workgroups per
@@ -140,13 +130,7 @@ type tacticKernels struct {
 
 // release destroys the kernels.
 func (k *tacticKernels) release() error {
-	var errs []error
-	for _, p := range []*vk.Pipeline{k.score, k.order, k.fit} {
-		if p != nil {
-			errs = append(errs, p.Release())
-		}
-	}
-	return errors.Join(errs...)
+	return releaseAll(k.score, k.order, k.fit)
 }
 
 // NewTacticStep prepares decode steps at target mass p with the fit's

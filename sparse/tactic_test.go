@@ -55,19 +55,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 	dense, err := NewDense(dev, h)
 	require.NoError(t, err)
 	defer dense.Release()
-	index := make([]*ClusterIndex, h.KV)
-	for g := range index {
-		hc, err := clusters.Read(g)
-		require.NoError(t, err)
-		cent := make([]float64, len(hc.Centroids))
-		for i, x := range hc.Centroids {
-			cent[i] = float64(x)
-		}
-		index[g] = &ClusterIndex{D: h.Dim, Centroids: cent, Members: hc.Members}
-		for _, mem := range hc.Members {
-			index[g].Sizes = append(index[g].Sizes, len(mem))
-		}
-	}
+	index := hostIndex(t, clusters)
 	halfIndex(t, index) // the step scores with the centroids in fp16
 	fixed, err := TacticFixedTokens(sinks, n-tail, n-1)
 	require.NoError(t, err)

@@ -15,7 +15,6 @@ import (
 	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
-	"github.com/vksparse/vksparse/workload"
 )
 
 // compareRow is one row of `vkbench compare`'s GPU table.
@@ -70,31 +69,12 @@ func compare(args []string) error {
 	if err := copts.Validate(); err != nil {
 		return err
 	}
-	var traces []*trace.Trace
-	var names []string
+	traces, names, err := layers(*tracePath, *ns, *kindsName, *qHeads, *kvHeads, *dim, *seed)
+	if err != nil {
+		return err
+	}
 	if *tracePath != "" {
-		t, err := trace.Read(*tracePath)
-		if err != nil {
-			return err
-		}
-		traces, names = append(traces, t), append(names, filepath.Base(*tracePath))
-	} else {
-		nList, err := ints(*ns)
-		if err != nil {
-			return fmt.Errorf("-n: %v", err)
-		}
-		for _, n := range nList {
-			cfg, err := workload.NamedConfig(*kindsName, n, *qHeads, *kvHeads, *dim)
-			if err != nil {
-				return fmt.Errorf("-kinds: %v", err)
-			}
-			cfg.Seed = *seed
-			t, err := workload.Generate(cfg)
-			if err != nil {
-				return err
-			}
-			traces, names = append(traces, t), append(names, fmt.Sprintf("workload n=%d %s", n, *kindsName))
-		}
+		names[0] = filepath.Base(*tracePath)
 	}
 	dev, err := openDevice()
 	if err != nil {

@@ -11,7 +11,9 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/vk"
+	"github.com/vksparse/vksparse/workload"
 )
 
 // table prints rows aligned under a header.
@@ -43,6 +45,37 @@ func writeJSON(path, command string, info vk.Info, results any) error {
 		return err
 	}
 	return os.WriteFile(path, append(b, '\n'), 0o644)
+}
+
+// layers returns the trace at tracePath, or else one generated layer of
+// the named kinds per context length in ns, with their names.
+func layers(tracePath, ns, kinds string, qHeads, kvHeads, dim int, seed int64) ([]*trace.Trace, []string, error) {
+	if tracePath != "" {
+		t, err := trace.Read(tracePath)
+		if err != nil {
+			return nil, nil, err
+		}
+		return []*trace.Trace{t}, []string{tracePath}, nil
+	}
+	nList, err := ints(ns)
+	if err != nil {
+		return nil, nil, fmt.Errorf("-n: %v", err)
+	}
+	var traces []*trace.Trace
+	var names []string
+	for _, n := range nList {
+		cfg, err := workload.NamedConfig(kinds, n, qHeads, kvHeads, dim)
+		if err != nil {
+			return nil, nil, fmt.Errorf("-kinds: %v", err)
+		}
+		cfg.Seed = seed
+		t, err := workload.Generate(cfg)
+		if err != nil {
+			return nil, nil, err
+		}
+		traces, names = append(traces, t), append(names, fmt.Sprintf("workload n=%d %s", n, kinds))
+	}
+	return traces, names, nil
 }
 
 // ints parses a comma-separated list of positive integers.

@@ -7,7 +7,6 @@ import (
 
 	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/sparse"
-	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/workload"
 )
 
@@ -54,31 +53,9 @@ func tactic(args []string) error {
 	if _, err := workload.NamedConfig(*kindsName, 1, *qHeads, *kvHeads, *dim); err != nil {
 		return fmt.Errorf("-kinds: %v", err)
 	}
-	var traces []*trace.Trace
-	var names []string
-	if *tracePath != "" {
-		t, err := trace.Read(*tracePath)
-		if err != nil {
-			return err
-		}
-		traces, names = append(traces, t), append(names, *tracePath)
-	} else {
-		nList, err := ints(*ns)
-		if err != nil {
-			return fmt.Errorf("-n: %v", err)
-		}
-		for _, n := range nList {
-			cfg, err := workload.NamedConfig(*kindsName, n, *qHeads, *kvHeads, *dim)
-			if err != nil {
-				return err
-			}
-			cfg.Seed = *seed
-			t, err := workload.Generate(cfg)
-			if err != nil {
-				return err
-			}
-			traces, names = append(traces, t), append(names, fmt.Sprintf("workload n=%d %s", n, *kindsName))
-		}
+	traces, names, err := layers(*tracePath, *ns, *kindsName, *qHeads, *kvHeads, *dim, *seed)
+	if err != nil {
+		return err
 	}
 	dev, err := openDevice()
 	if err != nil {
