@@ -132,6 +132,19 @@ type TacticBudget struct {
 	// Selected = J, the least j with Offsets[j] ≥ K: the head selects the
 	// clusters Order[0:J], SelectedTokens = Offsets[J] tokens of them.
 	Selected, SelectedTokens int
+
+	// exactCum[k] = Σ_{x ≤ k} e_x over the exact part, k ≤ N'.
+	exactCum []float64
+}
+
+// Estimate returns S(k), the estimated exp sum (shifted units) over F and
+// the clustered positions 1 … k, 0 ≤ k ≤ N: exact up to N', then the
+// fitted curve.
+func (b *TacticBudget) Estimate(k int) float64 {
+	if k <= b.ExactTokens {
+		return b.FixedSum + b.exactCum[k]
+	}
+	return b.FixedSum + b.ExactSum + tacticCurveSum(b.A, b.B, b.ExactTokens+1, k)
 }
 
 // Clusters returns the selected cluster indices, Order[0:Selected].
@@ -375,12 +388,8 @@ func tacticBudget(q []float64, scale float64, keys []float64, idx *ClusterIndex,
 	}
 
 	// 5–6. Cumulative estimate and budget.
-	S := func(k int) float64 {
-		if k <= b.ExactTokens {
-			return b.FixedSum + exactCum[k]
-		}
-		return b.FixedSum + b.ExactSum + tacticCurveSum(b.A, b.B, b.ExactTokens+1, k)
-	}
+	b.exactCum = exactCum
+	S := b.Estimate
 	b.Total = S(n)
 	if p == 1 {
 		b.Budget = n

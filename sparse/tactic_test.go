@@ -137,9 +137,9 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 					}
 					require.InDelta(t, scale*s, float64(w), 1e-4*(1+math.Abs(scale*s)), "P %v: score of head %d, cluster %d", p, hh, c)
 				}
-				_, cut, err := TacticBinnedBudgetRef(qh, scale, keys, index[g], hs, fixed, p, r.fit)
+				budget, cut, err := TacticBinnedBudgetRef(qh, scale, keys, index[g], hs, fixed, p, r.fit)
 				require.NoError(t, err)
-				require.InDelta(t, cut, cuts[hh], 1, "P %v: cut of head %d (GPU %d, reference %d)", p, hh, cuts[hh], cut)
+				requireCut(t, budget, hs, cut, cuts[hh], p, fmt.Sprintf("P %v: cut of head %d", p, hh))
 				m, u := TacticBinScale(hs)
 				for c, x := range hs {
 					if TacticBin(m, u, x) < cuts[hh] {
@@ -182,6 +182,39 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 	}
 	require.Greater(t, total, time.Duration(0))
 	t.Logf("stages %v, step %v", stages, total)
+}
+
+// cutMassTolerance is how far from P, in the reference's estimated mass
+// fraction, a GPU cut may land when it differs from the reference's: the
+// GPU fits in float32, and where the estimated curve is flat a change of
+// 1e-4 in the fit moves the cut across several sparse bins.
+const cutMassTolerance = 2e-3
+
+// requireCut checks a head's GPU cut against the reference's budget over
+// the binned groups of scores: equal, or, by the reference's estimate S,
+// the GPU's groups reach P − cutMassTolerance of the total and all but the
+// last of them stay below P + cutMassTolerance. At P = 1 it must be equal.
+func requireCut(t *testing.T, b *TacticBudget, scores []float32, want, got int, p float64, what string) {
+	t.Helper()
+	if got == want {
+		return
+	}
+	require.Less(t, p, 1.0, "%s: GPU %d, reference %d", what, got, want)
+	m, u := TacticBinScale(scores)
+	taken := map[int]bool{}
+	for _, x := range scores {
+		if bin := TacticBin(m, u, x); bin < got {
+			taken[bin] = true
+		}
+	}
+	j := len(taken) // groups are the non-empty bins, ascending
+	reach := b.Estimate(b.Offsets[j]) / b.Total
+	require.GreaterOrEqual(t, reach, p-cutMassTolerance, "%s: GPU %d reaches %.5f, reference %d", what, got, reach, want)
+	if j > 0 {
+		before := b.Estimate(b.Offsets[j-1]) / b.Total
+		require.Less(t, before, p+cutMassTolerance, "%s: GPU %d already reached %.5f a group before, reference %d", what, got, before, want)
+	}
+	t.Logf("%s: GPU %d, reference %d; the GPU's groups reach %.5f of the estimate", what, got, want, reach)
 }
 
 // requireSampled checks the exponentials of the sampling pass of the last
