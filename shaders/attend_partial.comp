@@ -286,8 +286,15 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 // takenByGroup reports whether some query head of KV head g takes cluster
 // cl (GATHER = 2).
 bool takenByGroup(uint g, uint cl) {
+	// Eight heads unrolled at a time, so that their rank loads are in
+	// flight together.
 	uint take = 0;
-	for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take |= uint(rank[h * pc.C + cl] < cut[h]);
+	uint h0 = g * pc.groupSize, h1 = h0 + pc.groupSize;
+	for (uint hb = h0; hb < h1; hb += 8) {
+		[[unroll]] for (uint j = 0; j < 8; j++) {
+			if (hb + j < h1) take |= uint(rank[(hb + j) * pc.C + cl] < cut[hb + j]);
+		}
+	}
 	return take != 0;
 }
 
@@ -346,9 +353,11 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 			uint cl = c + (w0 + tid) * stride;
 			uint size = 0;
 			if (tid < CW && w0 + tid < cEnd) {
-				if (takenByGroup(g, cl)) size = sizes[g * pc.C + cl];
+				// Size and start loaded with the ranks, not after them.
+				uint all = sizes[g * pc.C + cl];
 				// Clusters are runs of slots (kvcache Layer.Reorder).
 				from[tid] = pc.first + starts[g * pc.C + cl];
+				if (takenByGroup(g, cl)) size = all;
 			}
 			scanSizes(size);
 			uint total = pre[CW];
