@@ -309,6 +309,19 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 	uint chunkStart = c * chunk;
 	uint chunkEnd = min(chunkStart + chunk, n);  // GATHER < 2: chunkStart < chunkEnd (main)
 
+	// GATHER = 2: the first window's cluster (taken or not, size and
+	// start), loaded before the queries' barrier so that both loads are in
+	// flight together.
+	uint firstSize = 0, firstFrom = 0;
+	if (GATHER == 2 && c < pc.clusterChunks && tid < CW) {
+		uint g = pc.kvBase + kvLocal;
+		uint cl = c + tid * pc.clusterChunks;
+		if (cl < pc.C) {
+			uint all = sizes[g * pc.C + cl];
+			firstFrom = pc.first + starts[g * pc.C + cl];
+			if (takenByGroup(g, cl)) firstSize = all;
+		}
+	}
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
 	}
@@ -352,7 +365,10 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 		for (uint w0 = 0; w0 < cEnd; w0 += CW) {
 			uint cl = c + (w0 + tid) * stride;
 			uint size = 0;
-			if (tid < CW && w0 + tid < cEnd) {
+			if (w0 == 0) {
+				size = firstSize;
+				if (tid < CW) from[tid] = firstFrom;
+			} else if (tid < CW && w0 + tid < cEnd) {
 				// Size and start loaded with the ranks, not after them.
 				uint all = sizes[g * pc.C + cl];
 				// Clusters are runs of slots (kvcache Layer.Reorder).
