@@ -286,15 +286,8 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 // takenByGroup reports whether some query head of KV head g takes cluster
 // cl (GATHER = 2).
 bool takenByGroup(uint g, uint cl) {
-	// Eight heads unrolled at a time, so that their rank loads are in
-	// flight together.
 	uint take = 0;
-	uint h0 = g * pc.groupSize, h1 = h0 + pc.groupSize;
-	for (uint hb = h0; hb < h1; hb += 8) {
-		[[unroll]] for (uint j = 0; j < 8; j++) {
-			if (hb + j < h1) take |= uint(rank[(hb + j) * pc.C + cl] < cut[hb + j]);
-		}
-	}
+	for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take |= uint(rank[h * pc.C + cl] < cut[h]);
 	return take != 0;
 }
 
@@ -309,19 +302,6 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 	uint chunkStart = c * chunk;
 	uint chunkEnd = min(chunkStart + chunk, n);  // GATHER < 2: chunkStart < chunkEnd (main)
 
-	// GATHER = 2: the first window's cluster (taken or not, size and
-	// start), loaded before the queries' barrier so that both loads are in
-	// flight together.
-	uint firstSize = 0, firstFrom = 0;
-	if (GATHER == 2 && c < pc.clusterChunks && tid < CW) {
-		uint g = pc.kvBase + kvLocal;
-		uint cl = c + tid * pc.clusterChunks;
-		if (cl < pc.C) {
-			uint all = sizes[g * pc.C + cl];
-			firstFrom = pc.first + starts[g * pc.C + cl];
-			if (takenByGroup(g, cl)) firstSize = all;
-		}
-	}
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
 	}
@@ -365,15 +345,10 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 		for (uint w0 = 0; w0 < cEnd; w0 += CW) {
 			uint cl = c + (w0 + tid) * stride;
 			uint size = 0;
-			if (w0 == 0) {
-				size = firstSize;
-				if (tid < CW) from[tid] = firstFrom;
-			} else if (tid < CW && w0 + tid < cEnd) {
-				// Size and start loaded with the ranks, not after them.
-				uint all = sizes[g * pc.C + cl];
+			if (tid < CW && w0 + tid < cEnd) {
+				if (takenByGroup(g, cl)) size = sizes[g * pc.C + cl];
 				// Clusters are runs of slots (kvcache Layer.Reorder).
 				from[tid] = pc.first + starts[g * pc.C + cl];
-				if (takenByGroup(g, cl)) size = all;
 			}
 			scanSizes(size);
 			uint total = pre[CW];

@@ -63,8 +63,6 @@ void main() {
 	uint c = gl_WorkGroupID.x * ROWS + r;
 	float acc[HB];
 	[[unroll]] for (uint k = 0; k < HB; k++) acc[k] = 0.0;
-	// The size is loaded with the row, not after the lanes meet.
-	uint size = LOG_SIZE != 0 && c < pc.C ? sizes[g * pc.C + c] : 1;
 	if (c < pc.C) {
 		// Every load of the row in flight at once.
 		const uint PER = (D8 + LANES - 1) / LANES;
@@ -85,6 +83,7 @@ void main() {
 	[[unroll]] for (uint k = 0; k < HB; k++) lanes[(k * ROWS + r) * LANES + lane] = acc[k];
 	barrier();
 	if (c < pc.C && lane < heads) {
+		uint size = sizes[g * pc.C + c];
 		float sum = 0.0;
 		[[unroll]] for (uint j = 0; j < LANES; j++) sum += lanes[(lane * ROWS + r) * LANES + j];
 		float l = LOG_SIZE == 0 ? sum : (size == 0 ? NEG : sum + log(float(size)));

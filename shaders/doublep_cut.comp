@@ -38,7 +38,7 @@ layout(push_constant) uniform Push {
 shared uint bins[NB];   // the bins' fixed-point masses
 shared float part[WG];  // scan of the bins' masses
 shared uint found[2];
-shared float cum[NB];  // running mass through each bin
+shared float kept;
 
 // unkey inverts centroid_score's key.
 float unkey(uint k) {
@@ -106,30 +106,36 @@ void main() {
 		barrier();
 	}
 	float total = part[WG - 1];
-	// The running mass through every bin, in shared memory, so that each
-	// cut is claimed only by the bin whose predecessor falls short of it
-	// (one atomic minimum, not one per bin past the cut).
-	float run = part[tid] - mine;
+	float before = part[tid] - mine;
+	// keep: the first bin where the running mass reaches p1 of the total.
+	float run = before;
 	for (uint i = 0; i < PER; i++) {
 		uint b = tid * PER + i;
 		run += binMass(bins[b], b, u);
-		cum[b] = run;
-	}
-	barrier();
-	// keep: the first bin where the running mass reaches p1 of the total.
-	float target = pc.p1 * total;
-	for (uint i = 0; i < PER; i++) {
-		uint b = tid * PER + i;
-		if (cum[b] >= target && (b == 0 || cum[b - 1] < target)) atomicMin(found[0], b);
+		if (run >= pc.p1 * total) {
+			atomicMin(found[0], b);
+			break;
+		}
 	}
 	barrier();
 	uint keep = found[0] == NB ? NB : found[0] + 1;
-	// exact: the first bin where the running mass reaches p2 of the kept
-	// mass, the running mass through bin keep − 1.
-	target = pc.p2 * (keep == 0 ? 0.0 : cum[keep - 1]);
+	// The kept mass: the running mass through bin keep − 1.
+	run = before;
 	for (uint i = 0; i < PER; i++) {
 		uint b = tid * PER + i;
-		if (cum[b] >= target && (b == 0 || cum[b - 1] < target)) atomicMin(found[1], b);
+		run += binMass(bins[b], b, u);
+		if (b + 1 == keep) kept = run;
+	}
+	barrier();
+	float target = pc.p2 * kept;
+	run = before;
+	for (uint i = 0; i < PER; i++) {
+		uint b = tid * PER + i;
+		run += binMass(bins[b], b, u);
+		if (run >= target) {
+			atomicMin(found[1], b);
+			break;
+		}
 	}
 	barrier();
 	if (tid == 0) {

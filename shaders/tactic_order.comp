@@ -157,20 +157,17 @@ void main() {
 
 		// j0: the least boundary with start >= need (NB if none); the
 		// window ends: the least bin j with start[j+1] >= x (NB − 1 if none).
-		// The starts ascend, so only the boundary where a condition turns
-		// true writes (an atomic minimum all the same), not every bin past it.
 		if (ordering) {
 			for (uint b = lt; b <= NB; b += T) {
 				uint x = scratch[st + b];
-				uint prev = b > 0 ? scratch[st + b - 1] : 0;
 				tokStart[h * (NB + 1) + b] = x;
-				if (x >= pc.need && (b == 0 || prev < pc.need)) atomicMin(found[0], b);
+				if (x >= pc.need) atomicMin(found[0], b);
 				if (b < NB) {
 					uint next = scratch[st + b + 1];
-					if (next >= pc.lo1 && (b == 0 || x < pc.lo1)) atomicMin(found[1], b);
-					if (next >= pc.hi1 && (b == 0 || x < pc.hi1)) atomicMin(found[2], b);
-					if (next >= pc.lo2 && (b == 0 || x < pc.lo2)) atomicMin(found[3], b);
-					if (next >= pc.hi2 && (b == 0 || x < pc.hi2)) atomicMin(found[4], b);
+					if (next >= pc.lo1) atomicMin(found[1], b);
+					if (next >= pc.hi1) atomicMin(found[2], b);
+					if (next >= pc.lo2) atomicMin(found[3], b);
+					if (next >= pc.hi2) atomicMin(found[4], b);
 				}
 			}
 		}
@@ -199,30 +196,17 @@ void main() {
 		}
 		barrier();  // the plan has read the offsets the cursors move
 
-		// The sampled clusters and their first positions. Every thread runs
-		// every round (the loads clamp), so that with subgroups one atomic
-		// per subgroup reserves its slots in the list.
+		// The sampled clusters and their first positions.
 		if (ordering) {
-			for (uint c00 = 0; c00 < pc.C; c00 += T * BATCH) {
-				uint c0 = c00 + lt;
+			for (uint c0 = lt; c0 < pc.C; c0 += T * BATCH) {
 				float sv[BATCH];
 				uint zv[BATCH];
 				loadBatch(c0, sb, g, sv, zv);
 				[[unroll]] for (uint i = 0; i < BATCH; i++) {
 					uint cl = c0 + i * T;
 					uint b = binOfScore(m, u, sv[i]);
-					bool take = cl < pc.C && (b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4))));
-					uint at;
-					if (SUBGROUPS != 0) {
-						uint one = take ? 1u : 0u;
-						uint count = subgroupAdd(one);
-						uint got = 0;
-						if (subgroupElect() && count > 0) got = atomicAdd(nSampled, count);
-						at = subgroupAdd(got) + subgroupExclusiveAdd(one);
-					} else if (take) {
-						at = atomicAdd(nSampled, 1);
-					}
-					if (take) sampled[sb + at] = uvec2(cl, atomicAdd(scratch[st + b], zv[i]));
+					bool take = b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
+					if (cl < pc.C && take) sampled[sb + atomicAdd(nSampled, 1)] = uvec2(cl, atomicAdd(scratch[st + b], zv[i]));
 				}
 			}
 		}

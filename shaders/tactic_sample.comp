@@ -138,23 +138,6 @@ float curve(float a, float b, uint lo, uint hi) {
 	return max(0.0, a * (harmonic(hi) - harmonic(lo - 1)) + b * float(hi - lo + 1));
 }
 
-const uint SUMB = 16;  // exponentials a thread loads at once when summing a range
-
-// sumRange returns Σ expo[at + x] over x in [lo, hi) taken every stride-th,
-// SUMB loads in flight at a time.
-float sumRange(uint at, uint lo, uint hi, uint stride) {
-	float sum = 0.0;
-	for (uint x0 = lo; x0 < hi; x0 += SUMB * stride) {
-		float v[SUMB];
-		[[unroll]] for (uint i = 0; i < SUMB; i++) {
-			uint x = x0 + i * stride;
-			v[i] = x < hi ? expo[at + x] : 0.0;
-		}
-		[[unroll]] for (uint i = 0; i < SUMB; i++) sum += v[i];
-	}
-	return sum;
-}
-
 // fit sets head h's cut from the exponentials of every workgroup's sampling.
 void fit(uint h, uint fixedCount) {
 	uint tid = gl_LocalInvocationID.x;
@@ -174,11 +157,11 @@ void fit(uint h, uint fixedCount) {
 	uint slot = SUBGROUPS != 0 ? gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID : tid;
 	uint per = (exact + WG - 1) / WG;
 	vec4 acc = vec4(0.0);
-	acc.x = sumRange(eb, slot * per, min(exact, slot * per + per), 1);
+	for (uint x = slot * per; x < min(exact, slot * per + per); x++) acc.x += expo[eb + x];
 	for (uint i = tid; i < fixedCount; i += WG) acc.y += expoFixed[h * pc.fixedStride + i];
 	if (windows) {
-		acc.z = sumRange(eb, u1 + tid, v1, WG);
-		acc.w = sumRange(eb, u2 + tid, v2, WG);
+		for (uint x = u1 + tid; x < v1; x += WG) acc.z += expo[eb + x];
+		for (uint x = u2 + tid; x < v2; x += WG) acc.w += expo[eb + x];
 	}
 	if (SUBGROUPS != 0) {
 		vec4 incl = subgroupInclusiveAdd(acc);
@@ -215,14 +198,9 @@ void fit(uint h, uint fixedCount) {
 
 	// S at every bin boundary: the exact prefix sum up to j0 (from the
 	// scan, the owning thread's part summed again), the curve beyond.
-	// A thread's boundaries are loaded at once.
 	if (tid == 0) best = NB;
-	const uint BPT = (NB + WG) / WG;  // boundaries per thread
-	uint xs[BPT];
-	[[unroll]] for (uint i = 0; i < BPT; i++) xs[i] = tid + i * WG <= NB ? tokStart[ob + tid + i * WG] : 0;
-	[[unroll]] for (uint i = 0; i < BPT; i++) {
-		uint j = tid + i * WG, x = xs[i];
-		if (j > NB) break;
+	for (uint j = tid; j <= NB; j += WG) {
+		uint x = tokStart[ob + j];
 		if (j > j0) {
 			pre[j] = fixedTotal + exactTotal + curve(a, bb, exact + 1, x);
 		} else if (x >= exact) {
@@ -230,18 +208,17 @@ void fit(uint h, uint fixedCount) {
 		} else {
 			uint owner = x / per;
 			float sum = owner == 0 ? 0.0 : red[owner - 1].x;
-			pre[j] = fixedTotal + sum + sumRange(eb, owner * per, x, 1);
+			for (uint y = owner * per; y < x; y++) sum += expo[eb + y];
+			pre[j] = fixedTotal + sum;
 		}
 	}
 	barrier();
 	float total = fixedTotal + exactTotal + curve(a, bb, exact + 1, pc.clustered);
 	if (j0 >= NB) total = pre[NB];
 	if (pc.p < 1.0) {
-		// The least j with S(j) >= target: only a j whose predecessor falls
-		// short competes for it, not every j past it.
 		float target = pc.p * total;
 		for (uint j = tid; j <= NB; j += WG) {
-			if (pre[j] >= target && (j == 0 || pre[j - 1] < target)) atomicMin(best, j);
+			if (pre[j] >= target) atomicMin(best, j);
 		}
 	}
 	barrier();

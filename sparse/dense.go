@@ -85,7 +85,7 @@ const (
 	gatherChunkMin   = 512 // least tokens per chunk of gathered attention
 	gatherWorkgroups = 256 // workgroups of gathered attention over long lists
 	clusterChunkMin  = 64  // least clusters per chunk of attention over clusters
-	clusterWindow    = 256 // clusters a workgroup scans at once (at most its threads): a whole run of 256 in one round of loads
+	clusterWindow    = 64  // clusters a workgroup scans at once (at most its threads)
 	// Workgroups of attention over many clusters: runs of 256 clusters at
 	// 131 072 tokens and 64 at 32 768. On the H100 with the layer in
 	// cluster order and the merge in the same dispatch, unions of 8–11 %
