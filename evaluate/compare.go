@@ -3,10 +3,8 @@ package evaluate
 import (
 	"fmt"
 	"math"
-	"runtime"
 	"slices"
 	"sort"
-	"sync"
 
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
@@ -52,31 +50,13 @@ func FixedBudgetPolicies() []string {
 // every field is used as given, except those derived from the trace when
 // zero or nil.
 type CompareOptions struct {
-	// Prefill is the number of leading tokens present at prefill: tokens
-	// [Sinks, Prefill) are clustered, and Tactic, Double-P and the oracles
-	// attend [0, Sinks) and [Prefill, pos] in full
-	// (sparse.TacticFixedTokens). 0 means DefaultPrefill.
-	Prefill int `json:"prefill"`
-	// Queries lists the indices of the trace's queries to evaluate, each at
-	// a position ≥ Prefill−1. nil means TailQueries. H2O steps through
-	// them in order of position.
-	Queries []int `json:"queries"`
-	// P lists the target masses, each in (0, 1].
-	P []float64 `json:"p"`
-	// Sinks is the number of leading sink tokens, 0 ≤ Sinks < Prefill, for
-	// every policy. Window is the recent window of the fixed-budget
-	// policies (sparse.BaselineLayout{Sinks, Window}).
-	Sinks  int `json:"sinks"`
+	// Setup's Sinks hold for every policy, and Tactic, Double-P and the
+	// oracles attend the prefill's fixed tokens in full; H2O steps
+	// through the queries in order of position.
+	Setup
+	// Window is the recent window of the fixed-budget policies
+	// (sparse.BaselineLayout{Sinks, Window}).
 	Window int `json:"window"`
-	// AvgClusterSize, KMeansIters, KMeansSpan and Seed set the clustering
-	// of every KV head's prefill (sparse.BuildSpanClusterIndexRef; KV head
-	// g uses the seed Seed+g), as in Tactic's evaluation.
-	AvgClusterSize int    `json:"avg_cluster_size"`
-	KMeansIters    int    `json:"kmeans_iters"`
-	KMeansSpan     int    `json:"kmeans_span"`
-	Seed           uint64 `json:"seed"`
-	// Fit holds Tactic's distribution-fitting parameters.
-	Fit sparse.TacticFit `json:"fit"`
 	// DoubleP2 is Double-P's second target (the share of the kept
 	// clusters' estimated mass attended token by token); its first is P.
 	DoubleP2 float64 `json:"doublep_p2"`
@@ -94,12 +74,6 @@ type CompareOptions struct {
 	// that is not evaluated and sits before the first evaluated one; an
 	// empty list means none.
 	H2OObserve []int `json:"h2o_observe"`
-	// Workers bounds the goroutines used; 0 means GOMAXPROCS. The result
-	// does not depend on it.
-	Workers int `json:"-"`
-	// Progress, if not nil, is called after each unit of work with the
-	// units done and their total, from one goroutine at a time.
-	Progress func(done, total int) `json:"-"`
 }
 
 // DefaultCompareOptions returns P = 0.5, 0.7, 0.9, 0.95 (0.95 is Double-P's
@@ -111,15 +85,17 @@ type CompareOptions struct {
 // derived from the trace.
 func DefaultCompareOptions() CompareOptions {
 	return CompareOptions{
-		P:              []float64{0.5, 0.7, 0.9, 0.95},
-		Sinks:          sparse.BaselineSinks,
-		Window:         sparse.BaselineWindow,
-		AvgClusterSize: sparse.KMeansDefaultAvgClusterSize,
-		KMeansIters:    sparse.KMeansDefaultIters,
-		Seed:           DefaultSeed,
-		Fit:            sparse.DefaultTacticFit(),
-		DoubleP2:       sparse.DefaultDoubleP().P2,
-		BudgetFrom:     []string{PolicyTactic, PolicyDoubleP},
+		Setup: Setup{
+			P:              []float64{0.5, 0.7, 0.9, 0.95},
+			Sinks:          sparse.BaselineSinks,
+			AvgClusterSize: sparse.KMeansDefaultAvgClusterSize,
+			KMeansIters:    sparse.KMeansDefaultIters,
+			Seed:           DefaultSeed,
+			Fit:            sparse.DefaultTacticFit(),
+		},
+		Window:     sparse.BaselineWindow,
+		DoubleP2:   sparse.DefaultDoubleP().P2,
+		BudgetFrom: []string{PolicyTactic, PolicyDoubleP},
 	}
 }
 
@@ -239,12 +215,6 @@ type compareRef struct {
 	probs, dense []float64
 }
 
-// compareHead is one KV head in float64 with its prefill clustered.
-type compareHead struct {
-	keys, values []float64
-	idx          *sparse.ClusterIndex
-}
-
 // comparer holds the state of one Compare.
 type comparer struct {
 	t        *trace.Trace
@@ -254,7 +224,7 @@ type comparer struct {
 	group    int
 	layout   sparse.BaselineLayout
 	entries  []PolicyResult // policy and budget source of each entry
-	heads    []compareHead
+	heads    []kvHead
 	refs     [][]compareRef // [query a][query head]
 	vmax     [][]float64    // [query a][KV head]
 	cases    [][][][]compareCase
@@ -287,16 +257,12 @@ func Compare(t *trace.Trace, opts CompareOptions) (*Comparison, error) {
 	if err := t.Validate(); err != nil {
 		return nil, err
 	}
+	if err := opts.Validate(); err != nil {
+		return nil, err
+	}
 	c := &comparer{t: t, opts: opts, group: t.QHeads / t.KVHeads}
-	c.queries = opts.Queries
-	if c.queries == nil {
-		c.queries = TailQueries(t)
-	}
-	c.prefill = opts.Prefill
-	if c.prefill == 0 {
-		c.prefill = DefaultPrefill(t, c.queries)
-	}
-	if err := c.check(); err != nil {
+	var err error
+	if c.queries, c.prefill, err = opts.resolve(t, "Compare"); err != nil {
 		return nil, err
 	}
 	c.layout = sparse.BaselineLayout{Sinks: opts.Sinks, Window: opts.Window}
@@ -367,39 +333,15 @@ func Compare(t *trace.Trace, opts CompareOptions) (*Comparison, error) {
 		}
 	}
 
-	workers := opts.Workers
-	if workers <= 0 {
-		workers = runtime.GOMAXPROCS(0)
-	}
-	var mu sync.Mutex
-	done, total := 0, t.KVHeads*(1+2*nq+np*len(h2o))
-	c.progress = func() {
-		if opts.Progress != nil {
-			mu.Lock()
-			done++
-			opts.Progress(done, total)
-			mu.Unlock()
-		}
-	}
+	workers := opts.workers()
+	c.progress = opts.counter(t.KVHeads * (1 + 2*nq + np*len(h2o)))
 
 	// Cluster every KV head's prefill once.
-	d := t.HeadDim
 	rows := 0
 	for _, qi := range append(slices.Clone(c.queries), observe...) {
 		rows = max(rows, int(t.QPos[qi])+1)
 	}
-	c.heads = make([]compareHead, t.KVHeads)
-	err := parallelFor(t.KVHeads, workers, func(g int) error {
-		h := &c.heads[g]
-		off := g * t.Tokens * d
-		h.keys = sparse.HalvesToFloat64(t.K[off : off+rows*d])
-		h.values = sparse.HalvesToFloat64(t.V[off : off+rows*d])
-		var err error
-		h.idx, err = sparse.BuildSpanClusterIndexRef(h.keys, d, opts.Sinks, c.prefill-opts.Sinks, opts.KMeansSpan, opts.AvgClusterSize, opts.KMeansIters, opts.Seed+uint64(g))
-		c.progress()
-		return err
-	})
-	if err != nil {
+	if c.heads, err = opts.clusterHeads(t, rows, c.prefill, c.progress); err != nil {
 		return nil, err
 	}
 
@@ -486,23 +428,14 @@ func Compare(t *trace.Trace, opts CompareOptions) (*Comparison, error) {
 // Validate reports the first problem with the options that does not
 // depend on the trace (Compare checks the rest).
 func (o *CompareOptions) Validate() error {
+	if err := o.validate("Compare"); err != nil {
+		return err
+	}
 	switch {
-	case len(o.P) == 0:
-		return fmt.Errorf("evaluate: Compare: no target masses P")
-	case o.Sinks < 0 || o.Window < 0:
-		return fmt.Errorf("evaluate: Compare: %d sinks and a window of %d", o.Sinks, o.Window)
-	case o.AvgClusterSize <= 0 || o.KMeansIters < 1 || o.KMeansSpan < 0:
-		return fmt.Errorf("evaluate: Compare: average cluster size %d, K-means iterations %d and span %d", o.AvgClusterSize, o.KMeansIters, o.KMeansSpan)
+	case o.Window < 0:
+		return fmt.Errorf("evaluate: Compare: a window of %d", o.Window)
 	case !(o.DoubleP2 > 0 && o.DoubleP2 <= 1):
 		return fmt.Errorf("evaluate: Compare: Double-P's P2 = %v outside (0, 1]", o.DoubleP2)
-	}
-	for _, p := range o.P {
-		if err := sparse.CheckP(p); err != nil {
-			return err
-		}
-	}
-	if err := o.Fit.Validate(); err != nil {
-		return err
 	}
 	all := append(AdaptivePolicies(), FixedBudgetPolicies()...)
 	run := o.policies()
@@ -534,33 +467,6 @@ func (o *CompareOptions) policies() []string {
 		return slices.Clone(o.Policies)
 	}
 	return append(AdaptivePolicies(), FixedBudgetPolicies()...)
-}
-
-// check validates the options against the trace, with the defaults for
-// queries and prefill already applied.
-func (c *comparer) check() error {
-	if err := c.opts.Validate(); err != nil {
-		return err
-	}
-	t := c.t
-	switch {
-	case len(c.queries) == 0:
-		return fmt.Errorf("evaluate: Compare: no queries to evaluate")
-	case c.opts.Sinks >= c.prefill || c.prefill > t.Tokens:
-		return fmt.Errorf("evaluate: Compare: want 0 ≤ sinks (%d) < prefill (%d) ≤ tokens (%d)", c.opts.Sinks, c.prefill, t.Tokens)
-	}
-	seen := make(map[int]bool, len(c.queries))
-	for _, qi := range c.queries {
-		if qi < 0 || qi >= t.Queries() || seen[qi] {
-			return fmt.Errorf("evaluate: Compare: query index %d repeated or outside [0, %d)", qi, t.Queries())
-		}
-		seen[qi] = true
-		if int(t.QPos[qi])+1 < c.prefill {
-			return fmt.Errorf("evaluate: Compare: query %d at position %d lies inside the prefill [0, %d)", qi, t.QPos[qi], c.prefill)
-		}
-	}
-	c.queries = slices.Clone(c.queries)
-	return nil
 }
 
 // groupQueries returns the query heads of KV head g at trace query qi in

@@ -27,7 +27,7 @@ func FuzzTacticOptions(f *testing.F) {
 	f.Add(math.MaxInt, math.MaxInt, 1, 1, 0, 0.0, 0.0, 1.0)
 	f.Fuzz(func(t *testing.T, sinks, span, avg, iters, maxWindow int, initial, w1, p float64) {
 		fit := sparse.TacticFit{InitialFrac: initial, Window1: w1, Window2: 0.4, WindowFrac: 0.02, MaxWindow: maxWindow}
-		o := TacticOptions{P: []float64{0.5, p}, Sinks: sinks, AvgClusterSize: avg, KMeansIters: iters, KMeansSpan: span, Fit: fit}
+		o := TacticOptions{Setup{P: []float64{0.5, p}, Sinks: sinks, AvgClusterSize: avg, KMeansIters: iters, KMeansSpan: span, Fit: fit}}
 		ok := sinks >= 0 && span >= 0 && avg > 0 && iters >= 1 && p > 0 && p <= 1 && fracOK(initial) && fracOK(w1) && maxWindow >= 0
 		if err := o.Validate(); (err == nil) != ok {
 			t.Fatalf("TacticOptions%+v.Validate() = %v, want ok %v", o, err, ok)

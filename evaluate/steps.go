@@ -120,17 +120,13 @@ func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, policies []
 	if err != nil {
 		return nil, err
 	}
-	// Keep the GPU busy a while so that its clocks have risen.
-	for spin := time.Now(); time.Since(spin) < time.Second; {
-		if _, err := plan.Time(0, 20); err != nil {
-			return nil, err
-		}
+	if err := warmUp(plan, time.Second); err != nil {
+		return nil, err
 	}
-	times, err := plan.Time(10, reps)
+	denseUs, err := medianMicros(plan, reps)
 	if err != nil {
 		return nil, err
 	}
-	denseUs := micros(times[len(times)/2])
 	kvBytes := float64(2 * n * heads.KV * heads.Dim * 2)
 
 	var out []StepRun
@@ -177,25 +173,16 @@ func timeStep(dev *vk.Device, l *Layers, p Policy, q []float32, ref []float32, r
 		}
 		r.RelErr += math.Sqrt(num/math.Max(den, 1e-300)) / float64(len(q)/d)
 	}
-	for spin := time.Now(); time.Since(spin) < 300*time.Millisecond; {
-		if _, err := step.Time(0, 20); err != nil {
-			return r, err
-		}
-	}
-	stages, _, err := step.TimeStages(10, reps)
-	if err != nil {
+	if err := warmUp(step, 300*time.Millisecond); err != nil {
 		return r, err
 	}
-	r.StageUs = map[string]float64{}
-	for i, s := range step.Stages() {
-		r.StageUs[s] = micros(stages[i])
-	}
-	r.Dispatches = len(stages)
-	times, err := step.Time(10, reps)
-	if err != nil {
+	if r.StageUs, err = stageMicros(step, reps); err != nil {
 		return r, err
 	}
-	r.StepUs = micros(times[len(times)/2])
+	r.Dispatches = len(r.StageUs)
+	if r.StepUs, err = medianMicros(step, reps); err != nil {
+		return r, err
+	}
 	if !p.Adaptive {
 		r.Budget = l.Budget
 	}
@@ -239,8 +226,6 @@ func exactTokens(l *Layers, ranks, cuts []int) (float64, error) {
 	}
 	return float64(total) / float64(h.KV), nil
 }
-
-func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
 // DefaultPolicies returns the policies `vkbench compare` runs on the GPU:
 // Double-P with its default targets (whose exactly attended tokens set the

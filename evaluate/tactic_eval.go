@@ -3,7 +3,6 @@ package evaluate
 import (
 	"fmt"
 	"math"
-	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -18,39 +17,10 @@ const DefaultSeed = 0x7AC71C
 
 // TacticOptions configures Tactic. Start from DefaultTacticOptions: every
 // field is used as given, except the two that are derived from the trace
-// when zero.
+// when zero (Setup). Progress counts clustering one KV head, or
+// evaluating one query on one KV head.
 type TacticOptions struct {
-	// Prefill is the number of leading tokens present at prefill: tokens
-	// [Sinks, Prefill) are clustered, and a query at position pos attends
-	// [0, Sinks) and [Prefill, pos] in full (sparse.TacticFixedTokens).
-	// 0 means DefaultPrefill.
-	Prefill int `json:"prefill"`
-	// Queries lists the indices of the trace's queries to evaluate; each
-	// must sit at a position ≥ Prefill−1. nil means TailQueries.
-	Queries []int `json:"queries"`
-	// P lists the target masses, each in (0, 1].
-	P []float64 `json:"p"`
-	// Sinks is the number of leading sink tokens, 0 ≤ Sinks < Prefill.
-	Sinks int `json:"sinks"`
-	// AvgClusterSize, KMeansIters and KMeansSpan set the clustering of
-	// every KV head's prefill (sparse.BuildSpanClusterIndexRef): K-means
-	// within spans of KMeansSpan tokens (sparse.KMeansOptions.Span), or
-	// over the whole prefill when KMeansSpan is 0. KV head g uses the seed
-	// Seed+g.
-	AvgClusterSize int    `json:"avg_cluster_size"`
-	KMeansIters    int    `json:"kmeans_iters"`
-	KMeansSpan     int    `json:"kmeans_span"`
-	Seed           uint64 `json:"seed"`
-	// Fit holds the distribution-fitting parameters.
-	Fit sparse.TacticFit `json:"fit"`
-	// Workers bounds the goroutines used; 0 means GOMAXPROCS. The result
-	// does not depend on it.
-	Workers int `json:"-"`
-	// Progress, if not nil, is called after each unit of work (clustering
-	// one KV head, or evaluating one query on one KV head) with the units
-	// done and their total. Calls come from several goroutines, one at a
-	// time.
-	Progress func(done, total int) `json:"-"`
+	Setup
 }
 
 // DefaultTacticOptions returns the setup of the paper's evaluation as the
@@ -59,14 +29,14 @@ type TacticOptions struct {
 // whole prefill (KMeansSpan 0, the paper's clustering), seed DefaultSeed,
 // sparse.DefaultTacticFit, and Prefill and Queries derived from the trace.
 func DefaultTacticOptions() TacticOptions {
-	return TacticOptions{
+	return TacticOptions{Setup{
 		P:              []float64{0.5, 0.7, 0.9},
 		Sinks:          sparse.TacticDefaultSinks,
 		AvgClusterSize: sparse.KMeansDefaultAvgClusterSize,
 		KMeansIters:    sparse.KMeansDefaultIters,
 		Seed:           DefaultSeed,
 		Fit:            sparse.DefaultTacticFit(),
-	}
+	}}
 }
 
 // TailQueries returns the indices of the trace's consecutive tail
@@ -182,12 +152,6 @@ type tacticCase struct {
 	bound      float64 // ‖o − ô‖ / (2(1 − p(I))·max‖v‖ + ε)
 }
 
-// tacticKVHead is one KV head in float64 with its prefill clustered.
-type tacticKVHead struct {
-	keys, values []float64
-	idx          *sparse.ClusterIndex
-}
-
 // Tactic measures Tactic's selection on a trace with the float64
 // references. Each KV head's prefill (tokens [Sinks, Prefill)) is
 // clustered once. Then for each evaluated query, each KV head and each P,
@@ -205,15 +169,11 @@ func Tactic(t *trace.Trace, opts TacticOptions) (*TacticEvaluation, error) {
 	if err := t.Validate(); err != nil {
 		return nil, err
 	}
-	queries := opts.Queries
-	if queries == nil {
-		queries = TailQueries(t)
+	if err := opts.Validate(); err != nil {
+		return nil, err
 	}
-	prefill := opts.Prefill
-	if prefill == 0 {
-		prefill = DefaultPrefill(t, queries)
-	}
-	if err := opts.check(t, queries, prefill); err != nil {
+	queries, prefill, err := opts.resolve(t, "Tactic")
+	if err != nil {
 		return nil, err
 	}
 	ev := &TacticEvaluation{Tokens: t.Tokens, QHeads: t.QHeads, KVHeads: t.KVHeads, HeadDim: t.HeadDim, Options: opts}
@@ -223,39 +183,14 @@ func Tactic(t *trace.Trace, opts TacticOptions) (*TacticEvaluation, error) {
 			ev.Kinds = append(ev.Kinds, k.String())
 		}
 	}
-
-	workers := opts.Workers
-	if workers <= 0 {
-		workers = runtime.GOMAXPROCS(0)
-	}
-	var mu sync.Mutex
-	done, total := 0, t.KVHeads*(1+len(queries))
-	step := func() {
-		if opts.Progress != nil {
-			mu.Lock()
-			done++
-			opts.Progress(done, total)
-			mu.Unlock()
-		}
-	}
+	step := opts.counter(t.KVHeads * (1 + len(queries)))
 
 	// Cluster every KV head's prefill once.
-	d := t.HeadDim
 	rows := 0
 	for _, qi := range queries {
 		rows = max(rows, int(t.QPos[qi])+1)
 	}
-	heads := make([]tacticKVHead, t.KVHeads)
-	err := parallelFor(t.KVHeads, workers, func(g int) error {
-		h := &heads[g]
-		off := g * t.Tokens * d
-		h.keys = sparse.HalvesToFloat64(t.K[off : off+rows*d])
-		h.values = sparse.HalvesToFloat64(t.V[off : off+rows*d])
-		var err error
-		h.idx, err = sparse.BuildSpanClusterIndexRef(h.keys, d, opts.Sinks, prefill-opts.Sinks, opts.KMeansSpan, opts.AvgClusterSize, opts.KMeansIters, opts.Seed+uint64(g))
-		step()
-		return err
-	})
+	heads, err := opts.clusterHeads(t, rows, prefill, step)
 	if err != nil {
 		return nil, err
 	}
@@ -268,7 +203,7 @@ func Tactic(t *trace.Trace, opts TacticOptions) (*TacticEvaluation, error) {
 			cases[pi][a] = make([]tacticCase, t.QHeads)
 		}
 	}
-	err = parallelFor(len(queries)*t.KVHeads, workers, func(i int) error {
+	err = parallelFor(len(queries)*t.KVHeads, opts.workers(), func(i int) error {
 		a, g := i/t.KVHeads, i%t.KVHeads
 		err := tacticEvalStep(t, &heads[g], g, queries[a], prefill, &opts, cases, a)
 		step()
@@ -301,53 +236,11 @@ func Tactic(t *trace.Trace, opts TacticOptions) (*TacticEvaluation, error) {
 
 // Validate reports the first problem with the options that does not
 // depend on the trace (Tactic checks the rest).
-func (o *TacticOptions) Validate() error {
-	switch {
-	case len(o.P) == 0:
-		return fmt.Errorf("evaluate: Tactic: no target masses P")
-	case o.Sinks < 0:
-		return fmt.Errorf("evaluate: Tactic: %d sinks", o.Sinks)
-	case o.AvgClusterSize <= 0 || o.KMeansIters < 1:
-		return fmt.Errorf("evaluate: Tactic: average cluster size %d and K-means iterations %d must be positive", o.AvgClusterSize, o.KMeansIters)
-	case o.KMeansSpan < 0:
-		return fmt.Errorf("evaluate: Tactic: K-means span %d is negative", o.KMeansSpan)
-	}
-	for _, p := range o.P {
-		if err := sparse.CheckP(p); err != nil {
-			return err
-		}
-	}
-	return o.Fit.Validate()
-}
-
-// check validates the options against the trace, with the defaults for
-// queries and prefill already applied.
-func (o *TacticOptions) check(t *trace.Trace, queries []int, prefill int) error {
-	if err := o.Validate(); err != nil {
-		return err
-	}
-	switch {
-	case len(queries) == 0:
-		return fmt.Errorf("evaluate: Tactic: no queries to evaluate")
-	case o.Sinks >= prefill || prefill > t.Tokens:
-		return fmt.Errorf("evaluate: Tactic: want 0 ≤ sinks (%d) < prefill (%d) ≤ tokens (%d)", o.Sinks, prefill, t.Tokens)
-	}
-	seen := make(map[int]bool, len(queries))
-	for _, qi := range queries {
-		if qi < 0 || qi >= t.Queries() || seen[qi] {
-			return fmt.Errorf("evaluate: Tactic: query index %d repeated or outside [0, %d)", qi, t.Queries())
-		}
-		seen[qi] = true
-		if int(t.QPos[qi])+1 < prefill {
-			return fmt.Errorf("evaluate: Tactic: query %d at position %d lies inside the prefill [0, %d)", qi, t.QPos[qi], prefill)
-		}
-	}
-	return nil
-}
+func (o *TacticOptions) Validate() error { return o.validate("Tactic") }
 
 // tacticEvalStep measures query qi on KV head g for every P, writing
 // cases[pi][a][h] for the query heads h of g.
-func tacticEvalStep(t *trace.Trace, h *tacticKVHead, g, qi, prefill int, opts *TacticOptions, cases [][][]tacticCase, a int) error {
+func tacticEvalStep(t *trace.Trace, h *kvHead, g, qi, prefill int, opts *TacticOptions, cases [][][]tacticCase, a int) error {
 	d, group := t.HeadDim, t.QHeads/t.KVHeads
 	pos := int(t.QPos[qi])
 	keys, values := h.keys[:(pos+1)*d], h.values[:(pos+1)*d]

@@ -221,26 +221,17 @@ func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters,
 	}
 	// Timing at the final length: the step's stages and dense attention,
 	// after keeping the GPU busy a while so its clocks have risen.
-	for spin := time.Now(); time.Since(spin) < time.Second; {
-		if _, err := step.Time(0, 20); err != nil {
-			return r, err
-		}
+	if err := warmUp(step, time.Second); err != nil {
+		return r, err
 	}
 	// Stages are timed with a timestamp after each; the whole step without
 	// them, as it runs in a decoder.
-	stages, _, err := step.TimeStages(10, reps)
-	if err != nil {
+	if r.StageUs, err = stageMicros(step, reps); err != nil {
 		return r, err
 	}
-	r.StageUs = map[string]float64{}
-	for i, s := range sparse.TacticStages {
-		r.StageUs[s] = float64(stages[i].Nanoseconds()) / 1e3
-	}
-	steps, err := step.Time(10, reps)
-	if err != nil {
+	if r.TacticUs, err = medianMicros(step, reps); err != nil {
 		return r, err
 	}
-	r.TacticUs = float64(steps[len(steps)/2].Nanoseconds()) / 1e3
 	plan, err := dense.Plan([]*kvcache.Layer{layer})
 	if err != nil {
 		return r, err
@@ -249,11 +240,9 @@ func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters,
 	if err := plan.SetQuery(t.Query(t.Queries() - 1)); err != nil {
 		return r, err
 	}
-	times, err := plan.Time(10, reps)
-	if err != nil {
+	if r.DenseUs, err = medianMicros(plan, reps); err != nil {
 		return r, err
 	}
-	r.DenseUs = float64(times[len(times)/2].Nanoseconds()) / 1e3
 	r.Speedup = r.DenseUs / r.TacticUs
 	return r, nil
 }
@@ -353,12 +342,10 @@ func timeBatch(dense *sparse.Dense, layer *kvcache.Layer, clusters *kvcache.Clus
 			r.UnionPct += 100 * float64(len(l)) / float64(layers[i].Len()) / float64(h.KV*len(layers))
 		}
 	}
-	for spin := time.Now(); time.Since(spin) < time.Second; {
-		if _, err := b.Time(0, 20); err != nil {
-			return r, err
-		}
+	if err := warmUp(b, time.Second); err != nil {
+		return r, err
 	}
-	steps, err := b.Time(10, reps)
+	tacticUs, err := medianMicros(b, reps)
 	if err != nil {
 		return r, err
 	}
@@ -370,13 +357,12 @@ func timeBatch(dense *sparse.Dense, layer *kvcache.Layer, clusters *kvcache.Clus
 	if err := plan.SetQuery(qs); err != nil {
 		return r, err
 	}
-	times, err := plan.Time(10, reps)
+	denseUs, err := medianMicros(plan, reps)
 	if err != nil {
 		return r, err
 	}
 	r.Batch = len(layers)
-	r.TacticUs = float64(steps[len(steps)/2].Nanoseconds()) / 1e3
-	r.DenseUs = float64(times[len(times)/2].Nanoseconds()) / 1e3
+	r.TacticUs, r.DenseUs = tacticUs, denseUs
 	r.Speedup = r.DenseUs / r.TacticUs
 	for _, l := range layers {
 		r.KVBytes += float64(2 * l.Len() * h.KV * h.Dim * 2)

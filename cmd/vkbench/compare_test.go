@@ -26,7 +26,7 @@ func testComparison() *evaluate.Comparison {
 		return r
 	}
 	return &evaluate.Comparison{Tokens: 1000, QHeads: 4, KVHeads: 1, HeadDim: 8,
-		Options: evaluate.CompareOptions{Prefill: 992, Queries: []int{6, 7}, KMeansSpan: 2048, DoubleP2: 0.7},
+		Options: evaluate.CompareOptions{Setup: evaluate.Setup{Prefill: 992, Queries: []int{6, 7}, KMeansSpan: 2048}, DoubleP2: 0.7},
 		Results: []evaluate.CompareResult{
 			{P: 0.9, Policies: []evaluate.PolicyResult{
 				pr(evaluate.PolicyTactic, "", 0, 0.2, 0.91, 0.91),

@@ -1,0 +1,45 @@
+package evaluate
+
+import "time"
+
+// timed is what GPU timestamps time: a step, a batch of steps, a dense plan.
+type timed interface {
+	Time(warmup, reps int) ([]time.Duration, error)
+}
+
+// warmUp runs x for about d, so that the GPU's clocks have risen before it
+// is timed.
+func warmUp(x timed, d time.Duration) error {
+	for spin := time.Now(); time.Since(spin) < d; {
+		if _, err := x.Time(0, 20); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// medianMicros returns the median in µs of reps timed runs of x, after 10
+// untimed ones.
+func medianMicros(x timed, reps int) (float64, error) {
+	times, err := x.Time(10, reps)
+	if err != nil {
+		return 0, err
+	}
+	return micros(times[len(times)/2]), nil
+}
+
+// stageMicros returns the median in µs of each stage of reps timed runs of
+// step (after 10 untimed ones), by stage name.
+func stageMicros(step Stepper, reps int) (map[string]float64, error) {
+	stages, _, err := step.TimeStages(10, reps)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]float64{}
+	for i, s := range step.Stages() {
+		out[s] = micros(stages[i])
+	}
+	return out, nil
+}
+
+func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
