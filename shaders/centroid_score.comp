@@ -8,7 +8,7 @@
 // heads of block gl_WorkGroupID.z, LANES lanes sharing a row so that each
 // row is read once for all the block's heads, and folds its finite scores
 // into the heads' best and worst (atomic maxima of order-preserving keys,
-// which the next kernel reads and resets: doublep_cut, tactic_order).
+// which the next kernel reads and resets: doublep_cut, tactic_select).
 #extension GL_EXT_control_flow_attributes : enable
 
 layout(local_size_x_id = 0) in;

@@ -13,11 +13,10 @@ import (
 
 // TacticStep is a Tactic decode step of one sequence on the GPU, in one
 // submission with no host round trip and three dependent dispatches:
-// centroid scoring, then (by the last scoring workgroup of each block of
-// heads to finish) the clusters of each query head ranked by bins of their
-// scores (TacticBin) and the sampling plan; the exact exponentials of the
-// exact part, the two sampling windows and the fixed tokens, then (by the
-// last sampling workgroup of each head) the fit and budget of Alg. 1 at
+// centroid scoring; the selection, whose workgroups each rank a query
+// head's clusters by bins of their scores (TacticBin) and sample their
+// share of the exact part, the two sampling windows and the fixed tokens,
+// the last of the head's to finish then fitting the budget of Alg. 1 at
 // bin granularity (TacticBinnedBudgetRef states the computation); and
 // attention, for each KV head, over the union of the clusters its query
 // heads select with the sinks and the recent tail (Dense.PlanSelection:
@@ -47,38 +46,31 @@ type tacticSelector struct {
 // buffers sized by it and the kernels' bindings.
 type tacticBound struct {
 	clusters *kvcache.Clusters
-	binds    struct{ score, order, fit *vk.Binding }
+	binds    struct{ score, fit *vk.Binding }
 	bufs     []*vk.Buffer
 	scores   *vk.Buffer // float32 [Hq][C]
 	binOf    *vk.Buffer // uint32 [Hq][C]
-	tokStart *vk.Buffer // uint32 [Hq][TacticBins+1]
-	planBuf  *vk.Buffer // uint32 [Hq][16]
-	sampled  *vk.Buffer // uint32 [Hq][C][2]: sampled clusters, each with its first position
-	expo     *vk.Buffer // float32 [Hq][clustered]: e(t) at each sampled position
-	expoFix  *vk.Buffer // float32 [Hq][fixedStride]: e(t) of the fixed tokens
+	planBuf  *vk.Buffer // uint32 [Hq][16]: the plan and fit of each head (tactic_select)
+	clusterE *vk.Buffer // float32 [Hq][C]: Σ e(t) over each sampled cluster
+	fixedE   *vk.Buffer // float32 [Hq][maxSampleWorkgroups]: Σ e(t) over each workgroup's fixed tokens
 	cut      *vk.Buffer // uint32 [Hq]
 	extremes *vk.Buffer // uint32 [Hq][2]: keys of each head's best and worst score, 0 between steps
 	// centroids holds the index's centroids rounded to fp16, [Hkv][C][D].
 	centroids *vk.Buffer
-	// fitArrived counts the sampling workgroups done per query head, 0
+	// fitArrived counts the selection's workgroups done per query head, 0
 	// between steps.
 	fitArrived *vk.Buffer
-	fixedCap   int // fixedStride: the most fixed tokens the cache can hold (capacity − clustered)
 }
 
 // release frees the bindings and buffers.
 func (b *tacticBound) release() error {
-	err := errors.Join(releaseAll(b.binds.score, b.binds.order, b.binds.fit), releaseAll(b.bufs...))
+	err := errors.Join(releaseAll(b.binds.score, b.binds.fit), releaseAll(b.bufs...))
 	*b = tacticBound{}
 	return err
 }
 
-// Sampling kernel's threads per workgroup, and the most workgroups per
-// query head.
-const (
-	sampleWorkgroup     = 256
-	maxSampleWorkgroups = 256
-)
+// The most workgroups of the selection per query head.
+const maxSampleWorkgroups = 256
 
 // TacticBins is the number of bins of the GPU's cluster order (TacticBin).
 const TacticBins = 1024
@@ -120,17 +112,17 @@ func tacticWorkgroup(info vk.Info) uint32 {
 // tacticKernels are the selection kernels of Tactic steps, shared by the
 // steps of a batch.
 type tacticKernels struct {
-	score, order, fit *vk.Pipeline
+	score, fit *vk.Pipeline
 	// scoreRows is the centroids a scoring workgroup scores, scoreHeads
 	// the query heads it scores them for.
 	scoreRows, scoreHeads int
-	// sampleTeams is the clusters a sampling workgroup reads at once.
+	// sampleTeams is the clusters a selection workgroup samples at once.
 	sampleTeams int
 }
 
 // release destroys the kernels.
 func (k *tacticKernels) release() error {
-	return releaseAll(k.score, k.order, k.fit)
+	return releaseAll(k.score, k.fit)
 }
 
 // NewTacticStep prepares decode steps at target mass p with the fit's
@@ -179,15 +171,16 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	build := b.kernel
 	k := &tacticKernels{}
 	// Scoring: up to 8 query heads per block, the workgroup as large as
-	// its lanes' sums allow (workgroup × heads ≤ 4096 words). Ordering:
-	// one workgroup per query head.
+	// its lanes' sums allow (workgroup × heads ≤ 4096 words). Selection:
+	// workgroups of up to 1 024 threads, each ordering all of a query
+	// head's clusters.
 	k.scoreHeads = min(h.Group(), 8)
 	wg := min(tacticWorkgroup(dev.Info()), uint32(4096/k.scoreHeads))
 	for wg&(wg-1) != 0 {
 		wg &= wg - 1
 	}
 	k.scoreRows = int(wg) / 8
-	orderWG := min(tacticWorkgroup(dev.Info()), TacticBins)
+	selectWG := min(tacticWorkgroup(dev.Info()), TacticBins)
 	// Subgroup reductions and scans in the per-head passes where the dense
 	// kernels use them (not with DenseOptions.TreeReduce).
 	info := dev.Info()
@@ -195,11 +188,16 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 		return boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= threads)
 	}
 	k.score = build("centroid_score", 5, 3, wg, uint32(h.Dim), uint32(k.scoreHeads), 0)
-	k.order = build("tactic_order", 7, 8, orderWG, TacticBins, 10, subgroups(orderWG))
-	tpr := dense.tpr       // shuffles among tpr threads work on this device
-	team := max(16, 4*tpr) // threads per sampled cluster, a power of two
-	k.sampleTeams = sampleWorkgroup / team
-	k.fit = build("tactic_sample", 12, 10, sampleWorkgroup, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, subgroups(sampleWorkgroup))
+	// Threads per sampled cluster: a power of two, 16 or 4 per row; where
+	// shuffles work, at most a subgroup, which then sums by shuffles.
+	tpr := dense.tpr // shuffles among tpr threads work on this device
+	team, shuffle := max(16, 4*tpr), !dense.tree && info.SubgroupShuffle
+	if shuffle {
+		team = max(min(team, int(info.SubgroupSize)), tpr)
+		shuffle = int(info.SubgroupSize)%team == 0
+	}
+	k.sampleTeams = int(selectWG) / team
+	k.fit = build("tactic_select", 12, 15, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, 10, subgroups(selectWG), boolWord(shuffle))
 	if b.err != nil {
 		k.release()
 		return nil, b.err
@@ -255,13 +253,12 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 	x := tacticBound{clusters: clusters}
 	b := &builder{dev: dev, bufs: &x.bufs}
 	alloc := b.words
-	hq, c, n := h.Query, clusters.C, clusters.Count
-	x.fixedCap = s.seq.Capacity() - n // fixed tokens: the stored ones past the clustered
+	hq, c := h.Query, clusters.C
 	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
-	x.tokStart, x.planBuf, x.cut = alloc(hq*(TacticBins+1)), alloc(hq*16), alloc(hq)
+	x.planBuf, x.cut = alloc(hq*16), alloc(hq)
 	x.extremes, x.fitArrived = alloc(2*hq), alloc(hq)
 	x.centroids = alloc(h.KV * c * h.Dim / 2)
-	x.sampled, x.expo, x.expoFix = alloc(2*hq*c), alloc(hq*n), alloc(hq*x.fixedCap)
+	x.clusterE, x.fixedE = alloc(hq*c), alloc(hq*maxSampleWorkgroups)
 	err := b.err
 	if err == nil {
 		err = halfCentroids(clusters, x.centroids)
@@ -288,21 +285,17 @@ func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query 
 	if err != nil {
 		return err
 	}
-	order, err := k.order.Bind(x.scores.All(), clusters.Counts.All(), x.binOf.All(), x.tokStart.All(), x.planBuf.All(), x.sampled.All(), x.extremes.All())
+	fit, err := k.fit.Bind(query, layer.Keys().All(), x.scores.All(), clusters.Starts.All(), clusters.Counts.All(), x.binOf.All(),
+		x.clusterE.All(), x.fixedE.All(), x.planBuf.All(), x.cut.All(), x.extremes.All(), x.fitArrived.All())
 	if err != nil {
 		return errors.Join(err, score.Release())
 	}
-	fit, err := k.fit.Bind(query, layer.Keys().All(), x.planBuf.All(), x.sampled.All(), clusters.Starts.All(), clusters.Counts.All(), clusters.Members.All(),
-		x.expo.All(), x.expoFix.All(), x.tokStart.All(), x.cut.All(), x.fitArrived.All())
-	if err != nil {
-		return errors.Join(err, score.Release(), order.Release())
-	}
-	for _, b := range []*vk.Binding{x.binds.score, x.binds.order, x.binds.fit} {
+	for _, b := range []*vk.Binding{x.binds.score, x.binds.fit} {
 		if b != nil {
 			b.Release()
 		}
 	}
-	x.binds.score, x.binds.order, x.binds.fit = score, order, fit
+	x.binds.score, x.binds.fit = score, fit
 	return nil
 }
 
@@ -351,17 +344,15 @@ func windowPositions(fit TacticFit, n int) (need int, win [4]int) {
 }
 
 // TacticStages names the stages of a step, in order: centroid scores; the
-// clusters' order and the sampling plan (one workgroup per query head);
-// sampling with the fit and budget; attention over the selection.
-var TacticStages = []string{"score", "order", "fit", "attend"}
+// clusters' order, sampling, fit and budget; attention over the selection.
+var TacticStages = []string{"score", "fit", "attend"}
 
 // tacticStageCount is the number of dependent stages of a step (one
-// dispatch each): scores, order, sampling and fit, attention over the
-// selection with its merge.
-const tacticStageCount = 4
+// dispatch each): scores, the selection, attention over it with its merge.
+const tacticStageCount = 3
 
-// RecordStage appends selection stage s (0: scores, 1: order, 2: sampling
-// and fit) for the layer's current length.
+// RecordStage appends selection stage s (0: scores, 1: order, sampling and
+// fit) for the layer's current length.
 func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	h, x := s.d.heads, s.clusters
 	n := s.seq.Len()
@@ -371,24 +362,24 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	scale := math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))
 	need, win := windowPositions(s.fit, x.Count)
 	k, b := s.kernels, &s.binds
-	if b.order == nil {
+	if b.fit == nil {
 		return fmt.Errorf("sparse: Tactic's selection needs its queries bound")
 	}
 	switch stage {
 	case 0:
 		c.Dispatch(k.score, b.score, []uint32{cc, group, scale}, uint32(ceilDiv(x.C, k.scoreRows)), kv, uint32(ceilDiv(h.Group(), k.scoreHeads)))
 	case 1:
-		c.Dispatch(k.order, b.order, []uint32{cc, group, uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3])}, hq, 1, 1)
-	case 2:
-		// Workgroups per head so that the clusters of the expected samples
-		// (clusters of the mean size) and the fixed tokens (taken as
-		// clusters of 16) are read in one round, one per team; they stride
-		// over more.
+		// Workgroups per head so that each team samples about two of the
+		// expected clusters (of the mean size; the fixed tokens counted as
+		// clusters of 16): every workgroup also orders all of the head's
+		// clusters, so fewer, fuller ones are faster (on the H100 at 131 072
+		// tokens, one cluster a team took 52 µs, two 39, three 40 and four 45).
 		work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
-		c.Dispatch(k.fit, b.fit, []uint32{group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(x.First), uint32(end), uint32(n), uint32(s.fixedCap), scale, cc,
-			math.Float32bits(float32(s.p))}, uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, k.sampleTeams)))), hq, 1)
+		push := []uint32{cc, group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3]),
+			uint32(x.First), uint32(end), uint32(n), maxSampleWorkgroups, scale, math.Float32bits(float32(s.p))}
+		c.Dispatch(k.fit, b.fit, push, uint32(min(maxSampleWorkgroups, max(1, ceilDiv(work, 2*k.sampleTeams)))), hq, 1)
 	default:
-		return fmt.Errorf("sparse: Tactic's selection has 3 stages, not %d", stage+1)
+		return fmt.Errorf("sparse: Tactic's selection has 2 stages, not %d", stage+1)
 	}
 	return nil
 }

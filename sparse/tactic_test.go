@@ -95,8 +95,9 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 		nan := math.Float32bits(float32(math.NaN()))
 		require.NoError(t, dev.Run(func(c *vk.Commands) {
 			c.Fill(step.plan.Output().All(), nan)
-			c.Fill(step.expo.All(), nan)
-			c.Fill(step.expoFix.All(), nan)
+			c.Fill(step.clusterE.All(), nan)
+			c.Fill(step.fixedE.All(), nan)
+			c.Fill(step.planBuf.All(), nan)
 			c.Fill(step.cut.All(), nan)
 			c.Fill(step.scores.All(), nan)
 			c.Fill(step.binOf.All(), nan)
@@ -217,22 +218,21 @@ func requireCut(t *testing.T, b *TacticBudget, scores []float32, want, got int, 
 	t.Logf("%s: GPU %d, reference %d; the GPU's groups reach %.5f of the estimate", what, got, want, reach)
 }
 
-// requireSampled checks the exponentials of the sampling pass of the last
-// step: for every query head, each sampled cluster's members (compared as
-// sorted values, the member order being the index's) and every fixed token
-// against exp(scale·q·k − m) in float64, m the head's best centroid score.
+// requireSampled checks the exponential sums of the sampling of the last
+// step: for every query head, each sampled cluster's (those in the exact
+// bins or a window of the head's plan) against Σ exp(scale·q·k − m) over
+// its members in float64, m the head's best centroid score, and the sum
+// over the fixed tokens the same way.
 func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64, index []*ClusterIndex, fixed []int32, n int) {
 	t.Helper()
 	h, x := step.dense.heads, step.clusters
 	d, scale := h.Dim, 1/math.Sqrt(float64(h.Dim))
 	plan := make([]uint32, h.Query*16)
-	sampled := make([]uint32, 2*h.Query*x.C)
-	expo := make([]float32, h.Query*x.Count)
-	expoFix := make([]float32, h.Query*step.fixedCap)
+	sums := make([]float32, h.Query*x.C)
 	require.NoError(t, step.planBuf.ReadUint32(0, plan))
-	require.NoError(t, step.sampled.ReadUint32(0, sampled))
-	require.NoError(t, step.expo.ReadFloat32(0, expo))
-	require.NoError(t, step.expoFix.ReadFloat32(0, expoFix))
+	require.NoError(t, step.clusterE.ReadFloat32(0, sums))
+	bins, err := step.BinsOf()
+	require.NoError(t, err)
 	bad := 0
 	check := func(what string, want float64, got float32) {
 		if math.Abs(want-float64(got)) > 1e-4*(math.Abs(want)+1e-6) || math.IsNaN(float64(got)) {
@@ -244,7 +244,8 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 	}
 	for hh := 0; hh < h.Query; hh++ {
 		g := hh / h.Group()
-		m := float64(math.Float32frombits(plan[hh*16]))
+		pl := plan[hh*16 : hh*16+16]
+		m := float64(math.Float32frombits(pl[0]))
 		e := func(tok int32) float64 {
 			s := 0.0
 			for i := 0; i < d; i++ {
@@ -252,24 +253,27 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 			}
 			return math.Exp(scale*s - m)
 		}
-		list := int(plan[hh*16+13])
-		require.Positive(t, list, "head %d samples no cluster", hh)
-		for i := 0; i < list; i++ {
-			c, pos := int(sampled[2*(hh*x.C+i)]), int(sampled[2*(hh*x.C+i)+1])
-			var want []float64
+		j0, windows := int(pl[1]), pl[3] != 0
+		in := func(b int, lo, hi uint32) bool { return windows && b >= int(lo) && b <= int(hi) }
+		sampled := 0
+		for c := 0; c < x.C; c++ {
+			b := bins[hh*x.C+c]
+			if b >= j0 && !in(b, pl[4], pl[5]) && !in(b, pl[8], pl[9]) {
+				continue
+			}
+			sampled++
+			want := 0.0
 			for _, tok := range index[g].Members[c] {
-				want = append(want, e(tok))
+				want += e(tok)
 			}
-			gotRun := append([]float32(nil), expo[hh*x.Count+pos:hh*x.Count+pos+len(want)]...)
-			sort.Float64s(want)
-			sort.Slice(gotRun, func(a, b int) bool { return gotRun[a] < gotRun[b] })
-			for j := range want {
-				check(fmt.Sprintf("head %d, cluster %d, member %d", hh, c, j), want[j], gotRun[j])
-			}
+			check(fmt.Sprintf("head %d, cluster %d", hh, c), want, sums[hh*x.C+c])
 		}
-		for f, tok := range fixed {
-			check(fmt.Sprintf("head %d, fixed token %d", hh, tok), e(tok), expoFix[hh*step.fixedCap+f])
+		require.Positive(t, sampled, "head %d samples no cluster", hh)
+		want := 0.0
+		for _, tok := range fixed {
+			want += e(tok)
 		}
+		check(fmt.Sprintf("head %d, fixed tokens", hh), want, math.Float32frombits(pl[13]))
 	}
-	require.Zero(t, bad, "sampled exponentials differing from float64")
+	require.Zero(t, bad, "sampled exponential sums differing from float64")
 }

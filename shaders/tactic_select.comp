@@ -1,0 +1,512 @@
+#version 450
+// Tactic's selection for query head h = gl_WorkGroupID.y after
+// centroid_score (LOG_SIZE = 0), in one dispatch: order, sampling, fit and
+// cut. Every workgroup of the head (W = gl_NumWorkGroups.x of them) first
+// ranks all the head's clusters by
+//   bin(s) = min(NB − 1, ⌊(m − s)·u⌋),
+// m and m0 the head's best and worst scores (the extremes centroid_score
+// folded; the last workgroup resets them to 0 for the next step) and
+// u = 2^(log2 NB − e) for m − m0 = f·2^e, f in [0.5, 1) (u = 1 if m = m0):
+// a power of two, so the bin is exact. It sums the bins' token counts and
+// scans them into token offsets start[b] (the order of the head's
+// clustered tokens is bin by bin), and finds the plan of Alg. 1: the exact
+// bins [0, j0), the fewest that cover at least `need` tokens, and the bins
+// r1..r2 and r3..r4 holding the two sampling windows' positions. All
+// workgroups compute the same order from the same scores; workgroup w
+// writes the bins of clusters c ≡ w (mod W) and samples those of them in
+// the exact bins or a window:
+//   csum[h][c] = Σ_{t in c} e(t),  e(t) = exp(scale·q_h·k_t − m),
+// a team of TEAM threads per cluster, and its share of the fixed tokens
+// (the sinks [0, sinks) and the tail [clusteredEnd, n)) into
+// fsum[h][w] = Σ e(t).
+// The last of the head's workgroups to finish (an arrival counter, reset
+// by it; no workgroup waits for another) fits: the sampled clusters' sums
+// per bin, scanned; the fixed total F; the exact sum E = Σ bins < j0; the
+// windows' means μ and mean 1/x over their token ranges
+// [start[r1], start[r2 + 1]) and [start[r3], start[r4 + 1]) (positions
+// from 1); the curve y = a/x + b through them in the 1/x coordinate; the
+// estimated cumulative sum S at every bin boundary j (F + the exact
+// prefix for j ≤ j0, F + E + Σ_{x = exact+1}^{start[j]} max(0, a/x + b)
+// beyond, in closed form); and the cut, the least j with S(j) ≥ P·S(n)
+// (NB at P = 1). The head selects the clusters of bins below the cut.
+// TacticBinnedBudgetRef states the same computation in float64.
+#extension GL_EXT_control_flow_attributes : enable
+#extension GL_KHR_shader_subgroup_basic : enable
+#extension GL_KHR_shader_subgroup_shuffle : enable
+#extension GL_KHR_shader_subgroup_arithmetic : enable
+
+layout(local_size_x_id = 0) in;
+layout(constant_id = 0) const uint WG = 1024;  // threads, a power of two dividing NB
+layout(constant_id = 1) const uint D = 128;
+// TPR threads share a K row (dividing D/8, and the subgroup size where
+// above 1: shuffles); each scores RPT rows at once.
+layout(constant_id = 2) const uint TPR = 1;
+layout(constant_id = 3) const uint RPT = 1;
+// TEAM, a multiple of TPR dividing WG, is the threads per sampled cluster.
+layout(constant_id = 4) const uint TEAM = 16;
+layout(constant_id = 5) const uint NB = 1024;
+layout(constant_id = 6) const int LOG2NB = 10;
+// SUBGROUPS = 1 scans and sums with subgroup arithmetic (the host sets it
+// only where supported, with subgroups of 4 to WG threads); 0 uses
+// shared-memory trees.
+layout(constant_id = 7) const uint SUBGROUPS = 0;
+// TEAM_SHUFFLE = 1 sums a team's threads with subgroup shuffles, so that
+// teams go on without waiting for each other (the host sets it only where
+// shuffles work and TEAM divides the subgroup size); 0 meets in shared
+// memory, a round of teams at a time.
+layout(constant_id = 8) const uint TEAM_SHUFFLE = 0;
+
+const uint DV = D / 8;           // uvec4 per fp16 K row
+const uint WPT = DV / TPR;       // words per thread per row
+const uint SLOTS = TEAM / TPR;   // rows a team scores side by side
+const uint PASS = SLOTS * RPT;   // rows a team scores at once
+const uint TEAMS = WG / TEAM;
+const uint BATCH = 8;            // clusters a thread loads at once
+const uint PER = NB / WG;        // bins per thread in the scans
+
+layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };      // [Hq][D/4]
+layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };        // [Hkv][headStride]
+layout(std430, binding = 2) readonly buffer Scores { float s[]; };      // [Hq][C]
+layout(std430, binding = 3) readonly buffer Starts { uint starts[]; };  // [Hkv][C] member offsets
+layout(std430, binding = 4) readonly buffer Sizes { uint sizes[]; };    // [Hkv][C]
+layout(std430, binding = 5) writeonly buffer BinOf { uint binOf[]; };   // [Hq][C]
+// Written by every workgroup of a head, read by the last: coherent.
+layout(std430, binding = 6) coherent buffer ClusterSum { float csum[]; }; // [Hq][C], sampled clusters only
+layout(std430, binding = 7) coherent buffer FixedSum { float fsum[]; };   // [Hq][maxW]
+layout(std430, binding = 8) writeonly buffer Plan { uint plan[]; };      // [Hq][16]
+layout(std430, binding = 9) writeonly buffer Cut { uint cut[]; };        // [Hq]
+layout(std430, binding = 10) coherent buffer Extremes { uvec2 ext[]; };  // [Hq], 0 between steps
+layout(std430, binding = 11) coherent buffer Arrived { uint arrived[]; }; // [Hq], 0 between steps
+
+layout(push_constant) uniform Push {
+	uint C;
+	uint groupSize;
+	uint headStride;    // uvec4 words between KV heads in Keys
+	uint n;             // clustered tokens per head
+	uint need;          // tokens the exact part covers at least
+	uint lo1, hi1, lo2, hi2;  // window positions (1-based, inclusive)
+	uint sinks;         // slot of the first clustered token
+	uint clusteredEnd;
+	uint tokens;        // tokens stored
+	uint maxW;          // fsum's stride
+	float scale;
+	float p;            // target mass
+} pc;
+
+shared vec4 qs[D / 4];
+shared uint start[NB + 1];   // bins' token counts, then their token offsets
+// The fit: the bins' sums, then S at the boundaries, as float bits (the
+// sums are added with compare-and-swap).
+shared uint pre[NB + 1];
+shared uint lst[WG];         // sampled clusters of a round; scanU's slots
+shared uint nList;
+shared uint found[5];
+shared vec4 part[WG];        // team sums; scanV's slots or subgroup totals
+shared bool last;
+
+// unkey inverts centroid_score's key.
+float unkey(uint x) {
+	return uintBitsToFloat((x & 0x80000000u) != 0 ? x & 0x7fffffffu : ~x);
+}
+
+uint binOfScore(float m, float u, float x) {
+	return min(NB - 1, uint(floor((m - x) * u)));
+}
+
+// slotOf is the thread's place in subgroup order (that of the scans).
+uint slotOf() {
+	return SUBGROUPS != 0 ? gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID : gl_LocalInvocationID.x;
+}
+
+// scanU returns the exclusive prefix sum of x over the workgroup's slots.
+uint scanU(uint x) {
+	uint slot = slotOf();
+	if (SUBGROUPS != 0) {
+		uint incl = subgroupInclusiveAdd(x);
+		uint all = subgroupAdd(x);
+		if (subgroupElect()) lst[gl_SubgroupID] = all;
+		barrier();
+		for (uint i = 0; i < gl_SubgroupID; i++) incl += lst[i];
+		barrier();
+		return incl - x;
+	}
+	lst[slot] = x;
+	barrier();
+	for (uint d = 1; d < WG; d <<= 1) {
+		uint y = slot >= d ? lst[slot - d] : 0;
+		barrier();
+		lst[slot] += y;
+		barrier();
+	}
+	uint r = lst[slot] - x;
+	barrier();
+	return r;
+}
+
+// scanV returns the inclusive prefix sum of x over the workgroup's slots,
+// and in total the sum over all of them.
+vec4 scanV(vec4 x, out vec4 total) {
+	uint slot = slotOf();
+	if (SUBGROUPS != 0) {
+		vec4 incl = subgroupInclusiveAdd(x);
+		vec4 all = subgroupAdd(x);
+		if (subgroupElect()) part[gl_SubgroupID] = all;
+		barrier();
+		total = vec4(0.0);
+		for (uint i = 0; i < gl_NumSubgroups; i++) {
+			if (i < gl_SubgroupID) incl += part[i];
+			total += part[i];
+		}
+		barrier();
+		return incl;
+	}
+	part[slot] = x;
+	barrier();
+	for (uint d = 1; d < WG; d <<= 1) {
+		vec4 y = slot >= d ? part[slot - d] : vec4(0.0);
+		barrier();
+		part[slot] += y;
+		barrier();
+	}
+	vec4 r = part[slot];
+	total = part[WG - 1];
+	barrier();
+	return r;
+}
+
+// scoreRows returns in ev[r] e(tok[r]) for the RPT rows of KV head g, on
+// every one of the TPR threads sharing the rows (sub is the thread's part).
+void scoreRows(uint g, uint tok[RPT], uint sub, float m, out float ev[RPT]) {
+	uvec4 w[RPT * WPT];
+	[[unroll]] for (uint r = 0; r < RPT; r++) {
+		uint row = g * pc.headStride + tok[r] * DV;
+		[[unroll]] for (uint j = 0; j < WPT; j++) w[r * WPT + j] = k[row + j * TPR + sub];
+	}
+	float acc[RPT];
+	[[unroll]] for (uint r = 0; r < RPT; r++) acc[r] = 0.0;
+	[[unroll]] for (uint j = 0; j < WPT; j++) {
+		uint u = j * TPR + sub;
+		vec4 qa = qs[2 * u], qb = qs[2 * u + 1];
+		[[unroll]] for (uint r = 0; r < RPT; r++) {
+			uvec4 x = w[r * WPT + j];
+			acc[r] += dot(vec4(unpackHalf2x16(x.x), unpackHalf2x16(x.y)), qa) + dot(vec4(unpackHalf2x16(x.z), unpackHalf2x16(x.w)), qb);
+		}
+	}
+	if (TPR > 1) {
+		[[unroll]] for (uint o = TPR / 2; o > 0; o >>= 1) {
+			[[unroll]] for (uint r = 0; r < RPT; r++) acc[r] += subgroupShuffleXor(acc[r], o);
+		}
+	}
+	[[unroll]] for (uint r = 0; r < RPT; r++) ev[r] = exp(acc[r] - m);
+}
+
+// sampleCluster returns this thread's part of Σ_{t in c} e(t) over the
+// members of cluster c of KV head g (0 but on the threads with sub = 0):
+// the layer holds clusters in cluster order (kvcache Layer.Reorder), so the
+// members are the slots from sinks + the cluster's start; the team scores
+// PASS of them at once.
+float sampleCluster(uint g, uint c, uint tslot, uint sub, float m) {
+	uint from = pc.sinks + starts[g * pc.C + c];
+	uint size = sizes[g * pc.C + c];
+	float acc = 0.0;
+	for (uint y0 = 0; y0 < size; y0 += PASS) {
+		uint tok[RPT];
+		[[unroll]] for (uint r = 0; r < RPT; r++) tok[r] = from + min(y0 + r * SLOTS + tslot, size - 1);
+		float ev[RPT];
+		scoreRows(g, tok, sub, m, ev);
+		[[unroll]] for (uint r = 0; r < RPT; r++) {
+			if (sub == 0 && y0 + r * SLOTS + tslot < size) acc += ev[r];
+		}
+	}
+	return acc;
+}
+
+// preAt returns pre[i] as a float.
+float preAt(uint i) { return uintBitsToFloat(pre[i]); }
+
+// addBin adds x to the bin sum pre[b] (compare-and-swap of its bits).
+void addBin(uint b, float x) {
+	uint old = pre[b];
+	while (true) {
+		uint seen = atomicCompSwap(pre[b], old, floatBitsToUint(uintBitsToFloat(old) + x));
+		if (seen == old) break;
+		old = seen;
+	}
+}
+
+const float GAMMA = 0.5772156649;
+
+// harmonic returns H_x = Σ_{i ≤ x} 1/i.
+float harmonic(uint x) {
+	if (x == 0) return 0.0;
+	if (x < 32) {
+		float h = 0.0;
+		for (uint i = 1; i <= x; i++) h += 1.0 / float(i);
+		return h;
+	}
+	float f = float(x);
+	float f2 = f * f;
+	return log(f) + GAMMA + 1.0 / (2.0 * f) - 1.0 / (12.0 * f2) + 1.0 / (120.0 * f2 * f2);
+}
+
+// curve returns Σ_{x=lo}^{hi} max(0, a/x + b), in closed form.
+float curve(float a, float b, uint lo, uint hi) {
+	lo = max(lo, 1u);
+	if (lo > hi) return 0.0;
+	if (b > 0.0 && a < 0.0) {
+		float x0 = -a / b;
+		if (x0 >= float(hi)) return 0.0;
+		lo = max(lo, uint(floor(x0)) + 1);
+	} else if (a <= 0.0 && b <= 0.0) {
+		return 0.0;
+	} else if (b < 0.0) {
+		float x0 = -a / b;
+		if (x0 <= float(lo)) return 0.0;
+		if (x0 < float(hi)) hi = uint(ceil(x0)) - 1;
+	}
+	if (lo > hi) return 0.0;
+	return max(0.0, a * (harmonic(hi) - harmonic(lo - 1)) + b * float(hi - lo + 1));
+}
+
+void main() {
+	uint tid = gl_LocalInvocationID.x;
+	uint w = gl_WorkGroupID.x, W = gl_NumWorkGroups.x;
+	uint h = gl_WorkGroupID.y;
+	uint g = h / pc.groupSize;
+	uint sb = h * pc.C;
+	for (uint i = tid; i < D / 4; i += WG) qs[i] = q[h * (D / 4) + i] * pc.scale;
+	uvec2 e = ext[h];
+	float m = unkey(e.x), m0 = unkey(~e.y);
+	float u = 1.0;
+	if (m - m0 > 0.0) {
+		int ex;
+		frexp(m - m0, ex);
+		u = ldexp(1.0, LOG2NB - ex);
+	}
+	for (uint i = tid; i <= NB; i += WG) start[i] = 0;
+	if (tid < 5) found[tid] = tid == 0 ? NB : NB - 1;
+	barrier();
+
+	// The bins' token counts, BATCH clusters a thread with their loads in
+	// flight together; this workgroup's share of the bins written.
+	for (uint c0 = tid; c0 < pc.C; c0 += WG * BATCH) {
+		float sv[BATCH];
+		uint zv[BATCH];
+		[[unroll]] for (uint i = 0; i < BATCH; i++) {
+			uint cl = min(c0 + i * WG, pc.C - 1);
+			sv[i] = s[sb + cl];
+			zv[i] = sizes[g * pc.C + cl];
+		}
+		[[unroll]] for (uint i = 0; i < BATCH; i++) {
+			uint cl = c0 + i * WG;
+			if (cl < pc.C) {
+				uint b = binOfScore(m, u, sv[i]);
+				if (cl % W == w) binOf[sb + cl] = b;
+				atomicAdd(start[b], zv[i]);
+			}
+		}
+	}
+	barrier();
+
+	// Exclusive scan of the counts in place, PER bins a slot.
+	uint slot = slotOf();
+	uint sum = 0;
+	for (uint i = 0; i < PER; i++) sum += start[slot * PER + i];
+	uint run = scanU(sum);
+	for (uint i = 0; i < PER; i++) {
+		uint b = slot * PER + i;
+		uint x = start[b];
+		start[b] = run;
+		run += x;
+	}
+	if (slot == WG - 1) start[NB] = run;
+	barrier();
+
+	// j0: the least boundary with start >= need (NB if none); the window
+	// ends: the least bin j with start[j+1] >= x (NB − 1 if none). The
+	// offsets ascend, so each is the one place where its test turns true.
+	for (uint b = tid; b <= NB; b += WG) {
+		uint x = start[b], prev = b > 0 ? start[b - 1] : 0;
+		if (x >= pc.need && (b == 0 || prev < pc.need)) found[0] = b;
+		if (b < NB) {
+			uint next = start[b + 1];
+			if (next >= pc.lo1 && (b == 0 || x < pc.lo1)) found[1] = b;
+			if (next >= pc.hi1 && (b == 0 || x < pc.hi1)) found[2] = b;
+			if (next >= pc.lo2 && (b == 0 || x < pc.lo2)) found[3] = b;
+			if (next >= pc.hi2 && (b == 0 || x < pc.hi2)) found[4] = b;
+		}
+	}
+	barrier();
+	uint j0 = found[0];
+	uint exact = start[j0];
+	bool windows = exact < pc.n;
+	uint r1 = found[1], r2 = found[2], r3 = found[3], r4 = found[4];
+
+	// This workgroup's share of the sampled clusters, a round of up to WG
+	// listed at a time, a team per cluster.
+	uint team = tid / TEAM, tslot = (tid % TEAM) / TPR, sub = tid % TPR;
+	uint share = w < pc.C ? (pc.C - w + W - 1) / W : 0;
+	for (uint i0 = 0; i0 < share; i0 += WG) {
+		if (tid == 0) nList = 0;
+		barrier();
+		uint cl = w + (i0 + tid) * W;
+		if (i0 + tid < share) {
+			uint b = binOfScore(m, u, s[sb + cl]);
+			if (b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)))) lst[atomicAdd(nList, 1)] = cl;
+		}
+		barrier();
+		uint count = nList;
+		if (TEAM_SHUFFLE != 0) {
+			// Teams go on independently; a team's threads sum by shuffles.
+			for (uint i = team; i < count; i += TEAMS) {
+				uint c = lst[i];
+				float acc = sampleCluster(g, c, tslot, sub, m);
+				[[unroll]] for (uint o = TEAM / 2; o >= TPR; o >>= 1) acc += subgroupShuffleXor(acc, o);
+				if (tid % TEAM == 0) csum[sb + c] = acc;
+			}
+		} else {
+			// Rounds of TEAMS clusters; a team's threads meet in part.
+			for (uint t0 = 0; t0 < count; t0 += TEAMS) {
+				uint i = t0 + team;
+				float acc = i < count ? sampleCluster(g, lst[i], tslot, sub, m) : 0.0;
+				part[tid].x = acc;
+				barrier();
+				if (i < count && tid % TEAM == 0) {
+					float t = 0.0;
+					for (uint j = 0; j < TEAM; j += TPR) t += part[tid + j].x;
+					csum[sb + lst[i]] = t;
+				}
+				barrier();
+			}
+		}
+		barrier();  // the next round rewrites the list
+	}
+
+	// This workgroup's share of the fixed tokens, (WG / TPR)·RPT rows a pass.
+	uint fixedCount = pc.sinks + pc.tokens - pc.clusteredEnd;
+	const uint LINES = WG / TPR;
+	float facc = 0.0;
+	for (uint f0 = w * LINES * RPT; f0 < fixedCount; f0 += W * LINES * RPT) {
+		uint tok[RPT];
+		[[unroll]] for (uint r = 0; r < RPT; r++) {
+			uint f = min(f0 + r * LINES + tid / TPR, fixedCount - 1);
+			tok[r] = f < pc.sinks ? f : pc.clusteredEnd + (f - pc.sinks);
+		}
+		float ev[RPT];
+		scoreRows(g, tok, sub, m, ev);
+		[[unroll]] for (uint r = 0; r < RPT; r++) {
+			if (sub == 0 && f0 + r * LINES + tid / TPR < fixedCount) facc += ev[r];
+		}
+	}
+	vec4 tot;
+	scanV(vec4(facc, 0.0, 0.0, 0.0), tot);
+	if (tid == 0) fsum[h * pc.maxW + w] = tot.x;
+
+	// The last of the head's workgroups to arrive fits.
+	memoryBarrierBuffer();
+	barrier();
+	if (tid == 0) {
+		last = atomicAdd(arrived[h], 1) == W - 1;
+		if (last) arrived[h] = 0;
+	}
+	barrier();
+	if (!last) return;
+	memoryBarrierBuffer();
+
+	// The sampled clusters' sums per bin.
+	for (uint i = tid; i <= NB; i += WG) pre[i] = 0;
+	barrier();
+	for (uint c0 = tid; c0 < pc.C; c0 += WG * BATCH) {
+		float sv[BATCH], xv[BATCH];
+		[[unroll]] for (uint i = 0; i < BATCH; i++) {
+			uint cl = min(c0 + i * WG, pc.C - 1);
+			sv[i] = s[sb + cl];
+			xv[i] = csum[sb + cl];
+		}
+		[[unroll]] for (uint i = 0; i < BATCH; i++) {
+			uint b = binOfScore(m, u, sv[i]);
+			if (c0 + i * WG < pc.C && (b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4))))) addBin(b, xv[i]);
+		}
+	}
+	barrier();
+
+	// One scan: the bins' exact prefix (x), the fixed partials (y) and the
+	// windows' bins (z, w), PER bins a slot.
+	vec4 acc = vec4(0.0);
+	for (uint i = 0; i < PER; i++) {
+		uint b = slot * PER + i;
+		float x = preAt(b);
+		acc.x += x;
+		if (windows && b >= r1 && b <= r2) acc.z += x;
+		if (windows && b >= r3 && b <= r4) acc.w += x;
+	}
+	for (uint i = slot; i < W; i += WG) acc.y += fsum[h * pc.maxW + i];
+	vec4 incl = scanV(acc, tot);
+	float before = incl.x - acc.x;
+	barrier();
+	for (uint i = 0; i < PER; i++) {
+		uint b = slot * PER + i;
+		float x = preAt(b);
+		pre[b] = floatBitsToUint(before);  // the exact prefix at boundary b (used up to j0)
+		before += x;
+	}
+	barrier();
+	float exactTotal = j0 >= NB ? tot.x : preAt(j0), fixedTotal = tot.y, win1 = tot.z, win2 = tot.w;
+	uint u1 = start[r1], v1 = start[r2 + 1], u2 = start[r3], v2 = start[r4 + 1];
+	barrier();  // every thread has read pre[j0]
+
+	float a = 0.0, bb = 0.0;
+	if (windows) {
+		float mu1 = win1 / float(v1 - u1), mu2 = win2 / float(v2 - u2);
+		float h1 = (harmonic(v1) - harmonic(u1)) / float(v1 - u1);
+		float h2 = (harmonic(v2) - harmonic(u2)) / float(v2 - u2);
+		if (h1 != h2) {
+			a = (mu1 - mu2) / (h1 - h2);
+			bb = mu1 - a * h1;
+		} else {
+			bb = (win1 + win2) / float(v1 - u1 + v2 - u2);
+		}
+	}
+
+	// S at every bin boundary: the exact prefix up to j0, the curve beyond.
+	for (uint j = tid; j <= NB; j += WG) {
+		float x;
+		if (j > j0) x = fixedTotal + exactTotal + curve(a, bb, exact + 1, start[j]);
+		else if (j == NB) x = fixedTotal + exactTotal;
+		else x = preAt(j) + fixedTotal;
+		pre[j] = floatBitsToUint(x);
+	}
+	if (tid == 0) found[0] = NB;
+	barrier();
+	float total = j0 >= NB ? preAt(NB) : fixedTotal + exactTotal + curve(a, bb, exact + 1, pc.n);
+	if (pc.p < 1.0) {
+		float target = pc.p * total;
+		uint least = NB;
+		for (uint j = tid; j <= NB; j += WG) {
+			if (preAt(j) >= target) least = min(least, j);
+		}
+		if (SUBGROUPS != 0) least = subgroupMin(least);
+		if (least < NB && (SUBGROUPS == 0 || subgroupElect())) atomicMin(found[0], least);
+	}
+	barrier();
+	if (tid == 0) {
+		cut[h] = found[0];
+		uint p = h * 16;
+		plan[p + 0] = floatBitsToUint(m);
+		plan[p + 1] = j0;
+		plan[p + 2] = exact;
+		plan[p + 3] = windows ? 1 : 0;
+		plan[p + 4] = r1;
+		plan[p + 5] = r2;
+		plan[p + 6] = u1;
+		plan[p + 7] = v1;
+		plan[p + 8] = r3;
+		plan[p + 9] = r4;
+		plan[p + 10] = u2;
+		plan[p + 11] = v2;
+		plan[p + 12] = floatBitsToUint(u);
+		plan[p + 13] = floatBitsToUint(fixedTotal);
+		plan[p + 14] = floatBitsToUint(total);
+		ext[h] = uvec2(0);
+	}
+}
