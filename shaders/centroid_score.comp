@@ -5,17 +5,24 @@
 // cluster, LOG_SIZE = 1), for every query head h and cluster c of its KV
 // head, the centroids in fp16, packed two per 32-bit word. A workgroup
 // scores ROWS centroids of KV head gl_WorkGroupID.y for the up to HB query
-// heads of block gl_WorkGroupID.z, LANES lanes sharing a row so that each
-// row is read once for all the block's heads, and folds its finite scores
-// into the heads' best and worst (atomic maxima of order-preserving keys,
-// which the next kernel reads and resets: doublep_cut, tactic_select).
+// heads of block gl_WorkGroupID.z (HB ≤ LANES), LANES lanes sharing a row
+// so that each row is read once for all the block's heads, and folds its
+// finite scores into the heads' best and worst (atomic maxima of
+// order-preserving keys, which the next kernel reads and resets:
+// doublep_cut, tactic_select).
 #extension GL_EXT_control_flow_attributes : enable
+#extension GL_KHR_shader_subgroup_basic : enable
+#extension GL_KHR_shader_subgroup_shuffle : enable
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 256;   // threads, a power of two; WG·HB ≤ 4096
 layout(constant_id = 1) const uint D = 128;
 layout(constant_id = 2) const uint HB = 4;     // query heads per block, 1 to 8
 layout(constant_id = 3) const uint LOG_SIZE = 1;
+// SHUFFLE = 1 sums a row's lanes with subgroup shuffles (the host sets it
+// only where shuffles work and LANES divides the subgroup size); 0 meets
+// in shared memory.
+layout(constant_id = 4) const uint SHUFFLE = 0;
 
 const uint D4 = D / 4;
 const uint D8 = D / 8;         // uvec4 (8 halves) per centroid
@@ -38,7 +45,7 @@ layout(push_constant) uniform Push {
 } pc;
 
 shared vec4 qs[HB][D4];
-shared float lanes[HB * ROWS * LANES];  // the lanes' partial sums
+shared float lanes[(1 - SHUFFLE) * (HB * ROWS * LANES - 1) + 1];  // the lanes' partial sums
 shared uint keyMax[HB], keyMin[HB];
 
 // key maps a float to a uint of the same order.
@@ -52,6 +59,15 @@ void main() {
 	uint g = gl_WorkGroupID.y;
 	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
 	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
+	uint r = tid / LANES, lane = tid % LANES;
+	uint c = gl_WorkGroupID.x * ROWS + r;
+
+	// The row's loads first, in flight together and with the queries'.
+	const uint PER = (D8 + LANES - 1) / LANES;
+	uint row = (g * pc.C + min(c, pc.C - 1)) * D8;
+	uvec4 x[PER];
+	[[unroll]] for (uint i = 0; i < PER; i++) x[i] = lane + i * LANES < D8 ? cent[row + lane + i * LANES] : uvec4(0);
+	uint size = sizes[g * pc.C + min(c, pc.C - 1)];
 	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
 	if (tid < HB) {
 		keyMax[tid] = 0;
@@ -59,33 +75,35 @@ void main() {
 	}
 	barrier();
 
-	uint r = tid / LANES, lane = tid % LANES;
-	uint c = gl_WorkGroupID.x * ROWS + r;
 	float acc[HB];
 	[[unroll]] for (uint k = 0; k < HB; k++) acc[k] = 0.0;
-	if (c < pc.C) {
-		// Every load of the row in flight at once.
-		const uint PER = (D8 + LANES - 1) / LANES;
-		uint row = (g * pc.C + c) * D8;
-		uvec4 x[PER];
-		[[unroll]] for (uint i = 0; i < PER; i++) x[i] = lane + i * LANES < D8 ? cent[row + lane + i * LANES] : uvec4(0);
-		[[unroll]] for (uint i = 0; i < PER; i++) {
-			uint j = lane + i * LANES;
-			if (j < D8) {
-				vec4 lo = vec4(unpackHalf2x16(x[i].x), unpackHalf2x16(x[i].y));
-				vec4 hi = vec4(unpackHalf2x16(x[i].z), unpackHalf2x16(x[i].w));
-				[[unroll]] for (uint k = 0; k < HB; k++) {
-					if (k < heads) acc[k] += dot(lo, qs[k][2 * j]) + dot(hi, qs[k][2 * j + 1]);
-				}
+	[[unroll]] for (uint i = 0; i < PER; i++) {
+		uint j = lane + i * LANES;
+		if (j < D8) {
+			vec4 lo = vec4(unpackHalf2x16(x[i].x), unpackHalf2x16(x[i].y));
+			vec4 hi = vec4(unpackHalf2x16(x[i].z), unpackHalf2x16(x[i].w));
+			[[unroll]] for (uint k = 0; k < HB; k++) {
+				if (k < heads) acc[k] += dot(lo, qs[k][2 * j]) + dot(hi, qs[k][2 * j + 1]);
 			}
 		}
 	}
-	[[unroll]] for (uint k = 0; k < HB; k++) lanes[(k * ROWS + r) * LANES + lane] = acc[k];
-	barrier();
+	// Lane k of the row ends with head k's sum.
+	float sum = 0.0;
+	if (SHUFFLE != 0) {
+		[[unroll]] for (uint o = LANES / 2; o > 0; o >>= 1) {
+			[[unroll]] for (uint k = 0; k < HB; k++) acc[k] += subgroupShuffleXor(acc[k], o);
+		}
+		[[unroll]] for (uint k = 0; k < HB; k++) {
+			if (k == lane) sum = acc[k];
+		}
+	} else {
+		[[unroll]] for (uint k = 0; k < HB; k++) lanes[(k * ROWS + r) * LANES + lane] = acc[k];
+		barrier();
+		if (lane < HB) {
+			[[unroll]] for (uint j = 0; j < LANES; j++) sum += lanes[(lane * ROWS + r) * LANES + j];
+		}
+	}
 	if (c < pc.C && lane < heads) {
-		uint size = sizes[g * pc.C + c];
-		float sum = 0.0;
-		[[unroll]] for (uint j = 0; j < LANES; j++) sum += lanes[(lane * ROWS + r) * LANES + j];
 		float l = LOG_SIZE == 0 ? sum : (size == 0 ? NEG : sum + log(float(size)));
 		s[(h0 + lane) * pc.C + c] = l;
 		if (LOG_SIZE == 0 || size != 0) {

@@ -113,6 +113,17 @@ uint binOfScore(float m, float u, float x) {
 	return min(NB - 1, uint(floor((m - x) * u)));
 }
 
+// loadBatch loads the scores (of head row sb) and sizes (of KV head g) of
+// clusters c0, c0 + WG, ..., BATCH of them, all in flight together; past
+// the last cluster it loads the last one again.
+void loadBatch(uint c0, uint sb, uint g, out float sv[BATCH], out uint zv[BATCH]) {
+	[[unroll]] for (uint i = 0; i < BATCH; i++) {
+		uint cl = min(c0 + i * WG, pc.C - 1);
+		sv[i] = s[sb + cl];
+		zv[i] = sizes[g * pc.C + cl];
+	}
+}
+
 // slotOf is the thread's place in subgroup order (that of the scans).
 uint slotOf() {
 	return SUBGROUPS != 0 ? gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID : gl_LocalInvocationID.x;
@@ -274,6 +285,11 @@ void main() {
 	uint h = gl_WorkGroupID.y;
 	uint g = h / pc.groupSize;
 	uint sb = h * pc.C;
+	// The first clusters' loads before anything else, in flight with the
+	// extremes' and the query's.
+	float sv[BATCH];
+	uint zv[BATCH];
+	loadBatch(tid, sb, g, sv, zv);
 	for (uint i = tid; i < D / 4; i += WG) qs[i] = q[h * (D / 4) + i] * pc.scale;
 	uvec2 e = ext[h];
 	float m = unkey(e.x), m0 = unkey(~e.y);
@@ -290,13 +306,7 @@ void main() {
 	// The bins' token counts, BATCH clusters a thread with their loads in
 	// flight together; this workgroup's share of the bins written.
 	for (uint c0 = tid; c0 < pc.C; c0 += WG * BATCH) {
-		float sv[BATCH];
-		uint zv[BATCH];
-		[[unroll]] for (uint i = 0; i < BATCH; i++) {
-			uint cl = min(c0 + i * WG, pc.C - 1);
-			sv[i] = s[sb + cl];
-			zv[i] = sizes[g * pc.C + cl];
-		}
+		if (c0 != tid) loadBatch(c0, sb, g, sv, zv);
 		[[unroll]] for (uint i = 0; i < BATCH; i++) {
 			uint cl = c0 + i * WG;
 			if (cl < pc.C) {

@@ -70,21 +70,13 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 		return nil, fmt.Errorf("sparse: Double-P reads clusters as runs of slots: put the layer in cluster order first (kvcache.Layer.Reorder)")
 	}
 	s := &DoublePSelector{dense: dense, clusters: clusters, opts: opts}
-	// Blocks of up to 8 query heads, the workgroup as large as the scratch
-	// allows (workgroup × heads ≤ 4096 words) and a power of two.
-	s.heads = min(h.Group(), 8)
-	wg := min(tacticWorkgroup(dev.Info()), uint32(4096/s.heads))
-	for wg&(wg-1) != 0 {
-		wg &= wg - 1
-	}
-	s.rows = int(wg) / 8
 	b := &builder{dev: dev, bufs: &s.bufs}
 	hq, c := h.Query, clusters.C
 	s.logits, s.binOf, s.exact, s.keep = b.words(hq*c), b.words(hq*c), b.words(hq), b.words(hq)
 	s.means = b.words(h.KV * c * h.Dim)
 	s.extremes = b.words(2 * hq)
 	s.centroids = b.words(h.KV * c * h.Dim / 2)
-	s.score = b.kernel("centroid_score", 5, 3, wg, uint32(h.Dim), uint32(s.heads), 1)
+	s.score, s.rows, s.heads = centroidScores(b, dense, true)
 	// The cuts: one workgroup per head, as many threads as the device
 	// allows up to the bins.
 	s.cut = b.kernel("doublep_cut", 5, 4, min(tacticWorkgroup(dev.Info()), TacticBins), TacticBins, 10)

@@ -170,16 +170,8 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	b := &builder{dev: dev}
 	build := b.kernel
 	k := &tacticKernels{}
-	// Scoring: up to 8 query heads per block, the workgroup as large as
-	// its lanes' sums allow (workgroup × heads ≤ 4096 words). Selection:
-	// workgroups of up to 1 024 threads, each ordering all of a query
-	// head's clusters.
-	k.scoreHeads = min(h.Group(), 8)
-	wg := min(tacticWorkgroup(dev.Info()), uint32(4096/k.scoreHeads))
-	for wg&(wg-1) != 0 {
-		wg &= wg - 1
-	}
-	k.scoreRows = int(wg) / 8
+	// Selection: workgroups of up to 1 024 threads, each ordering all of a
+	// query head's clusters.
 	selectWG := min(tacticWorkgroup(dev.Info()), TacticBins)
 	// Subgroup reductions and scans in the per-head passes where the dense
 	// kernels use them (not with DenseOptions.TreeReduce).
@@ -187,7 +179,7 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	subgroups := func(threads uint32) uint32 {
 		return boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= threads)
 	}
-	k.score = build("centroid_score", 5, 3, wg, uint32(h.Dim), uint32(k.scoreHeads), 0)
+	k.score, k.scoreRows, k.scoreHeads = centroidScores(b, dense, false)
 	// Threads per sampled cluster: a power of two, 16 or 4 per row; where
 	// shuffles work, at most a subgroup, which then sums by shuffles.
 	tpr := dense.tpr // shuffles among tpr threads work on this device
