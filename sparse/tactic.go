@@ -99,8 +99,8 @@ func TacticBin(m, u, s float32) int {
 }
 
 // tacticWorkgroup is the threads per workgroup of the per-head passes
-// (order and fit, one workgroup per query head): up to 1024, so that the
-// few workgroups of a step spread their loops over many threads.
+// (Tactic's selection, Double-P's cuts): up to 1024, so that the few
+// workgroups of a head spread their loops over many threads.
 func tacticWorkgroup(info vk.Info) uint32 {
 	wg := uint32(1024)
 	for wg > 64 && wg > info.MaxWorkgroupInvocations {

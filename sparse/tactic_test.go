@@ -35,9 +35,10 @@ func generated(t *testing.T, h Heads, n, queries int) *trace.Trace {
 // AttendSubsetRef over that union.
 func TestTacticStepMatchesReference(t *testing.T) { testTacticStep(t, 4000, 0, true) }
 
-// TestTacticStepManyClusters runs the step over more clusters than the
-// per-head passes' threads load at once (2 048 on a 256-thread workgroup),
-// so that each thread takes several clusters in several rounds.
+// TestTacticStepManyClusters runs the step over more clusters than a
+// selection workgroup has threads, so that it lists its clusters in several
+// rounds, and (on 256-thread workgroups) more than its threads load at once
+// (2 048), so that it also bins them in several rounds.
 func TestTacticStepManyClusters(t *testing.T) { testTacticStep(t, 9000, 4, false) }
 
 // testTacticStep checks Tactic steps over n generated tokens, clustered
