@@ -112,6 +112,13 @@ func tacticWorkgroup(info vk.Info) uint32 {
 	return wg
 }
 
+// selectShared returns the shared memory tactic_select takes with wg
+// threads for heads of dim dimensions: the query, the bins' offsets and
+// sums, the list of a round and a vec4 per thread, and a few words.
+func selectShared(wg, dim int) int {
+	return 4*dim + 2*4*(TacticBins+1) + 4*wg + 16*wg + 32
+}
+
 // tacticKernels are the selection kernels of Tactic steps, shared by the
 // steps of a batch.
 type tacticKernels struct {
@@ -174,8 +181,11 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	build := b.kernel
 	k := &tacticKernels{}
 	// Selection: workgroups of up to 1 024 threads, each ordering all of a
-	// query head's clusters.
+	// query head's clusters, fewer where its shared memory would not fit.
 	selectWG := min(tacticWorkgroup(dev.Info()), TacticBins)
+	for selectWG > 64 && selectShared(int(selectWG), h.Dim) > int(dev.Info().SharedMemoryBytes) {
+		selectWG /= 2
+	}
 	// Subgroup reductions and scans in the per-head passes where the dense
 	// kernels use them (not with DenseOptions.TreeReduce).
 	info := dev.Info()
