@@ -232,6 +232,12 @@ float sampleCluster(uint g, uint c, uint tslot, uint sub, float m) {
 	return acc;
 }
 
+// sampled reports whether bin b is sampled: an exact bin (b < j0) or one
+// of a window's, r1..r2 and r3..r4.
+bool sampled(uint b, uint j0, bool windows, uint r1, uint r2, uint r3, uint r4) {
+	return b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
+}
+
 // preAt returns pre[i] as a float.
 float preAt(uint i) { return uintBitsToFloat(pre[i]); }
 
@@ -362,7 +368,7 @@ void main() {
 		uint cl = w + (i0 + tid) * W;
 		if (i0 + tid < share) {
 			uint b = binOfScore(m, u, s[sb + cl]);
-			if (b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)))) lst[atomicAdd(nList, 1)] = cl;
+			if (sampled(b, j0, windows, r1, r2, r3, r4)) lst[atomicAdd(nList, 1)] = cl;
 		}
 		barrier();
 		uint count = nList;
@@ -435,7 +441,7 @@ void main() {
 		}
 		[[unroll]] for (uint i = 0; i < BATCH; i++) {
 			uint b = binOfScore(m, u, sv[i]);
-			if (c0 + i * WG < pc.C && (b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4))))) addBin(b, xv[i]);
+			if (c0 + i * WG < pc.C && sampled(b, j0, windows, r1, r2, r3, r4)) addBin(b, xv[i]);
 		}
 	}
 	barrier();
