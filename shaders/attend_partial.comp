@@ -48,11 +48,12 @@ layout(constant_id = 10) const uint RPT = 1;
 // GATHER = 2: clusters scanned at once (a power of two, at most WG).
 layout(constant_id = 11) const uint WINDOW = 64;
 // APPROX = 1 (with GATHER = 2) adds Double-P's pseudo-tokens (seed 004,
-// Eq. 8-9): the last clusterChunks workgroups take the runs of clusters
-// again and give each query head h of their block, for every cluster c of
-// KV head g that no head of g takes (rank[h'][c] >= cut[h'] for all) and
-// that h keeps (rank[h][c] < keep[h]), one token of logit logit[h][c] and
-// value means[g][c].
+// Eq. 8-9): after its run of clusters, workgroup a < clusterChunks takes
+// the a-th range of chunk clusters again and gives each query head h of its
+// block, for every cluster c of KV head g that no head of g takes
+// (rank[h'][c] >= cut[h'] for all) and that h keeps (rank[h][c] < keep[h]),
+// one token of logit logit[h][c] and value means[g][c], in a partial of its
+// own (slot gl_NumWorkGroups.x + a).
 layout(constant_id = 12) const uint APPROX = 0;
 
 const uint DV = D / 8;  // uvec4 words per row
@@ -421,19 +422,18 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 	}
 }
 
-// approxChunk writes the partials of chunk c, one of the last clusterChunks
-// (APPROX = 1): for each query head h0 + j of the block, over the clusters
-// of run a = c − (chunks − clusterChunks) that the head keeps and no head
-// of the group takes, m = max logit, l = Σ exp(logit − m) and
+// approxChunk writes the partials of slot c (APPROX = 1): for each query
+// head h0 + j of the block, over the clusters of range a, [a·chunk,
+// (a + 1)·chunk), that the head keeps and no head of the group takes, m = max logit, l = Σ exp(logit − m) and
 // o = Σ exp(logit − m)·mean (m = −∞, l = 0, o unwritten where none). The
 // clusters some head approximates are listed in lst, TILE at a time, with
 // their weights in sc; then every listed mean row is read once, a vec4
 // per thread, for all the block's heads, LA lanes of rows at a time.
-void approxChunk(uint c, uint h0, uint kvLocal) {
+void approxChunk(uint c, uint a, uint h0, uint kvLocal) {
 	uint tid = gl_LocalInvocationID.x;
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
 	uint g = pc.kvBase + kvLocal;
-	uint c0 = (c - (gl_NumWorkGroups.x - pc.clusterChunks)) * pc.chunk;
+	uint c0 = a * pc.chunk;
 	uint cEnd = min(c0 + pc.chunk, pc.C);
 	const uint LA = WG / D4;  // lanes of mean rows
 	const uint MU = 4;        // rows whose loads a lane has in flight
@@ -611,10 +611,16 @@ void main() {
 	// more than the separate merge kernel saved), every chunk otherwise.
 	uint used = GATHER == 1 ? min((n + chunk - 1) / chunk, gl_NumWorkGroups.x) : gl_NumWorkGroups.x;
 	if (gl_WorkGroupID.x >= used) return;
-	if (APPROX != 0 && gl_WorkGroupID.x >= gl_NumWorkGroups.x - pc.clusterChunks) {
-		approxChunk(gl_WorkGroupID.x, h0, kvLocal);
-	} else {
-		attendChunk(gl_WorkGroupID.x, h0, kvLocal, n, chunk);
+	attendChunk(gl_WorkGroupID.x, h0, kvLocal, n, chunk);
+	// The partials merged: a slot per workgroup, and with pseudo-tokens
+	// one more per run of clusters.
+	uint slots = used;
+	if (APPROX != 0) {
+		slots += pc.clusterChunks;
+		if (gl_WorkGroupID.x < pc.clusterChunks) {
+			barrier();  // attendChunk's shared memory is free again
+			approxChunk(used + gl_WorkGroupID.x, gl_WorkGroupID.x, h0, kvLocal);
+		}
 	}
 
 	// Arrive: the partials written (and made visible device-wide) before
@@ -629,6 +635,6 @@ void main() {
 	barrier();
 	if (red[0] == 0.0) return;
 	memoryBarrierBuffer();
-	mergeChunks(h0, used);
+	mergeChunks(h0, slots);
 	if (tid == 0) arrivals[block] = 0;  // for the next dispatch
 }

@@ -729,8 +729,7 @@ func (p *DensePlan) recordClusterAttention(c *vk.Commands) error {
 	total := cc + ceilDiv(n-x.Count, d.tile)
 	pipe := d.clustered
 	if p.approx != nil {
-		total += cc // the runs again, for the pseudo-tokens
-		pipe = d.approx
+		pipe = d.approx // each run's workgroup then takes its range's pseudo-tokens
 	}
 	blocks := h.Group() / d.group
 	for _, seg := range p.segments[0] {

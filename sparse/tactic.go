@@ -112,6 +112,14 @@ func tacticWorkgroup(info vk.Info) uint32 {
 	return wg
 }
 
+// selectWorkgroup is the most threads of a tactic_select workgroup (a
+// power of two dividing TacticBins). With about two sampled clusters per
+// team, halving the workgroup doubles the workgroups of a head: on the H100
+// (llama, P 0.9) the selection took 21.1 µs at 32 768 tokens with 512
+// threads against 26.7 with 1 024 and 21.9 with 256, and 37.8 µs at
+// 131 072 with 512 or 1 024 against 56.7 with 256 (a second wave).
+const selectWorkgroup = 512
+
 // selectShared returns the shared memory tactic_select takes with wg
 // threads for heads of dim dimensions: the query, the bins' offsets and
 // sums, the list of a round and a vec4 per thread, and a few words.
@@ -180,9 +188,10 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	b := &builder{dev: dev}
 	build := b.kernel
 	k := &tacticKernels{}
-	// Selection: workgroups of up to 1 024 threads, each ordering all of a
-	// query head's clusters, fewer where its shared memory would not fit.
-	selectWG := min(tacticWorkgroup(dev.Info()), TacticBins)
+	// Selection: workgroups of up to selectWorkgroup threads, each ordering
+	// all of a query head's clusters, fewer where its shared memory would
+	// not fit.
+	selectWG := min(tacticWorkgroup(dev.Info()), selectWorkgroup)
 	for selectWG > 64 && selectShared(int(selectWG), h.Dim) > int(dev.Info().SharedMemoryBytes) {
 		selectWG /= 2
 	}
@@ -378,8 +387,8 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		// expected clusters (of the mean size; the fixed tokens counted as
 		// clusters of 16): every workgroup also orders all of the head's
 		// clusters, so fewer, fuller ones are faster (on the H100 at 131 072
-		// tokens, one cluster a team took 52 µs, two 39, three 40 and four
-		// 45). Where B > 2 sequences share the dispatches, 2/B as many: at
+		// tokens, with workgroups of 1 024 threads, one cluster a team took
+		// 52 µs, two 39, three 40 and four 45). Where B > 2 sequences share the dispatches, 2/B as many: at
 		// B = 8 a quarter took 460 µs a batched step at 131 072 tokens,
 		// against 476 with half and 496 with all.
 		work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
