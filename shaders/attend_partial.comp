@@ -52,8 +52,8 @@ layout(constant_id = 11) const uint WINDOW = 64;
 // the a-th range of chunk clusters again and gives each query head h of its
 // block, for every cluster c of KV head g that no head of g takes
 // (rank[h'][c] >= cut[h'] for all) and that h keeps (rank[h][c] < keep[h]),
-// one token of logit logit[h][c] and value means[g][c], in a partial of its
-// own (slot gl_NumWorkGroups.x + a).
+// one token of logit logit[h][c] and value means[g][c], folded into the
+// partial of its run.
 layout(constant_id = 12) const uint APPROX = 0;
 
 const uint DV = D / 8;  // uvec4 words per row
@@ -103,7 +103,9 @@ layout(push_constant) uniform Push {
 	uint clusteredEnd;
 } pc;
 
-shared vec4 qs[GROUP * D4];
+shared vec4 qs[GROUP * D4];  // the queries; with APPROX, then the run's partial outputs
+// APPROX = 1: the run's partial max and sum per head, for approxChunk.
+shared float runM[GROUP], runL[GROUP];
 shared float sc[SCORE_SLOTS];
 shared float red[REDUCE_SLOTS];
 // GATHER = 2 only (one slot otherwise): a tile's token ids, and a window's
@@ -295,8 +297,10 @@ bool takenByGroup(uint g, uint cl) {
 // attendChunk writes the partials of chunk c (of chunk tokens, or clusters
 // with GATHER = 2, out of n) of query heads h0 .. h0 + GROUP − 1 (of KV
 // head kvBase + kvLocal): m, l and o per head, or m = −∞ and l = 0 (o
-// unwritten) where the chunk attends no token.
-void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
+// unwritten) where the chunk attends no token. Where held (a run whose
+// pseudo-tokens follow), it leaves them in runM, runL and qs instead, for
+// approxChunk.
+void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 	uint tid = gl_LocalInvocationID.x;
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
 	uint listBase = (pc.kvBase + kvLocal) * pc.n;
@@ -398,10 +402,17 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 	if (attended == 0) {
 		// Nothing taken in this chunk: m = −∞ tells the merge to skip it,
 		// so its output is not written.
-		if (tid < GROUP) pml[base + tid * pc.maxChunks] = vec2(-1.0 / 0.0, 0.0);
+		if (tid < GROUP) {
+			if (held) {
+				runM[tid] = -1.0 / 0.0;
+				runL[tid] = 0.0;
+			} else {
+				pml[base + tid * pc.maxChunks] = vec2(-1.0 / 0.0, 0.0);
+			}
+		}
 		return;
 	}
-	combine(l, 1);
+	combine(l, 1);  // its last barrier: no thread reads the queries in qs again
 
 	// Sum the lanes, one head at a time: the score slots, no longer needed,
 	// hold the eight dimensions of every thread.
@@ -413,30 +424,44 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 			uint d = i % DV;
 			float sum = 0.0;
 			for (uint ln = 0; ln < LANES; ln++) sum += sc[j * WG + ln * DV + d];
-			po[(base + g * pc.maxChunks) * D + d * 8 + j] = sum;
+			uint e = d * 8 + j;
+			if (held) qs[g * D4 + e / 4][e % 4] = sum;
+			else po[(base + g * pc.maxChunks) * D + e] = sum;
 		}
 		barrier();
 	}
 	if (tid < GROUP) {
-		pml[base + tid * pc.maxChunks] = vec2(m[tid], l[tid]);
+		if (held) {
+			runM[tid] = m[tid];
+			runL[tid] = l[tid];
+		} else {
+			pml[base + tid * pc.maxChunks] = vec2(m[tid], l[tid]);
+		}
 	}
 }
 
-// approxChunk writes the partials of slot c (APPROX = 1): for each query
-// head h0 + j of the block, over the clusters of range a, [a·chunk,
-// (a + 1)·chunk), that the head keeps and no head of the group takes, m = max logit, l = Σ exp(logit − m) and
-// o = Σ exp(logit − m)·mean (m = −∞, l = 0, o unwritten where none). The
-// clusters some head approximates are listed in lst, TILE at a time, with
-// their weights in sc; then every listed mean row is read once, a vec4
-// per thread, for all the block's heads, LA lanes of rows at a time.
-void approxChunk(uint c, uint a, uint h0, uint kvLocal) {
+// approxChunk writes the partials of run c (APPROX = 1), its clusters'
+// (runM, runL and qs, from attendChunk) and, for each query head h0 + j of
+// the block, the pseudo-tokens of the clusters of range c, [c·chunk,
+// (c + 1)·chunk), that the head keeps and no head of the group takes:
+// with a = max logit, la = Σ exp(logit − a), oa = Σ exp(logit − a)·mean,
+// M = max(a, runM), m = M, l = e^(a−M) la + e^(runM−M) runL and
+// o = e^(a−M) oa + e^(runM−M) o_run (a part without tokens adds nothing;
+// m = −∞, l = 0 and o unwritten where neither has any). The clusters some
+// head approximates are listed in lst, TILE at a time, with their weights
+// in sc; then every listed mean row is read once, a vec4 per thread, for
+// all the block's heads, LA lanes of rows at a time.
+void approxChunk(uint c, uint h0, uint kvLocal) {
 	uint tid = gl_LocalInvocationID.x;
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
 	uint g = pc.kvBase + kvLocal;
-	uint c0 = a * pc.chunk;
+	uint c0 = c * pc.chunk;
 	uint cEnd = min(c0 + pc.chunk, pc.C);
 	const uint LA = WG / D4;  // lanes of mean rows
-	const uint MU = 4;        // rows whose loads a lane has in flight
+	// Rows whose loads a lane has in flight: on the H100, Double-P's
+	// attention took 65.3 µs with 16 against 66.9 with 4 (llama, 131 072
+	// tokens).
+	const uint MU = 16;
 	uint lane = tid / D4, d4 = tid % D4;
 	float m[GROUP];
 	float l[GROUP];
@@ -495,18 +520,24 @@ void approxChunk(uint c, uint a, uint h0, uint kvLocal) {
 		barrier();  // the next window rewrites lst, sc and the count
 	}
 	combine(l, 1);
-	// Sum the lanes, one head at a time, in the score slots (4 · WG floats).
+	// Fold in the run's partial, one head at a time; the lanes' sums meet
+	// in the score slots (4 · WG floats).
+	const float NEG = -1.0 / 0.0;
 	[[unroll]] for (uint j = 0; j < GROUP; j++) {
+		float ma = l[j] > 0.0 ? m[j] : NEG, mr = runM[j];
+		float M = max(ma, mr);
+		float wa = ma == NEG ? 0.0 : exp(ma - M), wr = mr == NEG ? 0.0 : exp(mr - M);
 		[[unroll]] for (uint k = 0; k < 4; k++) sc[4 * tid + k] = lane < LA ? acc[j][k] : 0.0;
 		barrier();
-		for (uint i = tid; i < D && l[j] > 0.0; i += WG) {
+		for (uint i = tid; i < D && M != NEG; i += WG) {
 			float sum = 0.0;
 			for (uint ln = 0; ln < LA; ln++) sum += sc[4 * (ln * D4 + i / 4) + i % 4];
-			po[(base + j * pc.maxChunks) * D + i] = sum;
+			float run = wr > 0.0 ? wr * qs[j * D4 + i / 4][i % 4] : 0.0;
+			po[(base + j * pc.maxChunks) * D + i] = wa * sum + run;
 		}
+		if (tid == 0) pml[base + j * pc.maxChunks] = vec2(M, wa * l[j] + wr * runL[j]);
 		barrier();
 	}
-	if (tid < GROUP) pml[base + tid * pc.maxChunks] = vec2(l[tid] > 0.0 ? m[tid] : -1.0 / 0.0, l[tid]);
 }
 
 // mergeChunks writes the output of query heads h0 .. h0 + GROUP − 1 of
@@ -611,16 +642,13 @@ void main() {
 	// more than the separate merge kernel saved), every chunk otherwise.
 	uint used = GATHER == 1 ? min((n + chunk - 1) / chunk, gl_NumWorkGroups.x) : gl_NumWorkGroups.x;
 	if (gl_WorkGroupID.x >= used) return;
-	attendChunk(gl_WorkGroupID.x, h0, kvLocal, n, chunk);
-	// The partials merged: a slot per workgroup, and with pseudo-tokens
-	// one more per run of clusters.
-	uint slots = used;
-	if (APPROX != 0) {
-		slots += pc.clusterChunks;
-		if (gl_WorkGroupID.x < pc.clusterChunks) {
-			barrier();  // attendChunk's shared memory is free again
-			approxChunk(used + gl_WorkGroupID.x, gl_WorkGroupID.x, h0, kvLocal);
-		}
+	// A run of clusters followed by its pseudo-tokens holds its partial in
+	// shared memory for approxChunk, which writes both as one.
+	bool held = APPROX != 0 && gl_WorkGroupID.x < pc.clusterChunks;
+	attendChunk(gl_WorkGroupID.x, h0, kvLocal, n, chunk, held);
+	if (held) {
+		barrier();  // the run's partial is in shared memory
+		approxChunk(gl_WorkGroupID.x, h0, kvLocal);
 	}
 
 	// Arrive: the partials written (and made visible device-wide) before
@@ -635,6 +663,6 @@ void main() {
 	barrier();
 	if (red[0] == 0.0) return;
 	memoryBarrierBuffer();
-	mergeChunks(h0, slots);
+	mergeChunks(h0, used);
 	if (tid == 0) arrivals[block] = 0;  // for the next dispatch
 }

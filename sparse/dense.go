@@ -697,7 +697,6 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 				return nil, err
 			}
 		}
-		chunks += ceilDiv(clusters.C, per) // a run of pseudo-tokens per run of clusters
 	}
 	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut, approx: sel.Approx}
 	if err := p.allocate(); err != nil {
@@ -729,7 +728,7 @@ func (p *DensePlan) recordClusterAttention(c *vk.Commands) error {
 	total := cc + ceilDiv(n-x.Count, d.tile)
 	pipe := d.clustered
 	if p.approx != nil {
-		pipe = d.approx // each run's workgroup then takes its range's pseudo-tokens
+		pipe = d.approx // each run's workgroup then folds in its range's pseudo-tokens
 	}
 	blocks := h.Group() / d.group
 	for _, seg := range p.segments[0] {
