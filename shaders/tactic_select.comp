@@ -14,14 +14,15 @@
 // r1..r2 and r3..r4 holding the two sampling windows' positions. All
 // workgroups compute the same order from the same scores; workgroup w
 // writes the bins of clusters c ≡ w (mod W) and samples those of them in
-// the exact bins or a window:
-//   csum[h][c] = Σ_{t in c} e(t),  e(t) = exp(scale·q_h·k_t − m),
-// a team of TEAM threads per cluster, and its share of the fixed tokens
-// (the sinks [0, sinks) and the tail [clusteredEnd, n)) into
-// fsum[h][w] = Σ e(t).
+// the exact bins or a window, a team of TEAM threads per cluster, listing
+// each one's bin b and sum
+//   Σ_{t in c} e(t),  e(t) = exp(scale·q_h·k_t − m),
+// as smp[h][w·cap + i] = (c·NB + b, sum bits), i < count_w, cap = ⌈C/W⌉;
+// and its share of the fixed tokens (the sinks [0, sinks) and the tail
+// [clusteredEnd, n)) with its count as fsum[h][w] = (Σ e(t), count_w bits).
 // The last of the head's workgroups to finish (an arrival counter, reset
-// by it; no workgroup waits for another) fits: the sampled clusters' sums
-// per bin, scanned; the fixed total F; the exact sum E = Σ bins < j0; the
+// by it; no workgroup waits for another) fits: the listed sums per bin,
+// scanned; the fixed total F; the exact sum E = Σ bins < j0; the
 // windows' means μ and mean 1/x over their token ranges
 // [start[r1], start[r2 + 1]) and [start[r3], start[r4 + 1]) (positions
 // from 1); the curve y = a/x + b through them in the 1/x coordinate; the
@@ -29,6 +30,7 @@
 // prefix for j ≤ j0, F + E + Σ_{x = exact+1}^{start[j]} max(0, a/x + b)
 // beyond, in closed form); and the cut, the least j with S(j) ≥ P·S(n)
 // (NB at P = 1). The head selects the clusters of bins below the cut.
+// plan[h][15] is W.
 // TacticBinnedBudgetRef states the same computation in float64.
 #extension GL_EXT_control_flow_attributes : enable
 #extension GL_KHR_shader_subgroup_basic : enable
@@ -71,8 +73,8 @@ layout(std430, binding = 3) readonly buffer Starts { uint starts[]; };  // [Hkv]
 layout(std430, binding = 4) readonly buffer Sizes { uint sizes[]; };    // [Hkv][C]
 layout(std430, binding = 5) writeonly buffer BinOf { uint binOf[]; };   // [Hq][C]
 // Written by every workgroup of a head, read by the last: coherent.
-layout(std430, binding = 6) coherent buffer ClusterSum { float csum[]; }; // [Hq][C], sampled clusters only
-layout(std430, binding = 7) coherent buffer FixedSum { float fsum[]; };   // [Hq][maxW]
+layout(std430, binding = 6) coherent buffer Sampled { uvec2 smp[]; };   // [Hq][C + maxW]
+layout(std430, binding = 7) coherent buffer FixedSum { vec2 fsum[]; };   // [Hq][maxW]
 layout(std430, binding = 8) writeonly buffer Plan { uint plan[]; };      // [Hq][16]
 layout(std430, binding = 9) writeonly buffer Cut { uint cut[]; };        // [Hq]
 layout(std430, binding = 10) coherent buffer Extremes { uvec2 ext[]; };  // [Hq], 0 between steps
@@ -99,6 +101,7 @@ shared uint start[NB + 1];   // bins' token counts, then their token offsets
 // sums are added with compare-and-swap).
 shared uint pre[NB + 1];
 shared uint lst[WG];         // sampled clusters of a round; scanU's slots
+shared uint lstBin[WG];      // their bins
 shared uint nList;
 shared uint found[5];
 shared vec4 part[WG];        // team sums; scanV's slots or subgroup totals
@@ -362,13 +365,19 @@ void main() {
 	// listed at a time, a team per cluster.
 	uint team = tid / TEAM, tslot = (tid % TEAM) / TPR, sub = tid % TPR;
 	uint share = w < pc.C ? (pc.C - w + W - 1) / W : 0;
+	uint hb = h * (pc.C + pc.maxW);           // this head's list
+	uint listed = hb + w * ((pc.C + W - 1) / W);  // where this round's go
 	for (uint i0 = 0; i0 < share; i0 += WG) {
 		if (tid == 0) nList = 0;
 		barrier();
 		uint cl = w + (i0 + tid) * W;
 		if (i0 + tid < share) {
 			uint b = binOfScore(m, u, s[sb + cl]);
-			if (sampled(b, j0, windows, r1, r2, r3, r4)) lst[atomicAdd(nList, 1)] = cl;
+			if (sampled(b, j0, windows, r1, r2, r3, r4)) {
+				uint k = atomicAdd(nList, 1);
+				lst[k] = cl;
+				lstBin[k] = b;
+			}
 		}
 		barrier();
 		uint count = nList;
@@ -378,7 +387,7 @@ void main() {
 				uint c = lst[i];
 				float acc = sampleCluster(g, c, tslot, sub, m);
 				[[unroll]] for (uint o = TEAM / 2; o >= TPR; o >>= 1) acc += subgroupShuffleXor(acc, o);
-				if (tid % TEAM == 0) csum[sb + c] = acc;
+				if (tid % TEAM == 0) smp[listed + i] = uvec2(c * NB + lstBin[i], floatBitsToUint(acc));
 			}
 		} else {
 			// Rounds of TEAMS clusters; a team's threads meet in part.
@@ -390,11 +399,12 @@ void main() {
 				if (i < count && tid % TEAM == 0) {
 					float t = 0.0;
 					for (uint j = 0; j < TEAM; j += TPR) t += part[tid + j].x;
-					csum[sb + lst[i]] = t;
+					smp[listed + i] = uvec2(lst[i] * NB + lstBin[i], floatBitsToUint(t));
 				}
 				barrier();
 			}
 		}
+		listed += count;
 		barrier();  // the next round rewrites the list
 	}
 
@@ -416,7 +426,7 @@ void main() {
 	}
 	vec4 tot;
 	scanV(vec4(facc, 0.0, 0.0, 0.0), tot);
-	if (tid == 0) fsum[h * pc.maxW + w] = tot.x;
+	if (tid == 0) fsum[h * pc.maxW + w] = vec2(tot.x, uintBitsToFloat(listed - hb - w * ((pc.C + W - 1) / W)));
 
 	// The last of the head's workgroups to arrive fits.
 	memoryBarrierBuffer();
@@ -429,19 +439,19 @@ void main() {
 	if (!last) return;
 	memoryBarrierBuffer();
 
-	// The sampled clusters' sums per bin.
+	// The listed sums per bin: R threads take each workgroup's list, after
+	// its fixed sum and count; the fixed sums go to the scan below.
 	for (uint i = tid; i <= NB; i += WG) pre[i] = 0;
 	barrier();
-	for (uint c0 = tid; c0 < pc.C; c0 += WG * BATCH) {
-		float sv[BATCH], xv[BATCH];
-		[[unroll]] for (uint i = 0; i < BATCH; i++) {
-			uint cl = min(c0 + i * WG, pc.C - 1);
-			sv[i] = s[sb + cl];
-			xv[i] = csum[sb + cl];
-		}
-		[[unroll]] for (uint i = 0; i < BATCH; i++) {
-			uint b = binOfScore(m, u, sv[i]);
-			if (c0 + i * WG < pc.C && sampled(b, j0, windows, r1, r2, r3, r4)) addBin(b, xv[i]);
+	uint R = max(1u, WG / W), cap = (pc.C + W - 1) / W;
+	float fixedPart = 0.0;
+	for (uint r = tid / R; r < W; r += WG / R) {
+		vec2 f = fsum[h * pc.maxW + r];
+		if (tid % R == 0) fixedPart += f.x;
+		uint count = floatBitsToUint(f.y);
+		for (uint i = tid % R; i < count; i += R) {
+			uvec2 e = smp[hb + r * cap + i];
+			addBin(e.x % NB, uintBitsToFloat(e.y));
 		}
 	}
 	barrier();
@@ -456,7 +466,7 @@ void main() {
 		if (windows && b >= r1 && b <= r2) acc.z += x;
 		if (windows && b >= r3 && b <= r4) acc.w += x;
 	}
-	for (uint i = slot; i < W; i += WG) acc.y += fsum[h * pc.maxW + i];
+	acc.y = fixedPart;
 	vec4 incl = scanV(acc, tot);
 	float before = incl.x - acc.x;
 	barrier();
@@ -523,6 +533,7 @@ void main() {
 		plan[p + 12] = floatBitsToUint(u);
 		plan[p + 13] = floatBitsToUint(fixedTotal);
 		plan[p + 14] = floatBitsToUint(total);
+		plan[p + 15] = W;
 		ext[h] = uvec2(0);
 	}
 }

@@ -42,6 +42,9 @@ type tacticSelector struct {
 	// sequences is how many sequences' selections share the dispatches
 	// (a batch's size; 1 for a step alone).
 	sequences int
+	// workgroups, where positive, replaces the selection's workgroups per
+	// head that RecordStage picks (tests use it to run several).
+	workgroups int
 	tacticBound
 }
 
@@ -54,8 +57,14 @@ type tacticBound struct {
 	scores   *vk.Buffer // float32 [Hq][C]
 	binOf    *vk.Buffer // uint32 [Hq][C]
 	planBuf  *vk.Buffer // uint32 [Hq][16]: the plan and fit of each head (tactic_select)
-	clusterE *vk.Buffer // float32 [Hq][C]: Σ e(t) over each sampled cluster
-	fixedE   *vk.Buffer // float32 [Hq][maxSampleWorkgroups]: Σ e(t) over each workgroup's fixed tokens
+	// sampled lists each selection workgroup's sampled clusters, uint32
+	// pairs [Hq][C+maxSampleWorkgroups]: workgroup w's i-th from w·⌈C/W⌉,
+	// (cluster·TacticBins + bin, Σ e(t) over the cluster as float bits).
+	sampled *vk.Buffer
+	// fixedE holds, per head and workgroup, float32 pairs
+	// [Hq][maxSampleWorkgroups]: Σ e(t) over its fixed tokens, and the
+	// count of its sampled list as uint32 bits.
+	fixedE   *vk.Buffer
 	cut      *vk.Buffer // uint32 [Hq]
 	extremes *vk.Buffer // uint32 [Hq][2]: keys of each head's best and worst score, 0 between steps
 	// centroids holds the index's centroids rounded to fp16, [Hkv][C][D].
@@ -122,9 +131,10 @@ const selectWorkgroup = 512
 
 // selectShared returns the shared memory tactic_select takes with wg
 // threads for heads of dim dimensions: the query, the bins' offsets and
-// sums, the list of a round and a vec4 per thread, and a few words.
+// sums, the list of a round with its bins and a vec4 per thread, and a
+// few words.
 func selectShared(wg, dim int) int {
-	return 4*dim + 2*4*(TacticBins+1) + 4*wg + 16*wg + 32
+	return 4*dim + 2*4*(TacticBins+1) + 8*wg + 16*wg + 32
 }
 
 // tacticKernels are the selection kernels of Tactic steps, shared by the
@@ -272,7 +282,7 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 	x.planBuf, x.cut = alloc(hq*16), alloc(hq)
 	x.extremes, x.fitArrived = alloc(2*hq), alloc(hq)
 	x.centroids = alloc(h.KV * c * h.Dim / 2)
-	x.clusterE, x.fixedE = alloc(hq*c), alloc(hq*maxSampleWorkgroups)
+	x.sampled, x.fixedE = alloc(2*hq*(c+maxSampleWorkgroups)), alloc(2*hq*maxSampleWorkgroups)
 	err := b.err
 	if err == nil {
 		err = halfCentroids(clusters, x.centroids)
@@ -300,7 +310,7 @@ func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query 
 		return err
 	}
 	fit, err := k.fit.Bind(query, layer.Keys().All(), x.scores.All(), clusters.Starts.All(), clusters.Counts.All(), x.binOf.All(),
-		x.clusterE.All(), x.fixedE.All(), x.planBuf.All(), x.cut.All(), x.extremes.All(), x.fitArrived.All())
+		x.sampled.All(), x.fixedE.All(), x.planBuf.All(), x.cut.All(), x.extremes.All(), x.fitArrived.All())
 	if err != nil {
 		return errors.Join(err, score.Release())
 	}
@@ -397,6 +407,9 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		wgs := ceilDiv(work, 2*k.sampleTeams)
 		if s.sequences > 2 {
 			wgs = ceilDiv(2*wgs, s.sequences)
+		}
+		if s.workgroups > 0 {
+			wgs = s.workgroups
 		}
 		c.Dispatch(k.fit, b.fit, push, uint32(min(maxSampleWorkgroups, max(1, wgs))), hq, 1)
 	default:

@@ -80,15 +80,20 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 		dense *Dense
 		p     float64
 		fit   TacticFit
+		// workgroups, where positive, is the selection's workgroups per
+		// head (several lists to gather, a last one to arrive).
+		workgroups int
 	}
-	runs := []run{{dense, 0.9, DefaultTacticFit()}, {tree, 0.8, DefaultTacticFit()}}
+	runs := []run{{dense, 0.9, DefaultTacticFit(), 0}, {tree, 0.8, DefaultTacticFit(), 3}}
 	if all {
-		runs = append(runs, run{dense, 0.5, DefaultTacticFit()}, run{dense, 1, DefaultTacticFit()}, run{single, 0.9, DefaultTacticFit()}, run{dense, 0.7, capped})
+		runs = append(runs, run{dense, 0.5, DefaultTacticFit(), 0}, run{dense, 1, DefaultTacticFit(), 0}, run{single, 0.9, DefaultTacticFit(), 0},
+			run{dense, 0.7, capped, 0}, run{dense, 0.9, DefaultTacticFit(), 5})
 	}
 	for _, r := range runs {
 		p := r.p
 		step, err := NewTacticStep(r.dense, layer, clusters, p, r.fit)
 		require.NoError(t, err)
+		step.workgroups = r.workgroups
 		// A step before the checked one: the arrival counters of the
 		// fused stages must be back at 0 for the next step.
 		_, err = step.Attend(q)
@@ -96,7 +101,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 		nan := math.Float32bits(float32(math.NaN()))
 		require.NoError(t, dev.Run(func(c *vk.Commands) {
 			c.Fill(step.plan.Output().All(), nan)
-			c.Fill(step.clusterE.All(), nan)
+			c.Fill(step.sampled.All(), nan)
 			c.Fill(step.fixedE.All(), nan)
 			c.Fill(step.planBuf.All(), nan)
 			c.Fill(step.cut.All(), nan)
@@ -219,19 +224,23 @@ func requireCut(t *testing.T, b *TacticBudget, scores []float32, want, got int, 
 	t.Logf("%s: GPU %d, reference %d; the GPU's groups reach %.5f of the estimate", what, got, want, reach)
 }
 
-// requireSampled checks the exponential sums of the sampling of the last
-// step: for every query head, each sampled cluster's (those in the exact
-// bins or a window of the head's plan) against Σ exp(scale·q·k − m) over
-// its members in float64, m the head's best centroid score, and the sum
-// over the fixed tokens the same way.
+// requireSampled checks the sampling of the last step: for every query
+// head, that the workgroups' lists hold each sampled cluster (those in the
+// exact bins or a window of the head's plan) once, in the list of the
+// workgroup whose share it is, with its bin, and its exponential sum
+// against Σ exp(scale·q·k − m) over its members in float64, m the head's
+// best centroid score; and the sum over the fixed tokens the same way.
 func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64, index []*ClusterIndex, fixed []int32, n int) {
 	t.Helper()
 	h, x := step.dense.heads, step.clusters
 	d, scale := h.Dim, 1/math.Sqrt(float64(h.Dim))
 	plan := make([]uint32, h.Query*16)
-	sums := make([]float32, h.Query*x.C)
+	stride := x.C + maxSampleWorkgroups // list entries per head
+	lists := make([]uint32, 2*h.Query*stride)
+	counts := make([]uint32, 2*h.Query*maxSampleWorkgroups)
 	require.NoError(t, step.planBuf.ReadUint32(0, plan))
-	require.NoError(t, step.clusterE.ReadFloat32(0, sums))
+	require.NoError(t, step.sampled.ReadUint32(0, lists))
+	require.NoError(t, step.fixedE.ReadUint32(0, counts))
 	bins, err := step.BinsOf()
 	require.NoError(t, err)
 	bad := 0
@@ -256,6 +265,28 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 		}
 		j0, windows := int(pl[1]), pl[3] != 0
 		in := func(b int, lo, hi uint32) bool { return windows && b >= int(lo) && b <= int(hi) }
+		w := int(pl[15])
+		require.True(t, w >= 1 && w <= maxSampleWorkgroups, "head %d: %d workgroups", hh, w)
+		listCap := (x.C + w - 1) / w
+		listed := map[int]bool{}
+		for r := 0; r < w; r++ {
+			count := int(counts[2*(hh*maxSampleWorkgroups+r)+1])
+			require.LessOrEqual(t, count, listCap, "head %d: workgroup %d lists %d clusters", hh, r, count)
+			for i := 0; i < count; i++ {
+				at := 2 * (hh*stride + r*listCap + i)
+				c, b := int(lists[at])/TacticBins, int(lists[at])%TacticBins
+				require.Less(t, c, x.C, "head %d: workgroup %d lists cluster %d", hh, r, c)
+				require.Equal(t, r, c%w, "head %d: cluster %d listed by workgroup %d", hh, c, r)
+				require.Equal(t, bins[hh*x.C+c], b, "head %d: bin of cluster %d", hh, c)
+				require.False(t, listed[c], "head %d: cluster %d listed twice", hh, c)
+				listed[c] = true
+				want := 0.0
+				for _, tok := range index[g].Members[c] {
+					want += e(tok)
+				}
+				check(fmt.Sprintf("head %d, cluster %d", hh, c), want, math.Float32frombits(lists[at+1]))
+			}
+		}
 		sampled := 0
 		for c := 0; c < x.C; c++ {
 			b := bins[hh*x.C+c]
@@ -263,13 +294,13 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 				continue
 			}
 			sampled++
-			want := 0.0
-			for _, tok := range index[g].Members[c] {
-				want += e(tok)
-			}
-			check(fmt.Sprintf("head %d, cluster %d", hh, c), want, sums[hh*x.C+c])
+			require.True(t, listed[c], "head %d: sampled cluster %d (bin %d) is not listed", hh, c, b)
 		}
 		require.Positive(t, sampled, "head %d samples no cluster", hh)
+		require.Len(t, listed, sampled, "head %d: clusters listed that are not sampled", hh)
+		if hh == 0 {
+			t.Logf("head 0: %d clusters sampled by %d workgroups", sampled, w)
+		}
 		want := 0.0
 		for _, tok := range fixed {
 			want += e(tok)
