@@ -294,6 +294,17 @@ bool takenByGroup(uint g, uint cl) {
 	return take != 0;
 }
 
+// putML writes the partial max m and sum l of query head h0 + g (base is
+// head h0's slot), or where held keeps them in runM and runL.
+void putML(uint base, uint g, float m, float l, bool held) {
+	if (held) {
+		runM[g] = m;
+		runL[g] = l;
+	} else {
+		pml[base + g * pc.maxChunks] = vec2(m, l);
+	}
+}
+
 // attendChunk writes the partials of chunk c (of chunk tokens, or clusters
 // with GATHER = 2, out of n) of query heads h0 .. h0 + GROUP − 1 (of KV
 // head kvBase + kvLocal): m, l and o per head, or m = −∞ and l = 0 (o
@@ -402,14 +413,7 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 	if (attended == 0) {
 		// Nothing taken in this chunk: m = −∞ tells the merge to skip it,
 		// so its output is not written.
-		if (tid < GROUP) {
-			if (held) {
-				runM[tid] = -1.0 / 0.0;
-				runL[tid] = 0.0;
-			} else {
-				pml[base + tid * pc.maxChunks] = vec2(-1.0 / 0.0, 0.0);
-			}
-		}
+		if (tid < GROUP) putML(base, tid, -1.0 / 0.0, 0.0, held);
 		return;
 	}
 	combine(l, 1);  // its last barrier: no thread reads the queries in qs again
@@ -430,14 +434,7 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 		}
 		barrier();
 	}
-	if (tid < GROUP) {
-		if (held) {
-			runM[tid] = m[tid];
-			runL[tid] = l[tid];
-		} else {
-			pml[base + tid * pc.maxChunks] = vec2(m[tid], l[tid]);
-		}
-	}
+	if (tid < GROUP) putML(base, tid, m[tid], l[tid], held);
 }
 
 // approxChunk writes the partials of run c (APPROX = 1), its clusters'

@@ -17,7 +17,8 @@
 // the exact bins or a window, a team of TEAM threads per cluster, listing
 // each one's bin b and sum
 //   Σ_{t in c} e(t),  e(t) = exp(scale·q_h·k_t − m),
-// as smp[h][w·cap + i] = (c·NB + b, sum bits), i < count_w, cap = ⌈C/W⌉;
+// as smp[h][w·cap + i] = (c·NB + b, sum bits), i < count_w, cap = ⌈C/W⌉
+// (so C·NB < 2^32);
 // and its share of the fixed tokens (the sinks [0, sinks) and the tail
 // [clusteredEnd, n)) with its count as fsum[h][w] = (Σ e(t), count_w bits).
 // The last of the head's workgroups to finish (an arrival counter, reset
@@ -365,8 +366,10 @@ void main() {
 	// listed at a time, a team per cluster.
 	uint team = tid / TEAM, tslot = (tid % TEAM) / TPR, sub = tid % TPR;
 	uint share = w < pc.C ? (pc.C - w + W - 1) / W : 0;
-	uint hb = h * (pc.C + pc.maxW);           // this head's list
-	uint listed = hb + w * ((pc.C + W - 1) / W);  // where this round's go
+	uint hb = h * (pc.C + pc.maxW);  // this head's lists
+	uint cap = (pc.C + W - 1) / W;   // entries a workgroup's list may take
+	uint mine = hb + w * cap;        // this workgroup's list
+	uint listed = 0;                 // entries in it so far
 	for (uint i0 = 0; i0 < share; i0 += WG) {
 		if (tid == 0) nList = 0;
 		barrier();
@@ -387,7 +390,7 @@ void main() {
 				uint c = lst[i];
 				float acc = sampleCluster(g, c, tslot, sub, m);
 				[[unroll]] for (uint o = TEAM / 2; o >= TPR; o >>= 1) acc += subgroupShuffleXor(acc, o);
-				if (tid % TEAM == 0) smp[listed + i] = uvec2(c * NB + lstBin[i], floatBitsToUint(acc));
+				if (tid % TEAM == 0) smp[mine + listed + i] = uvec2(c * NB + lstBin[i], floatBitsToUint(acc));
 			}
 		} else {
 			// Rounds of TEAMS clusters; a team's threads meet in part.
@@ -399,7 +402,7 @@ void main() {
 				if (i < count && tid % TEAM == 0) {
 					float t = 0.0;
 					for (uint j = 0; j < TEAM; j += TPR) t += part[tid + j].x;
-					smp[listed + i] = uvec2(lst[i] * NB + lstBin[i], floatBitsToUint(t));
+					smp[mine + listed + i] = uvec2(lst[i] * NB + lstBin[i], floatBitsToUint(t));
 				}
 				barrier();
 			}
@@ -426,7 +429,7 @@ void main() {
 	}
 	vec4 tot;
 	scanV(vec4(facc, 0.0, 0.0, 0.0), tot);
-	if (tid == 0) fsum[h * pc.maxW + w] = vec2(tot.x, uintBitsToFloat(listed - hb - w * ((pc.C + W - 1) / W)));
+	if (tid == 0) fsum[h * pc.maxW + w] = vec2(tot.x, uintBitsToFloat(listed));
 
 	// The last of the head's workgroups to arrive fits.
 	memoryBarrierBuffer();
@@ -443,7 +446,7 @@ void main() {
 	// its fixed sum and count; the fixed sums go to the scan below.
 	for (uint i = tid; i <= NB; i += WG) pre[i] = 0;
 	barrier();
-	uint R = max(1u, WG / W), cap = (pc.C + W - 1) / W;
+	uint R = max(1u, WG / W);
 	float fixedPart = 0.0;
 	for (uint r = tid / R; r < W; r += WG / R) {
 		vec2 f = fsum[h * pc.maxW + r];
