@@ -79,10 +79,13 @@ type Info struct {
 	// model) multiplies 16×16×16 fp16 matrices into fp32 per subgroup; the
 	// device is opened with both enabled.
 	CooperativeMatrixNV bool
-	DeviceLocalBytes    uint64
-	TimestampPeriodNs   float64 // nanoseconds per timestamp tick
-	TimestampValidBits  uint32  // 0: the compute queue has no timestamps
-	queueFamily         uint32
+	// ExecutableStatistics: the driver reports its compiler's statistics
+	// per pipeline (VK_KHR_pipeline_executable_properties; Options.Statistics).
+	ExecutableStatistics bool
+	DeviceLocalBytes     uint64
+	TimestampPeriodNs    float64 // nanoseconds per timestamp tick
+	TimestampValidBits   uint32  // 0: the compute queue has no timestamps
+	queueFamily          uint32
 }
 
 // Options chooses and configures the device that Open creates.
@@ -92,12 +95,20 @@ type Options struct {
 	Select string
 	// Validate enables VK_LAYER_KHRONOS_validation.
 	Validate bool
+	// Statistics keeps the compiler's statistics of every pipeline where
+	// the driver reports them (Info.ExecutableStatistics), for
+	// Pipeline.Statistics.
+	Statistics bool
 }
 
-// OptionsFromEnv reads VKSPARSE_DEVICE and VKSPARSE_VALIDATE.
+// OptionsFromEnv reads VKSPARSE_DEVICE, VKSPARSE_VALIDATE and
+// VKSPARSE_STATISTICS.
 func OptionsFromEnv() Options {
-	v := os.Getenv("VKSPARSE_VALIDATE")
-	return Options{Select: os.Getenv("VKSPARSE_DEVICE"), Validate: v != "" && v != "0" && v != "false"}
+	on := func(name string) bool {
+		v := os.Getenv(name)
+		return v != "" && v != "0" && v != "false"
+	}
+	return Options{Select: os.Getenv("VKSPARSE_DEVICE"), Validate: on("VKSPARSE_VALIDATE"), Statistics: on("VKSPARSE_STATISTICS")}
 }
 
 var (
@@ -218,6 +229,7 @@ func describe(inst vk.Instance, pd vk.PhysicalDevice, index int) Info {
 		Float16:                 f.float16 != 0,
 		Int64:                   f.int64 != 0,
 		CooperativeMatrixNV:     f.coopmat_nv != 0,
+		ExecutableStatistics:    f.executable_stats != 0,
 		DeviceLocalBytes:        uint64(f.device_local_bytes),
 		TimestampPeriodNs:       float64(f.timestamp_period),
 	}
@@ -322,6 +334,7 @@ type Device struct {
 	memory    vk.PhysicalDeviceMemoryProperties
 	messenger C.VkDebugUtilsMessengerEXT
 	validate  bool
+	stats     bool   // pipelines keep their compiler statistics
 	firstMsg  uint64 // messages recorded before this device opened
 	firstErr  uint64 // errors recorded before this device opened
 
@@ -375,7 +388,8 @@ func Open(opts Options) (*Device, error) {
 		d.memory.MemoryHeaps[i].Deref()
 	}
 
-	features := C.vks_features(boolInt(d.info.Storage16Bit), boolInt(d.info.Float16), boolInt(d.info.Int64), boolInt(d.info.CooperativeMatrixNV))
+	d.stats = opts.Statistics && d.info.ExecutableStatistics
+	features := C.vks_features(boolInt(d.info.Storage16Bit), boolInt(d.info.Float16), boolInt(d.info.Int64), boolInt(d.info.CooperativeMatrixNV), boolInt(d.stats))
 	if features == nil {
 		return fail(ErrOutOfMemory)
 	}
@@ -398,8 +412,11 @@ func Open(opts Options) (*Device, error) {
 		for _, name := range names {
 			ci.PpEnabledExtensionNames = append(ci.PpEnabledExtensionNames, C.GoString(name)+"\x00")
 		}
-		ci.EnabledExtensionCount = uint32(len(ci.PpEnabledExtensionNames))
 	}
+	if d.stats {
+		ci.PpEnabledExtensionNames = append(ci.PpEnabledExtensionNames, "VK_KHR_pipeline_executable_properties\x00")
+	}
+	ci.EnabledExtensionCount = uint32(len(ci.PpEnabledExtensionNames))
 	if err := check("vkCreateDevice", vk.CreateDevice(d.physical, &ci, nil, &dev)); err != nil {
 		return fail(err)
 	}

@@ -34,7 +34,7 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
 	PFN_vkEnumerateDeviceExtensionProperties exts =
 		(PFN_vkEnumerateDeviceExtensionProperties)gipa(instance, "vkEnumerateDeviceExtensionProperties");
 
-	int has_driver_props = 0, has_coopmat = 0, has_memory_model = 0;
+	int has_driver_props = 0, has_coopmat = 0, has_memory_model = 0, has_exec = 0;
 	uint32_t n = 0;
 	if (exts && exts(pd, NULL, &n, NULL) == VK_SUCCESS && n > 0) {
 		VkExtensionProperties *e = calloc(n, sizeof *e);
@@ -46,6 +46,8 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
 					has_coopmat = 1;
 				if (strcmp(e[i].extensionName, VK_KHR_VULKAN_MEMORY_MODEL_EXTENSION_NAME) == 0)
 					has_memory_model = 1;
+				if (strcmp(e[i].extensionName, VK_KHR_PIPELINE_EXECUTABLE_PROPERTIES_EXTENSION_NAME) == 0)
+					has_exec = 1;
 			}
 		}
 		free(e);
@@ -89,14 +91,19 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
 	VkPhysicalDevice16BitStorageFeatures s16 = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_16BIT_STORAGE_FEATURES};
 	VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV};
 	VkPhysicalDeviceVulkanMemoryModelFeaturesKHR mm = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES_KHR};
+	VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR ex = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PIPELINE_EXECUTABLE_PROPERTIES_FEATURES_KHR};
 	VkPhysicalDeviceFeatures2 ft = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
 	ft.pNext = &s16;
 	s16.pNext = &f16;
+	void **tail = &f16.pNext;
 	if (has_coopmat && has_memory_model) {
 		f16.pNext = &cm;
 		cm.pNext = &mm;
+		tail = &mm.pNext;
 	}
+	if (has_exec) *tail = &ex;
 	feats2(pd, &ft);
+	f->executable_stats = has_exec && ex.pipelineExecutableInfo;
 	f->storage_16bit = s16.storageBuffer16BitAccess;
 	f->float16 = f16.shaderFloat16;
 	f->int8 = f16.shaderInt8;
@@ -138,6 +145,7 @@ typedef struct {
 	VkPhysicalDeviceShaderFloat16Int8Features f16;
 	VkPhysicalDeviceCooperativeMatrixFeaturesNV cm;
 	VkPhysicalDeviceVulkanMemoryModelFeaturesKHR mm;
+	VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR ex;
 } feature_chain;
 
 static const char *const coopmat_extensions[] = {VK_NV_COOPERATIVE_MATRIX_EXTENSION_NAME, VK_KHR_VULKAN_MEMORY_MODEL_EXTENSION_NAME};
@@ -147,7 +155,7 @@ const char *const *vks_coopmat_extensions(uint32_t *count) {
 	return coopmat_extensions;
 }
 
-void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv) {
+void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv, int executable_stats) {
 	feature_chain *c = calloc(1, sizeof *c);
 	if (!c) return NULL;
 	c->base.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2;
@@ -166,6 +174,12 @@ void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv) {
 		c->cm.cooperativeMatrix = VK_TRUE;
 		c->mm.vulkanMemoryModel = VK_TRUE;
 		c->mm.vulkanMemoryModelDeviceScope = VK_TRUE; // device-scope atomics of the other kernels
+	}
+	if (executable_stats) {
+		c->ex.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PIPELINE_EXECUTABLE_PROPERTIES_FEATURES_KHR;
+		c->ex.pipelineExecutableInfo = VK_TRUE;
+		c->ex.pNext = c->f16.pNext; // first in the chain after f16
+		c->f16.pNext = &c->ex;
 	}
 	return c;
 }
@@ -235,7 +249,7 @@ int vks_messages_copy(uint64_t i, char *buf, int len) {
 }
 
 VkResult vks_create_compute_pipeline(VkInstance instance, VkDevice device, VkShaderModule module,
-	VkPipelineLayout layout, const uint32_t *spec, uint32_t spec_count, VkPipeline *out) {
+	VkPipelineLayout layout, const uint32_t *spec, uint32_t spec_count, int capture, VkPipeline *out) {
 	PFN_vkCreateComputePipelines create =
 		(PFN_vkCreateComputePipelines)gipa(instance, "vkCreateComputePipelines");
 	if (!create) return VK_ERROR_INITIALIZATION_FAILED;
@@ -255,6 +269,7 @@ VkResult vks_create_compute_pipeline(VkInstance instance, VkDevice device, VkSha
 		si.pData = spec;
 	}
 	VkComputePipelineCreateInfo ci = {VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO};
+	if (capture) ci.flags = VK_PIPELINE_CREATE_CAPTURE_STATISTICS_BIT_KHR;
 	ci.stage.sType = VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO;
 	ci.stage.stage = VK_SHADER_STAGE_COMPUTE_BIT;
 	ci.stage.module = module;
@@ -263,5 +278,46 @@ VkResult vks_create_compute_pipeline(VkInstance instance, VkDevice device, VkSha
 	ci.layout = layout;
 	VkResult r = create(device, VK_NULL_HANDLE, 1, &ci, NULL, out);
 	free(entries);
+	return r;
+}
+
+VkResult vks_pipeline_statistics(VkInstance instance, VkDevice device, VkPipeline pipeline, char *buf, int len) {
+	PFN_vkGetPipelineExecutableStatisticsKHR stats =
+		(PFN_vkGetPipelineExecutableStatisticsKHR)gipa(instance, "vkGetPipelineExecutableStatisticsKHR");
+	if (!stats || len < 1) return VK_ERROR_EXTENSION_NOT_PRESENT;
+	buf[0] = 0;
+	VkPipelineExecutableInfoKHR info = {VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_INFO_KHR};
+	info.pipeline = pipeline;
+	info.executableIndex = 0;
+	uint32_t n = 0;
+	VkResult r = stats(device, &info, &n, NULL);
+	if (r != VK_SUCCESS || n == 0) return r;
+	VkPipelineExecutableStatisticKHR *s = calloc(n, sizeof *s);
+	if (!s) return VK_ERROR_OUT_OF_HOST_MEMORY;
+	for (uint32_t i = 0; i < n; i++) s[i].sType = VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_STATISTIC_KHR;
+	r = stats(device, &info, &n, s);
+	if (r == VK_SUCCESS || r == VK_INCOMPLETE) {
+		int at = 0;
+		for (uint32_t i = 0; i < n && at < len; i++) {
+			int w = 0;
+			switch (s[i].format) {
+			case VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_BOOL32_KHR:
+				w = snprintf(buf + at, len - at, "%s\t%s\n", s[i].name, s[i].value.b32 ? "true" : "false");
+				break;
+			case VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_INT64_KHR:
+				w = snprintf(buf + at, len - at, "%s\t%lld\n", s[i].name, (long long)s[i].value.i64);
+				break;
+			case VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_UINT64_KHR:
+				w = snprintf(buf + at, len - at, "%s\t%llu\n", s[i].name, (unsigned long long)s[i].value.u64);
+				break;
+			default:
+				w = snprintf(buf + at, len - at, "%s\t%g\n", s[i].name, s[i].value.f64);
+			}
+			if (w < 0) break;
+			at += w;
+		}
+		r = VK_SUCCESS;
+	}
+	free(s);
 	return r;
 }

@@ -27,6 +27,9 @@ typedef struct {
 	// are present and their features on, and the device multiplies 16×16×16
 	// fp16 matrices into fp32 at subgroup scope.
 	uint32_t coopmat_nv;
+	// executable_stats: VK_KHR_pipeline_executable_properties is present with
+	// its pipelineExecutableInfo feature (compilers' statistics per pipeline).
+	uint32_t executable_stats;
 } vks_facts;
 
 // vks_query fills facts for a physical device.
@@ -36,7 +39,9 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *facts);
 // named optional features; free it with free() after vkCreateDevice.
 // coopmat_nv adds the cooperative-matrix and Vulkan-memory-model features
 // (the caller enables their extensions, vks_coopmat_extensions).
-void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv);
+// executable_stats adds pipelineExecutableInfo (the caller enables
+// VK_KHR_pipeline_executable_properties).
+void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv, int executable_stats);
 
 // vks_coopmat_extensions returns the device extensions that coopmat_nv needs.
 const char *const *vks_coopmat_extensions(uint32_t *count);
@@ -59,7 +64,15 @@ uint64_t vks_messages_total(void);
 // Every structure it passes lives in C for the whole call (the binding's
 // copies of slices can be freed by the Go collector while a call that takes
 // long, like a pipeline compile, still reads them).
+// With capture set, the driver keeps the compiler's statistics
+// (vks_pipeline_statistics).
 VkResult vks_create_compute_pipeline(VkInstance instance, VkDevice device, VkShaderModule module,
-	VkPipelineLayout layout, const uint32_t *spec, uint32_t spec_count, VkPipeline *out);
+	VkPipelineLayout layout, const uint32_t *spec, uint32_t spec_count, int capture, VkPipeline *out);
+
+// vks_pipeline_statistics writes the statistics of the pipeline's first
+// executable into buf as lines "name\tvalue\n" (values as the driver
+// formats them: integers, floats or booleans), at most len bytes with the
+// terminating 0.
+VkResult vks_pipeline_statistics(VkInstance instance, VkDevice device, VkPipeline pipeline, char *buf, int len);
 
 #endif

@@ -9,6 +9,7 @@ import "C"
 import (
 	"fmt"
 	"runtime"
+	"strings"
 	"unsafe"
 
 	vk "github.com/vulkan-go/vulkan"
@@ -95,7 +96,7 @@ func (d *Device) NewPipeline(k Kernel) (*Pipeline, error) {
 	copy(unsafe.Slice((*uint32)(unsafe.Pointer(spec)), n), k.Specialization)
 	var pipe C.VkPipeline
 	r := C.vks_create_compute_pipeline(C.VkInstance(unsafe.Pointer(d.instance)), C.VkDevice(unsafe.Pointer(d.device)),
-		C.VkShaderModule(unsafe.Pointer(p.module)), C.VkPipelineLayout(unsafe.Pointer(p.layout)), spec, C.uint32_t(n), &pipe)
+		C.VkShaderModule(unsafe.Pointer(p.module)), C.VkPipelineLayout(unsafe.Pointer(p.layout)), spec, C.uint32_t(n), boolInt(d.stats), &pipe)
 	if err := check("vkCreateComputePipelines", vk.Result(r)); err != nil {
 		return fail(err)
 	}
@@ -119,6 +120,39 @@ func (p *Pipeline) destroy() {
 		vk.DestroyShaderModule(dev, p.module, nil)
 	}
 	p.pipeline, p.layout, p.setLayout, p.module = nil, nil, nil, nil
+}
+
+// Statistic is one figure a driver's compiler reports for a pipeline (its
+// name as the driver gives it, "Register Count" say, and its value).
+type Statistic struct {
+	Name, Value string
+}
+
+// Statistics returns the compiler's statistics of the pipeline, on a
+// device opened with Options.Statistics where the driver reports them
+// (Info.ExecutableStatistics); ErrUnsupported elsewhere.
+func (p *Pipeline) Statistics() ([]Statistic, error) {
+	if p == nil || p.pipeline == nil {
+		return nil, ErrReleased
+	}
+	d := p.dev
+	if !d.stats {
+		return nil, fmt.Errorf("%w: pipeline statistics (open the device with Options.Statistics on a driver with VK_KHR_pipeline_executable_properties)", ErrUnsupported)
+	}
+	const size = 1 << 14
+	buf := (*C.char)(C.malloc(size))
+	defer C.free(unsafe.Pointer(buf))
+	r := C.vks_pipeline_statistics(C.VkInstance(unsafe.Pointer(d.instance)), C.VkDevice(unsafe.Pointer(d.device)), C.VkPipeline(unsafe.Pointer(p.pipeline)), buf, size)
+	if err := check("vkGetPipelineExecutableStatisticsKHR", vk.Result(r)); err != nil {
+		return nil, err
+	}
+	var out []Statistic
+	for _, line := range strings.Split(C.GoString(buf), "\n") {
+		if name, value, ok := strings.Cut(line, "\t"); ok {
+			out = append(out, Statistic{Name: name, Value: value})
+		}
+	}
+	return out, nil
 }
 
 // Release destroys the pipeline.

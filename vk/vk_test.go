@@ -227,3 +227,35 @@ func TestOversizedBufferIsOutOfMemory(t *testing.T) {
 	_, err := dev.NewBuffer(info.DeviceLocalBytes+1, vk.DeviceLocal)
 	require.ErrorIs(t, err, vk.ErrOutOfMemory)
 }
+
+// TestPipelineStatistics asks a pipeline for its compiler statistics: on a
+// device opened without Options.Statistics, or whose driver reports none,
+// the answer is ErrUnsupported; with them, every statistic has a name and
+// a value, and the list is not empty.
+func TestPipelineStatistics(t *testing.T) {
+	code, err := shaders.SPIRV("read_probe")
+	require.NoError(t, err)
+	for _, want := range []bool{false, true} {
+		t.Run(fmt.Sprintf("statistics=%v", want), func(t *testing.T) {
+			opts := vk.OptionsFromEnv()
+			opts.Statistics = want
+			dev := vktest.OpenWith(t, opts)
+			pipe, err := dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{32}})
+			require.NoError(t, err)
+			defer pipe.Release()
+			stats, err := pipe.Statistics()
+			if !want || !dev.Info().ExecutableStatistics {
+				require.ErrorIs(t, err, vk.ErrUnsupported)
+				t.Logf("%s: no statistics (driver reports them: %v)", dev.Info().Name, dev.Info().ExecutableStatistics)
+				return
+			}
+			require.NoError(t, err)
+			require.NotEmpty(t, stats)
+			for _, s := range stats {
+				require.NotEmpty(t, s.Name)
+				require.NotEmpty(t, s.Value, "statistic %q", s.Name)
+			}
+			t.Logf("%s: %v", dev.Info().Name, stats)
+		})
+	}
+}

@@ -7,6 +7,7 @@
 //	vkbench tactic [flags]          Tactic decode steps on the GPU: times and fidelity
 //	vkbench fidelity [flags]        Tactic's selection by the float64 reference (CPU)
 //	vkbench compare [flags]         every policy: GPU step times, then fidelity at matched budgets
+//	vkbench kernels [flags]         the compiler's statistics of every step kernel (registers, memory)
 //
 // The global flag -progress=auto|always|never (before the command) says
 // whether to draw progress lines on stderr; auto, the default, draws them
@@ -37,6 +38,9 @@ commands:
             attention on the GPU, then fidelity at matched budgets by the
             float64 reference on the CPU: tokens, mass, success, error
             ("vkbench compare -h" for flags)
+  kernels   the driver's compiler statistics of every decode-step kernel
+            (registers, shared and local memory), where the driver
+            reports them ("vkbench kernels -h" for flags)
 
 global flags:
   -progress auto|always|never
@@ -73,6 +77,8 @@ func main() {
 		err = fidelity(args[1:])
 	case "compare":
 		err = compare(args[1:])
+	case "kernels":
+		err = kernels(args[1:])
 	case "help":
 		fmt.Print(usage)
 		return

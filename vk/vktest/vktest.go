@@ -17,7 +17,13 @@ import (
 // the validation layer reported an error or an object was left alive.
 func Open(t testing.TB) *vk.Device {
 	t.Helper()
-	dev, err := vk.Open(vk.OptionsFromEnv())
+	return OpenWith(t, vk.OptionsFromEnv())
+}
+
+// OpenWith is Open with the options given instead of the environment's.
+func OpenWith(t testing.TB, opts vk.Options) *vk.Device {
+	t.Helper()
+	dev, err := vk.Open(opts)
 	if err != nil {
 		if os.Getenv("VKSPARSE_REQUIRE_DEVICE") == "" && (errors.Is(err, vk.ErrNoLoader) || errors.Is(err, vk.ErrNoDevice)) {
 			t.Skipf("no Vulkan device to test on (%v); set VK_DRIVER_FILES to a software renderer such as SwiftShader", err)

@@ -1,0 +1,71 @@
+package sparse
+
+import (
+	"fmt"
+
+	"github.com/vksparse/vksparse/vk"
+)
+
+// KernelStatistics is what a driver's compiler reports for one kernel of
+// a decode step (registers, shared and local memory and the like: the
+// names and values are the driver's).
+type KernelStatistics struct {
+	Kernel     string         `json:"kernel"`
+	Statistics []vk.Statistic `json:"statistics"`
+}
+
+// StepKernelStatistics compiles the kernels of the decode steps for
+// dense's heads, as the steps build them (dense attention, attention over
+// token lists, over clusters and over clusters with pseudo-tokens; the
+// centroid scores of Tactic and of Double-P, Tactic's selection and
+// Double-P's cuts), and returns their compiler statistics. The device must
+// be opened with vk.Options.Statistics on a driver that reports them
+// (vk.Info.ExecutableStatistics); elsewhere it returns vk.ErrUnsupported.
+func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
+	dev := dense.dev
+	var approx *vk.Pipeline // built only where attention over clusters is
+	if dense.clustered != nil {
+		var err error
+		if approx, err = dense.kernel("attend_partial (clusters, pseudo-tokens)", 2, 1); err != nil {
+			return nil, err
+		}
+		defer approx.Release()
+	}
+	tactic, err := newTacticKernels(dense)
+	if err != nil {
+		return nil, err
+	}
+	defer tactic.release()
+	b := &builder{dev: dev}
+	doublePScore, _, _ := centroidScores(b, dense, true)
+	doublePCut := b.kernel("doublep_cut", 5, 4, min(tacticWorkgroup(dev.Info()), TacticBins), TacticBins, 10)
+	defer releaseAll(doublePScore, doublePCut)
+	if b.err != nil {
+		return nil, b.err
+	}
+	kernels := []struct {
+		name string
+		pipe *vk.Pipeline
+	}{
+		{"attend_partial (dense)", dense.partial},
+		{"attend_partial (token lists)", dense.gather},
+		{"attend_partial (clusters)", dense.clustered},
+		{"attend_partial (clusters, pseudo-tokens)", approx},
+		{"centroid_score (Tactic)", tactic.score},
+		{"tactic_select", tactic.fit},
+		{"centroid_score (Double-P)", doublePScore},
+		{"doublep_cut", doublePCut},
+	}
+	var out []KernelStatistics
+	for _, k := range kernels {
+		if k.pipe == nil {
+			continue // not built on this device (shared memory)
+		}
+		st, err := k.pipe.Statistics()
+		if err != nil {
+			return nil, fmt.Errorf("sparse: %s: %w", k.name, err)
+		}
+		out = append(out, KernelStatistics{Kernel: k.name, Statistics: st})
+	}
+	return out, nil
+}
