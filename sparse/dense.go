@@ -211,6 +211,17 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	return d, nil
 }
 
+// buildApprox builds attention over clusters with pseudo-tokens (d.approx)
+// the first time a plan needs it.
+func (d *Dense) buildApprox() error {
+	if d.approx != nil {
+		return nil
+	}
+	var err error
+	d.approx, err = d.kernel("attend_partial (clusters, pseudo-tokens)", 2, 1)
+	return err
+}
+
 // kernel builds attend_partial with GATHER gather and APPROX approx.
 func (d *Dense) kernel(name string, gather, approx uint32) (*vk.Pipeline, error) {
 	spec := append([]uint32(nil), d.spec...)
@@ -691,11 +702,8 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 		if a.Keep.Size < uint64(h.Query)*4 || a.Logits.Size < c*4 || a.Means.Size < uint64(h.KV*clusters.C*h.Dim)*4 {
 			return nil, fmt.Errorf("sparse: pseudo-tokens with keeps of %d bytes, logits of %d and means of %d for %d query heads of %d clusters", a.Keep.Size, a.Logits.Size, a.Means.Size, h.Query, clusters.C)
 		}
-		if d.approx == nil {
-			var err error
-			if d.approx, err = d.kernel("attend_partial (clusters, pseudo-tokens)", 2, 1); err != nil {
-				return nil, err
-			}
+		if err := d.buildApprox(); err != nil {
+			return nil, err
 		}
 	}
 	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut, approx: sel.Approx}

@@ -77,9 +77,7 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 	s.extremes = b.words(2 * hq)
 	s.centroids = b.words(h.KV * c * h.Dim / 2)
 	s.score, s.rows, s.heads = centroidScores(b, dense, true)
-	// The cuts: one workgroup per head, as many threads as the device
-	// allows up to the bins.
-	s.cut = b.kernel("doublep_cut", 5, 4, min(tacticWorkgroup(dev.Info()), TacticBins), TacticBins, 10)
+	s.cut = doublePCut(b)
 	err := b.err
 	if err == nil {
 		err = halfCentroids(clusters, s.centroids)
@@ -94,6 +92,12 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 		return nil, errors.Join(err, s.Release())
 	}
 	return s, nil
+}
+
+// doublePCut builds doublep_cut: one workgroup per head, as many threads as
+// the device allows up to the bins.
+func doublePCut(b *builder) *vk.Pipeline {
+	return b.kernel("doublep_cut", 5, 4, min(tacticWorkgroup(b.dev.Info()), TacticBins), TacticBins, 10)
 }
 
 // meansWorkgroup is the threads per workgroup of cluster_means.

@@ -18,28 +18,26 @@ type KernelStatistics struct {
 // dense's heads, as the steps build them (dense attention, attention over
 // token lists, over clusters and over clusters with pseudo-tokens; the
 // centroid scores of Tactic and of Double-P, Tactic's selection and
-// Double-P's cuts), and returns their compiler statistics. The device must
-// be opened with vk.Options.Statistics on a driver that reports them
-// (vk.Info.ExecutableStatistics); elsewhere it returns vk.ErrUnsupported.
+// Double-P's cuts; attention with pseudo-tokens stays built in dense, as a
+// Double-P plan leaves it), and returns their compiler statistics. The
+// device must be opened with vk.Options.Statistics on a driver that
+// reports them (vk.Info.ExecutableStatistics); elsewhere it returns
+// vk.ErrUnsupported.
 func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
-	dev := dense.dev
-	var approx *vk.Pipeline // built only where attention over clusters is
-	if dense.clustered != nil {
-		var err error
-		if approx, err = dense.kernel("attend_partial (clusters, pseudo-tokens)", 2, 1); err != nil {
+	if dense.clustered != nil { // built only where attention over clusters is
+		if err := dense.buildApprox(); err != nil {
 			return nil, err
 		}
-		defer approx.Release()
 	}
 	tactic, err := newTacticKernels(dense)
 	if err != nil {
 		return nil, err
 	}
 	defer tactic.release()
-	b := &builder{dev: dev}
+	b := &builder{dev: dense.dev}
 	doublePScore, _, _ := centroidScores(b, dense, true)
-	doublePCut := b.kernel("doublep_cut", 5, 4, min(tacticWorkgroup(dev.Info()), TacticBins), TacticBins, 10)
-	defer releaseAll(doublePScore, doublePCut)
+	cut := doublePCut(b)
+	defer releaseAll(doublePScore, cut)
 	if b.err != nil {
 		return nil, b.err
 	}
@@ -50,11 +48,11 @@ func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
 		{"attend_partial (dense)", dense.partial},
 		{"attend_partial (token lists)", dense.gather},
 		{"attend_partial (clusters)", dense.clustered},
-		{"attend_partial (clusters, pseudo-tokens)", approx},
+		{"attend_partial (clusters, pseudo-tokens)", dense.approx},
 		{"centroid_score (Tactic)", tactic.score},
 		{"tactic_select", tactic.fit},
 		{"centroid_score (Double-P)", doublePScore},
-		{"doublep_cut", doublePCut},
+		{"doublep_cut", cut},
 	}
 	var out []KernelStatistics
 	for _, k := range kernels {
