@@ -67,6 +67,9 @@ type DenseOptions struct {
 	// ClusterWindow is the clusters such a workgroup scans at once (a
 	// power of two, at most Workgroup); 0 = chosen.
 	ClusterWindow int
+	// Group is the query heads of a KV head that one workgroup attends
+	// for (a divisor of the GQA group, at most 8); 0 = the largest.
+	Group int
 }
 
 func boolWord(b bool) uint32 {
@@ -131,12 +134,17 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	if tpr&(tpr-1) != 0 || (heads.Dim/8)%tpr != 0 || (tpr > 1 && (!info.SubgroupShuffle || info.SubgroupSize%uint32(tpr) != 0)) {
 		return nil, fmt.Errorf("%w: %d threads per row with head dimension %d on a device with subgroups of %d (shuffle %v)", vk.ErrUnsupported, tpr, heads.Dim, info.SubgroupSize, info.SubgroupShuffle)
 	}
-	group := 1
-	for g := 8; g >= 1; g-- {
-		if heads.Group()%g == 0 {
-			group = g
-			break
+	group := opts.Group
+	if group == 0 {
+		for g := 8; g >= 1; g-- {
+			if heads.Group()%g == 0 {
+				group = g
+				break
+			}
 		}
+	}
+	if group < 1 || group > 8 || heads.Group()%group != 0 {
+		return nil, fmt.Errorf("%w: %d query heads per workgroup for groups of %d (a divisor, at most 8)", vk.ErrUnsupported, group, heads.Group())
 	}
 	wg := opts.Workgroup
 	if wg == 0 {
@@ -235,7 +243,7 @@ func (d *Dense) ThreadsPerRow() int { return d.tpr }
 // Options returns the options the kernels were built with (zero: chosen).
 func (d *Dense) Options() DenseOptions {
 	o := d.opts
-	o.ThreadsPerRow, o.TreeReduce, o.Workgroup, o.Tile = d.tpr, d.tree, d.workgroup, d.tile
+	o.ThreadsPerRow, o.TreeReduce, o.Workgroup, o.Tile, o.Group = d.tpr, d.tree, d.workgroup, d.tile, d.group
 	if o.Unroll == 0 {
 		o.Unroll = 8
 	}

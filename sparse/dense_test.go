@@ -112,6 +112,8 @@ func TestDenseMatchesReference(t *testing.T) {
 		// Head blocks of 8 × 34 vec4 of output: the merge takes them in
 		// two passes of 256 threads, or five of 64, the last ones partial.
 		{Heads{8, 1, 136}, 1500, 1, 64, []DenseOptions{{Workgroup: 64}}},
+		// Workgroups of 2 or 1 of a group's 4 query heads.
+		{Heads{8, 2, 64}, 1500, 1, 0, []DenseOptions{{Group: 2}, {Group: 1, Tile: 256}}},
 	}
 	for _, c := range cases {
 		// Both variants: one thread per row with tree reductions, and rows
@@ -210,6 +212,10 @@ func TestDenseRejectsBadInput(t *testing.T) {
 	require.ErrorContains(t, err, "dimension")
 	_, err = NewDense(dev, Heads{8, 2, 264})
 	require.ErrorContains(t, err, "dimension")
+	for _, g := range []int{3, 8, -1} {
+		_, err = NewDenseWith(dev, Heads{8, 2, 64}, DenseOptions{Group: g})
+		require.ErrorIs(t, err, vk.ErrUnsupported, "%d query heads per workgroup of groups of 4", g)
+	}
 
 	h := Heads{4, 2, 64}
 	dense, err := NewDense(dev, h)
