@@ -117,6 +117,8 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 		{heads: Heads{4, 1, 128}, n: 4100, capacity: 4100, first: 1, tail: 0, clusters: 700, opts: DenseOptions{ClusterChunk: 600}},
 		{heads: Heads{8, 2, 128}, n: 7000, capacity: 7000, first: 3, tail: 50, clusters: 900, opts: DenseOptions{ClusterChunk: 300, ClusterWindow: 32}},
 		{heads: Heads{32, 8, 16}, n: 9001, capacity: 9500, first: 4, tail: 300, clusters: 900, big: 2000},
+		// Tiles of attention over clusters apart from the dense ones.
+		{heads: Heads{8, 2, 64}, n: 5000, capacity: 5000, first: 2, tail: 30, clusters: 300, opts: DenseOptions{ClusterTile: 300, ClusterWindow: 128}},
 		// Two head blocks per KV head, each attending the whole group's union.
 		{heads: Heads{16, 4, 128}, n: 6000, capacity: 6100, first: 4, tail: 100, clusters: 500, opts: DenseOptions{Group: 2, Tile: 512}},
 	} {
