@@ -318,6 +318,17 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 	uint chunkStart = c * chunk;
 	uint chunkEnd = min(chunkStart + chunk, n);  // GATHER < 2: chunkStart < chunkEnd (main)
 
+	// GATHER = 2: the first window's cluster (taken or not, its size and
+	// its first slot) loaded with the queries, in flight together.
+	uint g = pc.kvBase + kvLocal;
+	uint stride = pc.clusterChunks;
+	uint cEnd = GATHER == 2 && c < pc.clusterChunks ? (pc.C - c + stride - 1) / stride : 0;  // clusters of this run
+	uint size0 = 0, from0 = 0;
+	if (tid < CW && tid < cEnd) {
+		uint cl = c + tid * stride;
+		size0 = takenByGroup(g, cl) ? sizes[g * pc.C + cl] : 0;
+		from0 = pc.first + starts[g * pc.C + cl];
+	}
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
 	}
@@ -353,18 +364,20 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 		// attended, so that tiles stay full however few clusters a window
 		// takes. Striding spreads the clusters a region of the context
 		// holds, and so the tokens taken, over the runs.
-		uint g = pc.kvBase + kvLocal;
 		attended = 0;
 		uint fill = 0;  // token ids in lst not yet attended
-		uint stride = pc.clusterChunks;
-		uint cEnd = (pc.C - c + stride - 1) / stride;  // clusters of this run
 		for (uint w0 = 0; w0 < cEnd; w0 += CW) {
 			uint cl = c + (w0 + tid) * stride;
 			uint size = 0;
 			if (tid < CW && w0 + tid < cEnd) {
-				if (takenByGroup(g, cl)) size = sizes[g * pc.C + cl];
-				// Clusters are runs of slots (kvcache Layer.Reorder).
-				from[tid] = pc.first + starts[g * pc.C + cl];
+				if (w0 == 0) {
+					size = size0;
+					from[tid] = from0;
+				} else {
+					if (takenByGroup(g, cl)) size = sizes[g * pc.C + cl];
+					// Clusters are runs of slots (kvcache Layer.Reorder).
+					from[tid] = pc.first + starts[g * pc.C + cl];
+				}
 			}
 			scanSizes(size);
 			uint total = pre[CW];
