@@ -84,7 +84,11 @@ func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
 		// head (several lists to gather, a last one to arrive).
 		workgroups int
 	}
-	runs := []run{{dense, 0.9, DefaultTacticFit(), 0}, {tree, 0.8, DefaultTacticFit(), 3}}
+	// Windows of a quarter of the tokens each with one workgroup a head:
+	// its share is every cluster, listed and sampled in several rounds.
+	wide := DefaultTacticFit()
+	wide.WindowFrac, wide.MaxWindow = 0.25, 0
+	runs := []run{{dense, 0.9, DefaultTacticFit(), 0}, {tree, 0.8, DefaultTacticFit(), 3}, {dense, 0.9, wide, 1}}
 	if all {
 		runs = append(runs, run{dense, 0.5, DefaultTacticFit(), 0}, run{dense, 1, DefaultTacticFit(), 0}, run{single, 0.9, DefaultTacticFit(), 0},
 			run{dense, 0.7, capped, 0}, run{dense, 0.9, DefaultTacticFit(), 5})
