@@ -72,7 +72,7 @@ type DenseOptions struct {
 	// power of two, at most Workgroup); 0 = chosen.
 	ClusterWindow int
 	// ClusterTile is how many tokens such a workgroup scores at once; 0 =
-	// Tile where that is set, else 3072 / group.
+	// Tile where that is set, else 3584 / group.
 	ClusterTile int
 	// Group is the query heads of a KV head that one workgroup attends
 	// for (a divisor of the GQA group, at most 8); 0 = the largest.
@@ -99,12 +99,12 @@ const (
 	// most its threads), and tokens per tile there for groups of 4: on the
 	// H100 at 131 072 tokens a run of 256 clusters scanned in one window
 	// started its tiles about 5 µs sooner than in four windows of 64, and
-	// tiles of 768 keep its shared memory small enough for two workgroups
+	// tiles of 896 keep its shared memory small enough for two workgroups
 	// per SM (with tiles of 1 024 a window of 256 took a second wave):
-	// Tactic's attention 43.0 → 39.6 µs (llama), 53.0 → 51.0 (megabeam),
-	// unchanged at 32 768 tokens.
+	// Tactic's attention 43.0 → 38.6 µs (llama), 53.0 → 50.7 (megabeam),
+	// unchanged at 32 768 tokens (tiles of 768: 39.3 and 50.7).
 	clusterWindow      = 256
-	clusterScoreBudget = 3072 // default shared floats for scores there: group × tile
+	clusterScoreBudget = 3584 // default shared floats for scores there: group × tile
 	// Workgroups of attention over many clusters: runs of 256 clusters at
 	// 131 072 tokens and 64 at 32 768. On the H100 with the layer in
 	// cluster order and the merge in the same dispatch, unions of 8–11 %
