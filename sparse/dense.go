@@ -199,15 +199,17 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 		return nil, fmt.Errorf("sparse: %d clusters per chunk, %d per window, tiles of %d, for workgroups of %d", opts.ClusterChunk, opts.ClusterWindow, clusterTile, wg)
 	}
 	tree := !info.SubgroupArithmetic || info.SubgroupSize < 4 || opts.TreeReduce
-	scoreSlots := max(group*tile, 8*wg)
 	reduceSlots := group * wg
 	if !tree {
 		reduceSlots = group * wg / 4 // one slot per subgroup of at least 4
 	}
-	// Shared memory of attend_partial: queries, scores and reductions, and
-	// its arrays for clusters (lst, from, pre, subTotal: 5 words where
-	// GATHER < 2, clusterShared bytes where GATHER = 2).
-	shared := 4 * (group*heads.Dim + scoreSlots + reduceSlots)
+	// Score slots and shared bytes of attend_partial with tiles of t
+	// tokens: queries, scores and reductions; its arrays for clusters
+	// (lst, from, pre, subTotal) add 5 words where GATHER < 2 and
+	// clusterShared's rest where GATHER = 2.
+	scoreSlotsFor := func(t int) int { return max(group*t, 8*wg) }
+	sharedFor := func(t int) int { return 4 * (group*heads.Dim + scoreSlotsFor(t) + reduceSlots) }
+	scoreSlots, shared := scoreSlotsFor(tile), sharedFor(tile)
 	switch {
 	case wg&(wg-1) != 0 || wg > int(info.MaxWorkgroupInvocations) || wg < heads.Dim/4 || wg < 32:
 		return nil, fmt.Errorf("%w: workgroup of %d threads (a power of two from %d to %d)", vk.ErrUnsupported, wg, max(32, heads.Dim/4), info.MaxWorkgroupInvocations)
@@ -223,10 +225,9 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 	d.spec = []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt), uint32(d.window), 0}
 	// Attention over clusters: its own tiles, so its own score slots, and
 	// its arrays lst, from, pre and subTotal.
-	clusterScoreSlots := max(group*clusterTile, 8*wg)
 	d.clusterSpec = append([]uint32(nil), d.spec...)
-	d.clusterSpec[3], d.clusterSpec[7] = uint32(clusterTile), uint32(clusterScoreSlots)
-	clusterShared := 4*(group*heads.Dim+clusterScoreSlots+reduceSlots) + 4*(clusterTile+2*window+1+wg/4)
+	d.clusterSpec[3], d.clusterSpec[7] = uint32(clusterTile), uint32(scoreSlotsFor(clusterTile))
+	clusterShared := sharedFor(clusterTile) + 4*(clusterTile+2*window+1+wg/4)
 	kernel := func(name string, gather uint32) *vk.Pipeline {
 		if err != nil {
 			return nil
@@ -260,10 +261,11 @@ func (d *Dense) buildApprox() error {
 
 // kernel builds attend_partial with GATHER gather and APPROX approx.
 func (d *Dense) kernel(name string, gather, approx uint32) (*vk.Pipeline, error) {
-	spec := append([]uint32(nil), d.spec...)
+	base := d.spec
 	if gather == 2 {
-		spec = append(spec[:0], d.clusterSpec...)
+		base = d.clusterSpec
 	}
+	spec := append([]uint32(nil), base...)
 	spec[9], spec[12] = gather, approx
 	return d.dev.NewPipeline(vk.Kernel{Name: name, SPIRV: d.code, Bindings: partialBindings, PushWords: partialPushWords, Specialization: spec})
 }
