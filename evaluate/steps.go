@@ -74,9 +74,9 @@ type StepRun struct {
 
 // Steps times each policy's step over all of a trace's tokens for its last
 // query (the first Sinks tokens and the last Recent outside the K-means
-// index, clustered in spans of sparse.KMeansDefaultSpan) beside dense
-// attention (kernels built with opts). progress, if not nil, is told each policy before it runs.
-func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, policies []Policy, sinks, recent, reps int, seed uint64, progress func(name string)) ([]StepRun, error) {
+// index, clustered with clustering) beside dense attention (kernels built
+// with opts). progress, if not nil, is told each policy before it runs.
+func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, clustering sparse.KMeansOptions, policies []Policy, sinks, recent, reps int, progress func(name string)) ([]StepRun, error) {
 	heads := sparse.Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
 	n := t.Tokens
 	if reps <= 0 || n <= sinks+recent+1 {
@@ -102,7 +102,7 @@ func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, policies []
 		return nil, err
 	}
 	defer km.Release()
-	if l.Clusters, err = km.Cluster(l.Ordered, sinks, n-sinks-recent, sparse.KMeansOptions{Seed: seed, Span: sparse.KMeansDefaultSpan}); err != nil {
+	if l.Clusters, err = km.Cluster(l.Ordered, sinks, n-sinks-recent, clustering); err != nil {
 		return nil, err
 	}
 	defer l.Clusters.Release()

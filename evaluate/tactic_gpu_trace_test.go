@@ -23,7 +23,7 @@ func TestTacticStepOnRealTraces(t *testing.T) {
 	dev := vktest.Open(t)
 	for _, name := range []string{"L1", "L4"} {
 		tr := readRealTrace(t, name)
-		runs, err := TacticTrace(dev, tr, []float64{0.5, 0.7, 0.9}, sparse.DefaultTacticFit(), 0, nil, 1, nil)
+		runs, err := TacticTrace(dev, tr, []float64{0.5, 0.7, 0.9}, sparse.DefaultTacticFit(), sparse.KMeansOptions{Seed: 1, Span: sparse.KMeansDefaultSpan}, 0, nil, nil)
 		require.NoError(t, err)
 		for _, r := range runs {
 			t.Logf("%s P %.1f: success %.1f %%, mass %.3f, selected %.1f %% (union %.1f %%), %.2f × cluster-optimal, rel. err %.3f",

@@ -39,7 +39,7 @@ type TacticRun struct {
 
 // BatchRun is a batched Tactic step (sparse.TacticBatch) and dense
 // attention over B sequences of a trace's final length, each its own cache
-// and index (the trace clustered with seeds seed+1, … for the others),
+// and index (the trace clustered with its own seed for each of the others),
 // every sequence given the last tail query: medians of GPU times.
 type BatchRun struct {
 	Batch     int     `json:"batch"`
@@ -53,15 +53,17 @@ type BatchRun struct {
 
 // TacticTrace runs Tactic over a trace on the GPU: it prefills a cache with
 // the keys before the trace's decode tail (TailQueries, prefill
-// DefaultPrefill), clusters them (sinks excluded) in spans of
-// sparse.KMeansDefaultSpan tokens, then for each P appends the tail tokens
+// DefaultPrefill), clusters them (sinks excluded) with clustering (its
+// AvgClusterSize and Span; 0 takes the defaults, and Span
+// sparse.KMeansDefaultSpan is what the library recommends), then for each P appends the tail tokens
 // one at a time and runs a step with the fit's parameters for each tail
 // query, measuring fidelity in float64 (sparse.TacticStep.Fidelity). With
 // reps > 0 it also times the step and dense attention at the final length,
 // and for each batch size B > 1 in batches a sparse.TacticBatch of B
-// sequences beside dense attention over as many. progress, if not nil, is
-// told each P before it runs.
-func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit sparse.TacticFit, reps int, batches []int, seed uint64, progress func(p float64)) ([]TacticRun, error) {
+// sequences beside dense attention over as many (each clustered with seed
+// clustering.Seed+1, +2, …). progress, if not nil, is told each P before
+// it runs.
+func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit sparse.TacticFit, clustering sparse.KMeansOptions, reps int, batches []int, progress func(p float64)) ([]TacticRun, error) {
 	heads := sparse.Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
 	tail := TailQueries(t)
 	if len(tail) == 0 {
@@ -105,7 +107,7 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit sparse.Tactic
 		return nil, err
 	}
 	start := time.Now()
-	clusters, err := km.Cluster(layer, sparse.TacticDefaultSinks, prefill-sparse.TacticDefaultSinks, sparse.KMeansOptions{Seed: seed, Span: sparse.KMeansDefaultSpan})
+	clusters, err := km.Cluster(layer, sparse.TacticDefaultSinks, prefill-sparse.TacticDefaultSinks, clustering)
 	if err != nil {
 		return nil, err
 	}
@@ -142,7 +144,7 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit sparse.Tactic
 				continue
 			}
 			if others == nil {
-				if others, err = batchPeers(dev, km, heads, slices.Max(batches)-1, prefill, last+1, rows, seed); err != nil {
+				if others, err = batchPeers(dev, km, heads, slices.Max(batches)-1, prefill, last+1, rows, clustering); err != nil {
 					return nil, err
 				}
 				defer others.release()
@@ -269,9 +271,9 @@ func (x *peers) release() {
 }
 
 // batchPeers builds count caches holding tokens [0, n) of the trace
-// (rows), each clustered over [sinks, prefill) with its own seed and put in
-// cluster order.
-func batchPeers(dev *vk.Device, km *sparse.KMeans, heads sparse.Heads, count, prefill, n int, rows func(from, to int) ([]uint16, []uint16), seed uint64) (*peers, error) {
+// (rows), each clustered over [sinks, prefill) with clustering and a seed
+// of its own (clustering.Seed+1, +2, …) and put in cluster order.
+func batchPeers(dev *vk.Device, km *sparse.KMeans, heads sparse.Heads, count, prefill, n int, rows func(from, to int) ([]uint16, []uint16), clustering sparse.KMeansOptions) (*peers, error) {
 	x := &peers{}
 	for i := 0; i < count; i++ {
 		layer, err := kvcache.NewLayer(dev, heads.KV, heads.Dim, n)
@@ -285,7 +287,9 @@ func batchPeers(dev *vk.Device, km *sparse.KMeans, heads sparse.Heads, count, pr
 			x.release()
 			return nil, err
 		}
-		c, err := km.Cluster(layer, sparse.TacticDefaultSinks, prefill-sparse.TacticDefaultSinks, sparse.KMeansOptions{Seed: seed + uint64(i) + 1, Span: sparse.KMeansDefaultSpan})
+		opts := clustering
+		opts.Seed += uint64(i) + 1
+		c, err := km.Cluster(layer, sparse.TacticDefaultSinks, prefill-sparse.TacticDefaultSinks, opts)
 		if err != nil {
 			x.release()
 			return nil, err

@@ -43,6 +43,7 @@ func compare(args []string) error {
 	fs.Var(fid, "fidelity", fmt.Sprintf("also compare every policy's fidelity at matched budgets by the float64 reference on the CPU (evaluate.Compare) at each -p; default: on for a trace and for generated layers of N ≤ %d, -fidelity=false to skip", fidelityAutoTokens))
 	queries := fs.Int("queries", 8, "decode queries the fidelity comparison evaluates: the last (up to) this many of the layer's consecutive tail, the earlier ones observed by H2O as its prompt (0: the whole tail); 8, a generated layer's whole tail, takes about 1 minute at N = 131072 on 2 cores for one P, 2 for four")
 	p2 := fs.Float64("double-p2", sparse.DefaultDoubleP().P2, "Double-P's P2 in the fidelity comparison (its P1 is each -p)")
+	clusterSize := fs.Int("cluster-size", sparse.KMeansDefaultAvgClusterSize, "tokens per K-means cluster on average, on the GPU and in the fidelity comparison")
 	span := fs.Int("span", sparse.KMeansDefaultSpan, "K-means within spans of this many tokens in the fidelity comparison, as on the GPU (0: the whole prefill, the Tactic paper's clustering, far slower)")
 	plotPath := fs.String("plot", "", "draw the fidelity comparison's mass reached against tokens attended, one curve per policy, into this PNG file")
 	fs.Usage = func() {
@@ -66,6 +67,7 @@ func compare(args []string) error {
 	copts := evaluate.DefaultCompareOptions()
 	copts.P, copts.DoubleP2, copts.KMeansSpan = pList, *p2, *span
 	copts.Sinks, copts.Window, copts.Seed = *sinks, *recent, uint64(*seed)
+	copts.AvgClusterSize = *clusterSize
 	if err := copts.Validate(); err != nil {
 		return err
 	}
@@ -96,7 +98,7 @@ func compare(args []string) error {
 	prog := &progress{total: len(traces) * len(policies)}
 	var rows []compareRow
 	for i, t := range traces {
-		runs, err := evaluate.Steps(dev, t, sparse.DenseOptions{ClusterChunk: *chunk}, policies, *sinks, *recent, *reps, uint64(*seed), func(name string) { prog.step(fmt.Sprintf("%s: %s", names[i], name)) })
+		runs, err := evaluate.Steps(dev, t, sparse.DenseOptions{ClusterChunk: *chunk}, sparse.KMeansOptions{AvgClusterSize: *clusterSize, Span: sparse.KMeansDefaultSpan, Seed: uint64(*seed)}, policies, *sinks, *recent, *reps, func(name string) { prog.step(fmt.Sprintf("%s: %s", names[i], name)) })
 		if err != nil {
 			prog.finish()
 			return err

@@ -71,6 +71,7 @@ func fidelity(args []string) error {
 	heads := fs.Bool("heads", false, "also print the figures of every query head")
 	initial := fs.Float64("initial", sparse.DefaultTacticFit().InitialFrac, "share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)")
 	spans := fs.String("span", "0", fmt.Sprintf("K-means within spans of this many tokens (comma-separated to compare; 0: whole prefill, the paper's clustering; %d recommended)", sparse.KMeansDefaultSpan))
+	clusterSize := fs.Int("cluster-size", sparse.KMeansDefaultAvgClusterSize, "tokens per K-means cluster on average")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	plotPath := fs.String("plot", "", "draw tokens selected and mass reached against P (or against N) into this PNG file")
 	fs.Usage = func() {
@@ -98,6 +99,7 @@ func fidelity(args []string) error {
 	opts := evaluate.DefaultTacticOptions()
 	opts.P = pList
 	opts.Fit.InitialFrac = *initial
+	opts.AvgClusterSize = *clusterSize
 	if err := opts.Validate(); err != nil {
 		return err
 	}

@@ -33,6 +33,8 @@ func tactic(args []string) error {
 	reps := fs.Int("reps", 50, "timed runs per row")
 	batchList := fs.String("batch", "1", "batch sizes B (comma-separated): for each B > 1 a batched step over B sequences, each its own cache and index, is timed beside dense attention over B")
 	seed := fs.Int64("seed", 1, "workload and K-means seed")
+	clusterSize := fs.Int("cluster-size", sparse.KMeansDefaultAvgClusterSize, "tokens per K-means cluster on average")
+	span := fs.Int("span", sparse.KMeansDefaultSpan, "K-means within spans of this many tokens (0: the whole prefill)")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	plotPath := fs.String("plot", "", "draw speed-up and tokens selected against N into this PNG file")
 	fs.Parse(args)
@@ -66,7 +68,7 @@ func tactic(args []string) error {
 	prog := &progress{total: len(traces) * len(pList)}
 	var results []stepRow
 	for i, t := range traces {
-		runs, err := evaluate.TacticTrace(dev, t, pList, fit, *reps, batches, uint64(*seed), func(p float64) { prog.step(fmt.Sprintf("tactic %s P=%v", names[i], p)) })
+		runs, err := evaluate.TacticTrace(dev, t, pList, fit, sparse.KMeansOptions{AvgClusterSize: *clusterSize, Span: *span, Seed: uint64(*seed)}, *reps, batches, func(p float64) { prog.step(fmt.Sprintf("tactic %s P=%v", names[i], p)) })
 		if err != nil {
 			prog.finish()
 			return err
