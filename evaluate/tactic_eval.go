@@ -95,7 +95,9 @@ type TacticEvaluation struct {
 type TacticResult struct {
 	P float64 `json:"p"`
 	TacticStats
-	Heads []TacticHead `json:"heads"`
+	// Traffic is what a step of the layer reads at the least.
+	Traffic StepTraffic  `json:"traffic"`
+	Heads   []TacticHead `json:"heads"`
 }
 
 // TacticHead is the figures of one query head over the evaluated
@@ -128,6 +130,9 @@ type TacticStats struct {
 	// included; Union the mean size of the union.
 	Selected float64 `json:"selected"`
 	Union    float64 `json:"union"`
+	// Sampled is the mean number of key rows the head's fit scores: the
+	// fixed tokens and sparse.TacticBudget.SampledTokens.
+	Sampled float64 `json:"sampled"`
 	// ClusterOptimal is the mean sparse.ClusterTopPCount (fixed tokens
 	// forced), GlobalOptimal the mean sparse.TopPCount.
 	ClusterOptimal float64 `json:"cluster_optimal"`
@@ -149,6 +154,7 @@ type TacticStats struct {
 type tacticCase struct {
 	union, own sparse.Fidelity
 	attended   int
+	sampled    int     // key rows the fit scores, fixed tokens included
 	bound      float64 // ‖o − ô‖ / (2(1 − p(I))·max‖v‖ + ε)
 }
 
@@ -229,6 +235,7 @@ func Tactic(t *trace.Trace, opts TacticOptions) (*TacticEvaluation, error) {
 			r.Heads = append(r.Heads, head)
 		}
 		r.TacticStats = tacticStats(all, p)
+		r.Traffic = stepTraffic(cases[pi], heads, t.HeadDim)
 		ev.Results = append(ev.Results, r)
 	}
 	return ev, nil
@@ -273,6 +280,7 @@ func tacticEvalStep(t *trace.Trace, h *kvHead, g, qi, prefill int, opts *TacticO
 		for j := range qs {
 			c := &cases[pi][a][g*group+j]
 			c.attended = pos + 1
+			c.sampled = len(fixed) + budgets[j].SampledTokens()
 			if c.union, err = oracles[j].Measure(union, outs[j], h.idx.Members, fixed, p); err != nil {
 				return err
 			}
@@ -308,6 +316,7 @@ func tacticStats(cases []tacticCase, p float64) TacticStats {
 		s.OwnMass += c.own.Mass
 		s.Selected += float64(c.own.Selected)
 		s.Union += float64(c.union.Selected)
+		s.Sampled += float64(c.sampled)
 		s.ClusterOptimal += float64(c.union.ClusterOptimal)
 		s.GlobalOptimal += float64(c.union.GlobalOptimal)
 		s.RelErr += c.union.RelErr
@@ -315,7 +324,7 @@ func tacticStats(cases []tacticCase, p float64) TacticStats {
 		s.BoundWorst = math.Max(s.BoundWorst, c.bound)
 	}
 	n := float64(len(cases))
-	for _, x := range []*float64{&s.Attended, &s.SuccessRate, &s.OwnSuccessRate, &s.Mass, &s.OwnMass, &s.Selected, &s.Union, &s.ClusterOptimal, &s.GlobalOptimal, &s.RelErr} {
+	for _, x := range []*float64{&s.Attended, &s.SuccessRate, &s.OwnSuccessRate, &s.Mass, &s.OwnMass, &s.Selected, &s.Union, &s.Sampled, &s.ClusterOptimal, &s.GlobalOptimal, &s.RelErr} {
 		*x /= n
 	}
 	s.SelectedOverClusterOptimal = s.Selected / s.ClusterOptimal

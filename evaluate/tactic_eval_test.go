@@ -33,7 +33,8 @@ func TestTacticTailQueriesAndDefaultPrefill(t *testing.T) {
 // TestTacticEvaluateMatchesReferences checks the wiring against the
 // references called directly: for one query, every head's figures equal
 // sparse.TacticDecodeRef followed by sparse.FidelityRef on the union and
-// on the head's own selection.
+// on the head's own selection, and the layer's traffic is the bytes of the
+// centroids, the fit's rows and the unions those references give.
 func TestTacticEvaluateMatchesReferences(t *testing.T) {
 	tr := smallLayer(t)
 	opts := DefaultTacticOptions()
@@ -49,6 +50,8 @@ func TestTacticEvaluateMatchesReferences(t *testing.T) {
 	d, group, pos := tr.HeadDim, tr.QHeads/tr.KVHeads, int(tr.QPos[qi])
 	fixed, err := sparse.TacticFixedTokens(opts.Sinks, prefill, pos)
 	require.NoError(t, err)
+	row := float64(2 * d) // bytes of an fp16 row
+	traffic := make([]StepTraffic, len(opts.P))
 	for g := 0; g < tr.KVHeads; g++ {
 		off := g * tr.Tokens * d
 		keys := sparse.HalvesToFloat64(tr.K[off : off+(pos+1)*d])
@@ -65,7 +68,12 @@ func TestTacticEvaluateMatchesReferences(t *testing.T) {
 		for pi, p := range opts.P {
 			_, union, budgets, err := sparse.TacticDecodeRef(qs, keys, values, tr.Scale, idx, fixed, p, opts.Fit)
 			require.NoError(t, err)
+			traffic[pi].Centroids += float64(idx.Clusters()) * row
+			traffic[pi].Attended += float64(2*len(union)) * row
+			traffic[pi].Dense += float64(2*(pos+1)) * row
 			for j, q := range qs {
+				sampled := len(fixed) + budgets[j].SampledTokens()
+				traffic[pi].Sampled += float64(sampled) * row
 				fu, err := sparse.FidelityRef(q, keys, values, tr.Scale, union, idx.Members, fixed, p)
 				require.NoError(t, err)
 				own := sparse.TacticSelectRef(idx, fixed, budgets[j])
@@ -82,9 +90,31 @@ func TestTacticEvaluateMatchesReferences(t *testing.T) {
 				assert.Equal(t, float64(fu.GlobalOptimal), h.GlobalOptimal)
 				assert.InDelta(t, fu.RelErr, h.RelErr, 1e-12)
 				assert.Equal(t, fu.Success(p), h.SuccessRate == 1)
+				assert.Equal(t, float64(sampled), h.Sampled)
 			}
 		}
 	}
+	for pi := range opts.P {
+		got := ev.Results[pi].Traffic
+		assert.Equal(t, traffic[pi], got)
+		assert.Less(t, got.Total(), got.Dense, "P=%v: a step reads less than dense attention", opts.P[pi])
+	}
+}
+
+// TestStepTrafficBounds checks the bound's arithmetic: dispatches × floor
+// plus the batch's bytes at the bandwidth, against dense attention as one
+// dispatch over its bytes.
+func TestStepTrafficBounds(t *testing.T) {
+	s := StepTraffic{Centroids: 3e6, Sampled: 11e6, Attended: 40e6, Dense: 500e6}
+	assert.Equal(t, 54e6, s.Total())
+	const bw, floor = 2.5e6, 3.0 // bytes per µs, µs
+	assert.InDelta(t, 3*floor+54e6/bw, s.BoundUs(bw, floor, 3, 1), 1e-9)
+	assert.InDelta(t, 3*floor+8*54e6/bw, s.BoundUs(bw, floor, 3, 8), 1e-9)
+	assert.InDelta(t, (floor+500e6/bw)/(3*floor+54e6/bw), s.BoundSpeedup(bw, floor, 3, 1), 1e-12)
+	// A batch pays the floors once: it can gain more than one sequence.
+	assert.Greater(t, s.BoundSpeedup(bw, floor, 3, 8), s.BoundSpeedup(bw, floor, 3, 1))
+	// Without floors the bound is the ratio of bytes, whatever the batch.
+	assert.InDelta(t, 500.0/54, s.BoundSpeedup(bw, 0, 3, 8), 1e-12)
 }
 
 func TestTacticEvaluateAggregatesDeterministically(t *testing.T) {

@@ -3,6 +3,7 @@ package sparse
 import (
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 )
 
@@ -149,6 +150,23 @@ func (b *TacticBudget) Estimate(k int) float64 {
 
 // Clusters returns the selected cluster indices, Order[0:Selected].
 func (b *TacticBudget) Clusters() []int32 { return b.Order[:b.Selected] }
+
+// SampledTokens returns how many clustered tokens the fit scores exactly:
+// the members of the clusters of ranks [0, ExactClusters), Win1 and Win2,
+// each cluster counted once where the ranges overlap.
+func (b *TacticBudget) SampledTokens() int {
+	ranges := [][2]int{{0, b.ExactClusters}, b.Win1, b.Win2}
+	slices.SortFunc(ranges, func(x, y [2]int) int { return x[0] - y[0] })
+	total, end := 0, 0
+	for _, r := range ranges {
+		lo := max(r[0], end)
+		if r[1] > lo {
+			total += b.Offsets[r[1]] - b.Offsets[lo]
+			end = r[1]
+		}
+	}
+	return total
+}
 
 // EulerGamma is the Euler–Mascheroni constant.
 const EulerGamma = 0.57721566490153286060651209008240243

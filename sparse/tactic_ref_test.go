@@ -124,6 +124,7 @@ func TestTacticBudgetWindowPlacement(t *testing.T) {
 	// ranks 28–30.
 	assert.Equal(t, [2]int{3, 6}, bud.Win1)
 	assert.Equal(t, [2]int{28, 31}, bud.Win2)
+	assert.Equal(t, 20+30+30, bud.SampledTokens())
 	h1 := (TacticHarmonic(60) - TacticHarmonic(30)) / 30
 	assert.InDelta(t, h1, bud.H1, 1e-15)
 	for j := 0; j < 100; j++ {
@@ -138,9 +139,56 @@ func TestTacticBudgetWindowPlacement(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, [2]int{4, 6}, bud.Win1)
 	assert.Equal(t, [2]int{29, 31}, bud.Win2)
+	assert.Equal(t, 20+20+20, bud.SampledTokens())
 	fit.MaxWindow = -1
 	_, err = TacticBudgetRef([]float64{1}, 1, keys, idx, nil, 0.5, fit)
 	require.ErrorContains(t, err, "MaxWindow")
+}
+
+// TestTacticSampledTokensCountsEachClusterOnce checks SampledTokens against
+// a count of the marked ranks, with windows that overlap the exact part
+// and each other, over clusters of uneven sizes.
+func TestTacticSampledTokensCountsEachClusterOnce(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 9))
+	const n, d = 3000, 4
+	keys := make([]float64, n*d)
+	for i := range keys {
+		keys[i] = rng.NormFloat64()
+	}
+	assign := make([]int32, n)
+	for i := range assign {
+		assign[i] = int32(rng.IntN(97)) // uneven sizes, some clusters empty
+	}
+	cent := make([]float64, 97*d)
+	for i := range cent {
+		cent[i] = rng.NormFloat64()
+	}
+	idx, err := NewClusterIndex(cent, d, assign, 0)
+	require.NoError(t, err)
+	q := []float64{0.3, -1.1, 0.7, 0.2}
+	for _, fit := range []TacticFit{
+		DefaultTacticFit(),
+		{InitialFrac: 0.05, Window1: 0.03, Window2: 0.06, WindowFrac: 0.04}, // windows inside and across the exact part
+		{InitialFrac: 0.01, Window1: 0.30, Window2: 0.32, WindowFrac: 0.05}, // windows overlapping each other
+		{InitialFrac: 0.001, Window1: 0.5, Window2: 0.9, WindowFrac: 0.001}, // narrow, apart
+	} {
+		bud, err := TacticBudgetRef(q, 0.5, keys, idx, nil, 0.9, fit)
+		require.NoError(t, err)
+		marked := make([]bool, idx.Clusters())
+		for _, r := range [][2]int{{0, bud.ExactClusters}, bud.Win1, bud.Win2} {
+			for j := r[0]; j < r[1]; j++ {
+				marked[j] = true
+			}
+		}
+		want := 0
+		for j, m := range marked {
+			if m {
+				want += idx.Sizes[bud.Order[j]]
+			}
+		}
+		assert.Equalf(t, want, bud.SampledTokens(), "fit %+v", fit)
+		assert.Positivef(t, want, "fit %+v samples nothing", fit)
+	}
 }
 
 func TestTacticBudgetAllExactMatchesBruteForce(t *testing.T) {

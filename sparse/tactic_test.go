@@ -33,24 +33,31 @@ func generated(t *testing.T, h Heads, n, queries int) *trace.Trace {
 // TacticBinnedBudgetRef on those scores, the token lists against the union
 // of the selected clusters with sinks and tail, and the output against
 // AttendSubsetRef over that union.
-func TestTacticStepMatchesReference(t *testing.T) { testTacticStep(t, 4000, 0, true) }
+func TestTacticStepMatchesReference(t *testing.T) { testTacticStep(t, 4000, 0, true, false) }
 
 // TestTacticStepManyClusters runs the step over more clusters than a
 // selection workgroup has threads, so that it lists its clusters in several
 // rounds, and (on 256-thread workgroups) more than its threads load at once
 // (2 048), so that it also bins them in several rounds.
-func TestTacticStepManyClusters(t *testing.T) { testTacticStep(t, 9000, 4, false) }
+func TestTacticStepManyClusters(t *testing.T) { testTacticStep(t, 9000, 4, false, true) }
+
+// TestTacticStepLargeClusters runs the step over clusters of 32 tokens on
+// average (the size of Tactic's methodology section), which halve the
+// centroids a step scores.
+func TestTacticStepLargeClusters(t *testing.T) { testTacticStep(t, 5000, 32, false, false) }
 
 // testTacticStep checks Tactic steps over n generated tokens, clustered
 // with avgCluster tokens per cluster (0: the default), against the float64
-// references: every run of the device's kernel variants with all, else two.
-func testTacticStep(t *testing.T, n, avgCluster int, all bool) {
+// references: every run of the device's kernel variants with all, else
+// three; with many, the clusters must outnumber a selection workgroup's
+// threads.
+func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	dev := vktest.Open(t)
 	const tail, sinks = 150, 4
 	h := Heads{Query: 8, KV: 2, Dim: 64}
 	tr := generated(t, h, n, 2)
 	layer, clusters := orderedLayer(t, dev, h, tr, sinks, n-tail-sinks, KMeansOptions{Seed: 7, AvgClusterSize: avgCluster})
-	if !all {
+	if many {
 		require.Greater(t, clusters.C, int(tacticWorkgroup(dev.Info())), "clusters for several per thread")
 	}
 	dense, err := NewDense(dev, h)

@@ -35,9 +35,25 @@ type tacticResult struct {
 	Span int              `json:"kmeans_span"`
 	Fit  sparse.TacticFit `json:"fit"`
 	evaluate.TacticResult
+	// Bounds is the most a step can gain over dense attention, from
+	// Traffic, for each batch size asked for.
+	Bounds []stepBound `json:"bounds,omitempty"`
 	// Timing is the GPU time of one decode step by stage; this CPU-only
 	// mode leaves it out.
 	Timing *tacticTiming `json:"timing,omitempty"`
+}
+
+// stepBound is the least time of a step over a batch (StepTraffic.BoundUs)
+// and the most it can gain over dense attention of the same batch
+// (StepTraffic.BoundSpeedup), at the bandwidth and dispatch floor given.
+type stepBound struct {
+	Batch      int     `json:"batch"`
+	GBps       float64 `json:"bandwidth_gb_per_s"`
+	FloorUs    float64 `json:"floor_us"`
+	Dispatches int     `json:"dispatches"`
+	StepUs     float64 `json:"step_us"`
+	DenseUs    float64 `json:"dense_us"`
+	Speedup    float64 `json:"speedup"`
 }
 
 // tacticTiming holds the GPU time of one Tactic decode step by stage (the
@@ -71,11 +87,16 @@ func fidelity(args []string) error {
 	heads := fs.Bool("heads", false, "also print the figures of every query head")
 	initial := fs.Float64("initial", sparse.DefaultTacticFit().InitialFrac, "share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)")
 	spans := fs.String("span", "0", fmt.Sprintf("K-means within spans of this many tokens (comma-separated to compare; 0: whole prefill, the paper's clustering; %d recommended)", sparse.KMeansDefaultSpan))
+	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
+	bandwidth := fs.Float64("bandwidth", 2870, "GB/s that a step and dense attention read at, for the bound (the H100's dense attention: 2870)")
+	floor := fs.Float64("floor", 3, "µs each dependent dispatch costs before any work, for the bound")
+	dispatches := fs.Int("dispatches", 3, "dependent dispatches of a sparse step, for the bound")
+	batchList := fs.String("batch", "1", "batch sizes to bound (comma-separated)")
 	clusterSize := fs.Int("cluster-size", sparse.KMeansDefaultAvgClusterSize, "tokens per K-means cluster on average")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	plotPath := fs.String("plot", "", "draw tokens selected and mass reached against P (or against N) into this PNG file")
 	fs.Usage = func() {
-		fmt.Fprint(fs.Output(), "usage: vkbench fidelity [flags]\n\nMeasures how well Tactic's selection (float64 reference, CPU) reaches\nthe target attention mass P, against exact attention.\n\n")
+		fmt.Fprint(fs.Output(), "usage: vkbench fidelity [flags]\n\nMeasures how well Tactic's selection (float64 reference, CPU) reaches\nthe target attention mass P, against exact attention, and what a step\nmust read (centroids, the fit's key rows, the union's key and value rows):\nMB/step, and the most a step can gain over dense attention when both read\nat -bandwidth and each dependent dispatch costs -floor.\n\n")
 		fs.PrintDefaults()
 	}
 	fs.Parse(args)
@@ -93,12 +114,20 @@ func fidelity(args []string) error {
 	if err != nil {
 		return fmt.Errorf("-span: %v", err)
 	}
+	batches, err := ints(*batchList)
+	if err != nil {
+		return fmt.Errorf("-batch: %v", err)
+	}
+	if *bandwidth <= 0 || *floor < 0 || *dispatches < 1 {
+		return fmt.Errorf("-bandwidth %g, -floor %g and -dispatches %d: need a positive bandwidth, a floor of at least 0 and at least one dispatch", *bandwidth, *floor, *dispatches)
+	}
 	if *plotPath != "" && len(spanList) > 1 {
 		return fmt.Errorf("-plot draws one span; -span lists %d", len(spanList))
 	}
 	opts := evaluate.DefaultTacticOptions()
 	opts.P = pList
 	opts.Fit.InitialFrac = *initial
+	opts.Fit.MaxWindow = *maxWindow
 	opts.AvgClusterSize = *clusterSize
 	if err := opts.Validate(); err != nil {
 		return err
@@ -165,8 +194,15 @@ func fidelity(args []string) error {
 				return err
 			}
 			for _, r := range ev.Results {
-				results = append(results, tacticResult{Source: s.name, Seed: s.seed, Tokens: ev.Tokens, QHeads: ev.QHeads, KVHeads: ev.KVHeads, HeadDim: ev.HeadDim,
-					Prefill: ev.Options.Prefill, Queries: ev.Options.Queries, Sinks: ev.Options.Sinks, Span: span, Fit: ev.Options.Fit, TacticResult: r})
+				row := tacticResult{Source: s.name, Seed: s.seed, Tokens: ev.Tokens, QHeads: ev.QHeads, KVHeads: ev.KVHeads, HeadDim: ev.HeadDim,
+					Prefill: ev.Options.Prefill, Queries: ev.Options.Queries, Sinks: ev.Options.Sinks, Span: span, Fit: ev.Options.Fit, TacticResult: r}
+				bw := *bandwidth * 1e3 // bytes per µs
+				for _, b := range batches {
+					row.Bounds = append(row.Bounds, stepBound{Batch: b, GBps: *bandwidth, FloorUs: *floor, Dispatches: *dispatches,
+						StepUs: r.Traffic.BoundUs(bw, *floor, *dispatches, b), DenseUs: *floor + float64(b)*r.Traffic.Dense/bw,
+						Speedup: r.Traffic.BoundSpeedup(bw, *floor, *dispatches, b)})
+				}
+				results = append(results, row)
 			}
 		}
 	}
@@ -198,9 +234,18 @@ func printTactic(results []tacticResult, perHead bool) {
 		rows = append(rows, []string{r.Source, fmt.Sprint(r.Tokens), fmt.Sprint(r.Span), fmt.Sprintf("%d×%d", len(r.Queries), r.QHeads), fmt.Sprint(r.P),
 			fmt.Sprintf("%.1f", r.Selected), pct(r.Selected, r.Attended), pct(r.Union, r.Attended), fmt.Sprintf("%.3f", r.Mass), fmt.Sprintf("%.3f", r.MinMass),
 			fmt.Sprintf("%.1f%%", 100*r.SuccessRate), fmt.Sprintf("%.3f", r.SelectedOverClusterOptimal), pct(r.ClusterOptimal, r.Attended), pct(r.GlobalOptimal, r.Attended),
-			fmt.Sprintf("%.4f", r.RelErr), fmt.Sprintf("%.3f", r.BoundWorst)})
+			fmt.Sprintf("%.4f", r.RelErr), fmt.Sprintf("%.3f", r.BoundWorst), fmt.Sprintf("%.1f", r.Traffic.Total()/1e6)})
+		for _, b := range r.Bounds {
+			rows[len(rows)-1] = append(rows[len(rows)-1], fmt.Sprintf("%.2f×", b.Speedup))
+		}
 	}
-	table(os.Stdout, []string{"source", "tokens", "span", "queries", "P", "selected", "sel/N", "union/N", "mass", "min mass", "success", "sel/c-opt", "c-opt/N", "g-opt/N", "rel err", "bound"}, rows)
+	header := []string{"source", "tokens", "span", "queries", "P", "selected", "sel/N", "union/N", "mass", "min mass", "success", "sel/c-opt", "c-opt/N", "g-opt/N", "rel err", "bound", "MB/step"}
+	if len(results) > 0 {
+		for _, b := range results[0].Bounds {
+			header = append(header, fmt.Sprintf("most × B=%d", b.Batch))
+		}
+	}
+	table(os.Stdout, header, rows)
 	if !perHead {
 		return
 	}
