@@ -6,8 +6,10 @@
 // package sparse (sparse.TacticDecodeRef, sparse.FidelityOracle) over a
 // trace's decode queries; TacticTrace runs the GPU step
 // (sparse.TacticStep, sparse.TacticBatch) over a trace's decode tail,
-// measuring its fidelity and timing it against dense attention. The
-// metrics themselves (sparse.Fidelity, sparse.TopPCount,
+// measuring its fidelity and timing it against dense attention.
+// StepTraffic counts what a Tactic step must read, from the float64
+// selection, and the bound that sets on its speed-up over dense attention.
+// The metrics themselves (sparse.Fidelity, sparse.TopPCount,
 // sparse.ClusterTopPCount, sparse.RelativeError) are defined in package
 // sparse; an application links sparse alone.
 //
