@@ -55,8 +55,8 @@ type BatchRun struct {
 // the keys before the trace's decode tail (TailQueries, prefill
 // DefaultPrefill), clusters them (sinks excluded) with clustering (its
 // AvgClusterSize and Span; 0 takes the defaults, and Span
-// sparse.KMeansDefaultSpan is what the library recommends), then for each P appends the tail tokens
-// one at a time and runs a step with the fit's parameters for each tail
+// sparse.KMeansDefaultSpan is what the library recommends), then for each
+// P appends the tail tokens one at a time and runs a step with the fit's parameters for each tail
 // query, measuring fidelity in float64 (sparse.TacticStep.Fidelity). With
 // reps > 0 it also times the step and dense attention at the final length,
 // and for each batch size B > 1 in batches a sparse.TacticBatch of B

@@ -26,11 +26,16 @@ func (s StepTraffic) BoundUs(bw, floor float64, dispatches, b int) float64 {
 	return float64(dispatches)*floor + float64(b)*s.Total()/bw
 }
 
+// DenseBoundUs returns the least time of dense attention over the same
+// batch, one dispatch reading at the same bandwidth: floor + b·Dense/bw.
+func (s StepTraffic) DenseBoundUs(bw, floor float64, b int) float64 {
+	return floor + float64(b)*s.Dense/bw
+}
+
 // BoundSpeedup returns the most such a step can gain over dense attention
-// of the same batch, dense attention being one dispatch that reads at the
-// same bandwidth: (floor + b·Dense/bw) / BoundUs.
+// of the same batch: DenseBoundUs / BoundUs.
 func (s StepTraffic) BoundSpeedup(bw, floor float64, dispatches, b int) float64 {
-	return (floor + float64(b)*s.Dense/bw) / s.BoundUs(bw, floor, dispatches, b)
+	return s.DenseBoundUs(bw, floor, b) / s.BoundUs(bw, floor, dispatches, b)
 }
 
 // stepTraffic returns the mean traffic over the evaluated queries of

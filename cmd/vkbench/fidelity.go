@@ -199,7 +199,7 @@ func fidelity(args []string) error {
 				bw := *bandwidth * 1e3 // bytes per µs
 				for _, b := range batches {
 					row.Bounds = append(row.Bounds, stepBound{Batch: b, GBps: *bandwidth, FloorUs: *floor, Dispatches: *dispatches,
-						StepUs: r.Traffic.BoundUs(bw, *floor, *dispatches, b), DenseUs: *floor + float64(b)*r.Traffic.Dense/bw,
+						StepUs: r.Traffic.BoundUs(bw, *floor, *dispatches, b), DenseUs: r.Traffic.DenseBoundUs(bw, *floor, b),
 						Speedup: r.Traffic.BoundSpeedup(bw, *floor, *dispatches, b)})
 				}
 				results = append(results, row)
