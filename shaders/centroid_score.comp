@@ -4,12 +4,13 @@
 // cluster c's pseudo-token in Double-P (seed 004, Eq. 5; −∞ for an empty
 // cluster, LOG_SIZE = 1), for every query head h and cluster c of its KV
 // head, the centroids in fp16, packed two per 32-bit word. A workgroup
-// scores ROWS centroids of KV head gl_WorkGroupID.y for the up to HB query
-// heads of block gl_WorkGroupID.z (HB ≤ LANES), LANES lanes sharing a row
-// so that each row is read once for all the block's heads, and folds its
-// finite scores into the heads' best and worst (atomic maxima of
-// order-preserving keys, which the next kernel reads and resets:
-// doublep_cut, tactic_select).
+// scores pc.iters groups of ROWS consecutive centroids of KV head
+// gl_WorkGroupID.y for the up to HB query heads of block gl_WorkGroupID.z
+// (HB ≤ LANES), LANES lanes sharing a row so that each row is read once for
+// all the block's heads, the next group's rows loaded while it scores the
+// current one; it folds its finite scores into the heads' best and worst
+// (atomic maxima of order-preserving keys, once per workgroup, which the
+// next kernel reads and resets: doublep_cut, tactic_select).
 #extension GL_EXT_control_flow_attributes : enable
 #extension GL_KHR_shader_subgroup_basic : enable
 #extension GL_KHR_shader_subgroup_shuffle : enable
@@ -27,7 +28,7 @@ layout(constant_id = 4) const uint SHUFFLE = 0;
 const uint D4 = D / 4;
 const uint D8 = D / 8;         // uvec4 (8 halves) per centroid
 const uint LANES = 8;          // threads per centroid
-const uint ROWS = WG / LANES;  // centroids per workgroup
+const uint ROWS = WG / LANES;  // centroids per group
 const float NEG = -1.0 / 0.0;
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };       // [Hq][D/4]
@@ -42,16 +43,27 @@ layout(push_constant) uniform Push {
 	uint C;
 	uint groupSize;
 	float scale;
+	uint iters;  // groups of ROWS centroids per workgroup
 } pc;
 
 shared vec4 qs[HB][D4];
 shared float lanes[(1 - SHUFFLE) * (HB * ROWS * LANES - 1) + 1];  // the lanes' partial sums
 shared uint keyMax[HB], keyMin[HB];
 
+const uint PER = (D8 + LANES - 1) / LANES;  // uvec4 a lane loads per row
+
 // key maps a float to a uint of the same order.
 uint key(float x) {
 	uint b = floatBitsToUint(x);
 	return (b & 0x80000000u) != 0 ? ~b : b | 0x80000000u;
+}
+
+// loadRow loads this lane's part of centroid c of KV head g (the last
+// one past the end) and its cluster's size.
+void loadRow(uint g, uint c, uint lane, out uvec4 x[PER], out uint size) {
+	uint cc = g * pc.C + min(c, pc.C - 1);
+	[[unroll]] for (uint i = 0; i < PER; i++) x[i] = lane + i * LANES < D8 ? cent[cc * D8 + lane + i * LANES] : uvec4(0);
+	size = sizes[cc];
 }
 
 void main() {
@@ -60,14 +72,12 @@ void main() {
 	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
 	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
 	uint r = tid / LANES, lane = tid % LANES;
-	uint c = gl_WorkGroupID.x * ROWS + r;
+	uint first = gl_WorkGroupID.x * pc.iters * ROWS;  // the workgroup's first centroid
 
-	// The row's loads first, in flight together and with the queries'.
-	const uint PER = (D8 + LANES - 1) / LANES;
-	uint row = (g * pc.C + min(c, pc.C - 1)) * D8;
+	// The first group's loads in flight with the queries'.
 	uvec4 x[PER];
-	[[unroll]] for (uint i = 0; i < PER; i++) x[i] = lane + i * LANES < D8 ? cent[row + lane + i * LANES] : uvec4(0);
-	uint size = sizes[g * pc.C + min(c, pc.C - 1)];
+	uint size;
+	loadRow(g, first + r, lane, x, size);
 	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
 	if (tid < HB) {
 		keyMax[tid] = 0;
@@ -75,41 +85,62 @@ void main() {
 	}
 	barrier();
 
-	float acc[HB];
-	[[unroll]] for (uint k = 0; k < HB; k++) acc[k] = 0.0;
-	[[unroll]] for (uint i = 0; i < PER; i++) {
-		uint j = lane + i * LANES;
-		if (j < D8) {
-			vec4 lo = vec4(unpackHalf2x16(x[i].x), unpackHalf2x16(x[i].y));
-			vec4 hi = vec4(unpackHalf2x16(x[i].z), unpackHalf2x16(x[i].w));
-			[[unroll]] for (uint k = 0; k < HB; k++) {
-				if (k < heads) acc[k] += dot(lo, qs[k][2 * j]) + dot(hi, qs[k][2 * j + 1]);
+	// Lane k of a row folds head k's keys (0: none yet).
+	uint kMax = 0, kMin = 0;
+	for (uint it = 0; it < pc.iters; it++) {
+		uint c0 = first + it * ROWS;  // the same on every thread
+		if (c0 >= pc.C) break;
+		uint c = c0 + r;
+		uvec4 y[PER];
+		uint ySize = 0;
+		bool more = it + 1 < pc.iters && c0 + ROWS < pc.C;
+		if (more) loadRow(g, c + ROWS, lane, y, ySize);
+
+		float acc[HB];
+		[[unroll]] for (uint k = 0; k < HB; k++) acc[k] = 0.0;
+		[[unroll]] for (uint i = 0; i < PER; i++) {
+			uint j = lane + i * LANES;
+			if (j < D8) {
+				vec4 lo = vec4(unpackHalf2x16(x[i].x), unpackHalf2x16(x[i].y));
+				vec4 hi = vec4(unpackHalf2x16(x[i].z), unpackHalf2x16(x[i].w));
+				[[unroll]] for (uint k = 0; k < HB; k++) {
+					if (k < heads) acc[k] += dot(lo, qs[k][2 * j]) + dot(hi, qs[k][2 * j + 1]);
+				}
 			}
 		}
+		// Lane k of the row ends with head k's sum.
+		float sum = 0.0;
+		if (SHUFFLE != 0) {
+			[[unroll]] for (uint o = LANES / 2; o > 0; o >>= 1) {
+				[[unroll]] for (uint k = 0; k < HB; k++) acc[k] += subgroupShuffleXor(acc[k], o);
+			}
+			[[unroll]] for (uint k = 0; k < HB; k++) {
+				if (k == lane) sum = acc[k];
+			}
+		} else {
+			[[unroll]] for (uint k = 0; k < HB; k++) lanes[(k * ROWS + r) * LANES + lane] = acc[k];
+			barrier();
+			if (lane < HB) {
+				[[unroll]] for (uint j = 0; j < LANES; j++) sum += lanes[(lane * ROWS + r) * LANES + j];
+			}
+			barrier();  // the next group rewrites lanes
+		}
+		if (c < pc.C && lane < heads) {
+			float l = LOG_SIZE == 0 ? sum : (size == 0 ? NEG : sum + log(float(size)));
+			s[(h0 + lane) * pc.C + c] = l;
+			if (LOG_SIZE == 0 || size != 0) {
+				kMax = max(kMax, key(l));
+				kMin = max(kMin, ~key(l));
+			}
+		}
+		if (more) {
+			[[unroll]] for (uint i = 0; i < PER; i++) x[i] = y[i];
+			size = ySize;
+		}
 	}
-	// Lane k of the row ends with head k's sum.
-	float sum = 0.0;
-	if (SHUFFLE != 0) {
-		[[unroll]] for (uint o = LANES / 2; o > 0; o >>= 1) {
-			[[unroll]] for (uint k = 0; k < HB; k++) acc[k] += subgroupShuffleXor(acc[k], o);
-		}
-		[[unroll]] for (uint k = 0; k < HB; k++) {
-			if (k == lane) sum = acc[k];
-		}
-	} else {
-		[[unroll]] for (uint k = 0; k < HB; k++) lanes[(k * ROWS + r) * LANES + lane] = acc[k];
-		barrier();
-		if (lane < HB) {
-			[[unroll]] for (uint j = 0; j < LANES; j++) sum += lanes[(lane * ROWS + r) * LANES + j];
-		}
-	}
-	if (c < pc.C && lane < heads) {
-		float l = LOG_SIZE == 0 ? sum : (size == 0 ? NEG : sum + log(float(size)));
-		s[(h0 + lane) * pc.C + c] = l;
-		if (LOG_SIZE == 0 || size != 0) {
-			atomicMax(keyMax[lane], key(l));
-			atomicMax(keyMin[lane], ~key(l));
-		}
+	if (lane < heads) {
+		atomicMax(keyMax[lane], kMax);
+		atomicMax(keyMin[lane], kMin);
 	}
 	barrier();
 	if (tid < heads) {

@@ -28,19 +28,19 @@ type DoublePSelector struct {
 	dense    *Dense
 	clusters *kvcache.Clusters
 	opts     DoubleP
-	score    *vk.Pipeline
-	cut      *vk.Pipeline
-	binds    struct{ score, cut *vk.Binding }
-	// rows is the centroids a workgroup scores, heads the query heads of
-	// its block.
-	rows, heads int
-	bufs        []*vk.Buffer
-	logits      *vk.Buffer // float32 [Hq][C]
-	binOf       *vk.Buffer // uint32 [Hq][C]
-	exact, keep *vk.Buffer // uint32 [Hq]
-	means       *vk.Buffer // float32 [Hkv][C][D]
-	centroids   *vk.Buffer // fp16 [Hkv][C][D], the index's centroids rounded
-	extremes    *vk.Buffer // uint32 [Hq][2], 0 between steps
+	score    centroidScorer
+	// scoreWorkgroups, where positive, replaces scoreWorkgroups (tests use
+	// it to score several groups of centroids per workgroup).
+	scoreWorkgroups int
+	cut             *vk.Pipeline
+	binds           struct{ score, cut *vk.Binding }
+	bufs            []*vk.Buffer
+	logits          *vk.Buffer // float32 [Hq][C]
+	binOf           *vk.Buffer // uint32 [Hq][C]
+	exact, keep     *vk.Buffer // uint32 [Hq]
+	means           *vk.Buffer // float32 [Hkv][C][D]
+	centroids       *vk.Buffer // fp16 [Hkv][C][D], the index's centroids rounded
+	extremes        *vk.Buffer // uint32 [Hq][2], 0 between steps
 }
 
 // NewDoublePStep prepares Double-P decode steps with targets opts over
@@ -76,7 +76,7 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 	s.means = b.words(h.KV * c * h.Dim)
 	s.extremes = b.words(2 * hq)
 	s.centroids = b.words(h.KV * c * h.Dim / 2)
-	s.score, s.rows, s.heads = centroidScores(b, dense, true)
+	s.score = centroidScores(b, dense, true)
 	s.cut = doublePCut(b)
 	err := b.err
 	if err == nil {
@@ -125,7 +125,7 @@ func (s *DoublePSelector) Selection() Selection {
 // Bind makes the kernels read the queries from query.
 func (s *DoublePSelector) Bind(query vk.Range) error {
 	x := s.clusters
-	score, err := s.score.Bind(query, s.centroids.All(), s.logits.All(), x.Counts.All(), s.extremes.All())
+	score, err := s.score.pipe.Bind(query, s.centroids.All(), s.logits.All(), x.Counts.All(), s.extremes.All())
 	if err != nil {
 		return err
 	}
@@ -153,8 +153,7 @@ func (s *DoublePSelector) RecordStage(c *vk.Commands, stage int) error {
 	h, x := s.dense.heads, s.clusters
 	switch stage {
 	case 0:
-		c.Dispatch(s.score, s.binds.score, []uint32{uint32(x.C), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))},
-			uint32(ceilDiv(x.C, s.rows)), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
+		s.score.record(c, s.binds.score, x.C, 1, s.scoreWorkgroups)
 	case 1:
 		quant := massScale(x.C)
 		c.Dispatch(s.cut, s.binds.cut, []uint32{uint32(x.C), math.Float32bits(float32(s.opts.P1)), math.Float32bits(float32(s.opts.P2)), math.Float32bits(float32(quant))},
@@ -194,7 +193,7 @@ func (s *DoublePSelector) Means() ([]float32, error) {
 
 // Release frees the kernels, their bindings and the buffers.
 func (s *DoublePSelector) Release() error {
-	err := errors.Join(releaseAll(s.binds.score, s.binds.cut), releaseAll(s.score, s.cut), releaseAll(s.bufs...))
-	s.binds.score, s.binds.cut, s.score, s.cut, s.bufs = nil, nil, nil, nil, nil
+	err := errors.Join(releaseAll(s.binds.score, s.binds.cut), releaseAll(s.score.pipe, s.cut), releaseAll(s.bufs...))
+	s.binds.score, s.binds.cut, s.score, s.cut, s.bufs = nil, nil, centroidScorer{}, nil, nil
 	return err
 }

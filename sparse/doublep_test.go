@@ -50,10 +50,15 @@ func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP) {
 	d, scale := h.Dim, 1/math.Sqrt(float64(h.Dim))
 	q := tr.Query(tr.Queries() - 1)
 
-	for _, opts := range targets {
+	for i, opts := range targets {
 		step, err := NewDoublePStep(dense, layer, clusters, opts)
 		require.NoError(t, err)
 		sel := step.Selector().(*DoublePSelector)
+		// Every other target scores several groups of centroids per
+		// workgroup, in 3 workgroups in all.
+		if i%2 == 1 {
+			sel.scoreWorkgroups = 3
+		}
 		// A step before the checked one: the arrival counters must be back
 		// at 0; then every output the step writes is poisoned.
 		_, err = step.Attend(q)

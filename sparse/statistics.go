@@ -35,7 +35,7 @@ func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
 	}
 	defer tactic.release()
 	b := &builder{dev: dense.dev}
-	doublePScore, _, _ := centroidScores(b, dense, true)
+	doublePScore := centroidScores(b, dense, true).pipe
 	cut := doublePCut(b)
 	defer releaseAll(doublePScore, cut)
 	if b.err != nil {
@@ -49,7 +49,7 @@ func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
 		{"attend_partial (token lists)", dense.gather},
 		{"attend_partial (clusters)", dense.clustered},
 		{"attend_partial (clusters, pseudo-tokens)", dense.approx},
-		{"centroid_score (Tactic)", tactic.score},
+		{"centroid_score (Tactic)", tactic.score.pipe},
 		{"tactic_select", tactic.fit},
 		{"centroid_score (Double-P)", doublePScore},
 		{"doublep_cut", cut},

@@ -45,6 +45,9 @@ type tacticSelector struct {
 	// workgroups, where positive, replaces the selection's workgroups per
 	// head that RecordStage picks (tests use it to run several).
 	workgroups int
+	// scoreWorkgroups, where positive, replaces scoreWorkgroups (tests use
+	// it to score several groups of centroids per workgroup).
+	scoreWorkgroups int
 	tacticBound
 }
 
@@ -140,17 +143,15 @@ func selectShared(wg, dim int) int {
 // tacticKernels are the selection kernels of Tactic steps, shared by the
 // steps of a batch.
 type tacticKernels struct {
-	score, fit *vk.Pipeline
-	// scoreRows is the centroids a scoring workgroup scores, scoreHeads
-	// the query heads it scores them for.
-	scoreRows, scoreHeads int
+	score centroidScorer
+	fit   *vk.Pipeline
 	// sampleTeams is the clusters a selection workgroup samples at once.
 	sampleTeams int
 }
 
 // release destroys the kernels.
 func (k *tacticKernels) release() error {
-	return releaseAll(k.score, k.fit)
+	return releaseAll(k.score.pipe, k.fit)
 }
 
 // NewTacticStep prepares decode steps at target mass p with the fit's
@@ -211,7 +212,7 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	subgroups := func(threads uint32) uint32 {
 		return boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= threads)
 	}
-	k.score, k.scoreRows, k.scoreHeads = centroidScores(b, dense, false)
+	k.score = centroidScores(b, dense, false)
 	// Threads per sampled cluster: a power of two, 16 or 4 per row; where
 	// shuffles work, at most a subgroup, which then sums by shuffles.
 	tpr := dense.tpr // shuffles among tpr threads work on this device
@@ -305,7 +306,7 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 // queries in query.
 func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query vk.Range) error {
 	clusters := x.clusters
-	score, err := k.score.Bind(query, x.centroids.All(), x.scores.All(), clusters.Counts.All(), x.extremes.All())
+	score, err := k.score.pipe.Bind(query, x.centroids.All(), x.scores.All(), clusters.Counts.All(), x.extremes.All())
 	if err != nil {
 		return err
 	}
@@ -382,7 +383,7 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	n := s.seq.Len()
 	end := x.First + x.Count
 	fixed := x.First + n - end
-	hq, kv, cc, group := uint32(h.Query), uint32(h.KV), uint32(x.C), uint32(h.Group())
+	hq, cc, group := uint32(h.Query), uint32(x.C), uint32(h.Group())
 	scale := math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))
 	need, win := windowPositions(s.fit, x.Count)
 	k, b := s.kernels, &s.binds
@@ -391,7 +392,7 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	}
 	switch stage {
 	case 0:
-		c.Dispatch(k.score, b.score, []uint32{cc, group, scale}, uint32(ceilDiv(x.C, k.scoreRows)), kv, uint32(ceilDiv(h.Group(), k.scoreHeads)))
+		k.score.record(c, b.score, x.C, s.sequences, s.scoreWorkgroups)
 	case 1:
 		// Workgroups per head so that each team samples about two of the
 		// expected clusters (of the mean size; the fixed tokens counted as

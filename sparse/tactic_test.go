@@ -88,23 +88,25 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 		p     float64
 		fit   TacticFit
 		// workgroups, where positive, is the selection's workgroups per
-		// head (several lists to gather, a last one to arrive).
-		workgroups int
+		// head (several lists to gather, a last one to arrive);
+		// scoreWorkgroups, the scores' workgroups in all (several groups of
+		// centroids each, the last one's groups fewer).
+		workgroups, scoreWorkgroups int
 	}
 	// Windows of a quarter of the tokens each with one workgroup a head:
 	// its share is every cluster, listed and sampled in several rounds.
 	wide := DefaultTacticFit()
 	wide.WindowFrac, wide.MaxWindow = 0.25, 0
-	runs := []run{{dense, 0.9, DefaultTacticFit(), 0}, {tree, 0.8, DefaultTacticFit(), 3}, {dense, 0.9, wide, 1}}
+	runs := []run{{dense, 0.9, DefaultTacticFit(), 0, 0}, {tree, 0.8, DefaultTacticFit(), 3, 3}, {dense, 0.9, wide, 1, 1}}
 	if all {
-		runs = append(runs, run{dense, 0.5, DefaultTacticFit(), 0}, run{dense, 1, DefaultTacticFit(), 0}, run{single, 0.9, DefaultTacticFit(), 0},
-			run{dense, 0.7, capped, 0}, run{dense, 0.9, DefaultTacticFit(), 5})
+		runs = append(runs, run{dense, 0.5, DefaultTacticFit(), 0, 0}, run{dense, 1, DefaultTacticFit(), 0, 0}, run{single, 0.9, DefaultTacticFit(), 0, 0},
+			run{dense, 0.7, capped, 0, 5}, run{dense, 0.9, DefaultTacticFit(), 5, 0})
 	}
 	for _, r := range runs {
 		p := r.p
 		step, err := NewTacticStep(r.dense, layer, clusters, p, r.fit)
 		require.NoError(t, err)
-		step.workgroups = r.workgroups
+		step.workgroups, step.scoreWorkgroups = r.workgroups, r.scoreWorkgroups
 		// A step before the checked one: the arrival counters of the
 		// fused stages must be back at 0 for the next step.
 		_, err = step.Attend(q)
