@@ -241,7 +241,8 @@ const scoreWorkgroups = 512
 type centroidScorer struct {
 	pipe *vk.Pipeline
 	// rows is the centroids of a group (the kernel's ROWS), heads the query
-	// heads of a block, kv the KV heads.
+	// heads of a block, kv the KV heads, group the query heads of a KV head
+	// and dim the head dimension.
 	rows, heads, kv, group, dim int
 }
 
@@ -276,9 +277,6 @@ func (s centroidScorer) record(cmd *vk.Commands, bind *vk.Binding, c, sequences,
 	scale := math.Float32bits(float32(1 / math.Sqrt(float64(s.dim))))
 	cmd.Dispatch(s.pipe, bind, []uint32{uint32(c), uint32(s.group), scale, uint32(iters)}, uint32(ceilDiv(groups, iters)), uint32(s.kv), uint32(blocks))
 }
-
-// release destroys the kernel.
-func (s centroidScorer) release() error { return releaseAll(s.pipe) }
 
 // halfCentroids writes the centroids of x rounded to fp16 into dst (the
 // selection kernels read half the bytes), through the host, once per index.
