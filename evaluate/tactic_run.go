@@ -27,12 +27,15 @@ type TacticRun struct {
 	Speedup     float64            `json:"speedup"`
 	SelectedPct float64            `json:"selected_pct"` // a head's own selection, % of tokens
 	UnionPct    float64            `json:"union_pct"`    // tokens its KV head read, % of tokens
-	Mass        float64            `json:"mean_mass"`
-	Success     float64            `json:"success_rate"` // share of (step, head) with mass ≥ P
-	ClusterOpt  float64            `json:"mean_cluster_optimal"`
-	GlobalOpt   float64            `json:"mean_global_optimal"`
-	RatioToOpt  float64            `json:"selected_over_cluster_optimal"`
-	RelErr      float64            `json:"mean_rel_err"`
+	// UnionGBps is the K and V bytes of the unions (UnionPct of the tokens
+	// of every KV head) over the attention stage's median time.
+	UnionGBps  float64 `json:"attend_union_gb_per_s"`
+	Mass       float64 `json:"mean_mass"`
+	Success    float64 `json:"success_rate"` // share of (step, head) with mass ≥ P
+	ClusterOpt float64 `json:"mean_cluster_optimal"`
+	GlobalOpt  float64 `json:"mean_global_optimal"`
+	RatioToOpt float64 `json:"selected_over_cluster_optimal"`
+	RelErr     float64 `json:"mean_rel_err"`
 	// Batches holds the batched steps timed beside it (B > 1).
 	Batches []BatchRun `json:"batches,omitempty"`
 }
@@ -42,13 +45,18 @@ type TacticRun struct {
 // and index (the trace clustered with its own seed for each of the others),
 // every sequence given the last tail query: medians of GPU times.
 type BatchRun struct {
-	Batch     int     `json:"batch"`
-	TacticUs  float64 `json:"tactic_us"`
-	DenseUs   float64 `json:"dense_us"`
-	Speedup   float64 `json:"speedup"`
-	UnionPct  float64 `json:"union_pct"` // mean over the batch's KV heads
-	KVBytes   float64 `json:"kv_bytes"`  // K+V bytes dense attention reads
-	DenseGBps float64 `json:"dense_gb_per_s"`
+	Batch    int     `json:"batch"`
+	TacticUs float64 `json:"tactic_us"`
+	DenseUs  float64 `json:"dense_us"`
+	Speedup  float64 `json:"speedup"`
+	UnionPct float64 `json:"union_pct"` // mean over the batch's KV heads
+	// StageUs holds the median of each stage, every sequence's dispatches
+	// of a stage before one timestamp; UnionGBps the unions' K and V bytes
+	// over the attention stage's.
+	StageUs   map[string]float64 `json:"stage_us"`
+	UnionGBps float64            `json:"attend_union_gb_per_s"`
+	KVBytes   float64            `json:"kv_bytes"` // K+V bytes dense attention reads
+	DenseGBps float64            `json:"dense_gb_per_s"`
 }
 
 // TacticTrace runs Tactic over a trace on the GPU: it prefills a cache with
@@ -234,6 +242,7 @@ func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters,
 	if r.TacticUs, err = medianMicros(step, reps); err != nil {
 		return r, err
 	}
+	r.UnionGBps = unionGBps(r.UnionPct/100*float64(layer.Len()), heads, r.StageUs["attend"])
 	plan, err := dense.Plan([]*kvcache.Layer{layer})
 	if err != nil {
 		return r, err
@@ -349,10 +358,18 @@ func timeBatch(dense *sparse.Dense, layer *kvcache.Layer, clusters *kvcache.Clus
 	if err := warmUp(b, time.Second); err != nil {
 		return r, err
 	}
+	if r.StageUs, err = stageMicros(b, reps); err != nil {
+		return r, err
+	}
 	tacticUs, err := medianMicros(b, reps)
 	if err != nil {
 		return r, err
 	}
+	var tokens float64 // mean union of a KV head, summed over the sequences
+	for _, l := range layers {
+		tokens += r.UnionPct / 100 * float64(l.Len())
+	}
+	r.UnionGBps = unionGBps(tokens, h, r.StageUs["attend"])
 	plan, err := dense.Plan(layers)
 	if err != nil {
 		return r, err
@@ -383,4 +400,13 @@ func membersOf(index []*kvcache.HostClusters) [][][]int32 {
 		members[g] = x.Members
 	}
 	return members
+}
+
+// unionGBps returns the K and V bytes (fp16) of tokens per KV head of
+// heads over us microseconds, in GB/s (0 where us is not positive).
+func unionGBps(tokens float64, heads sparse.Heads, us float64) float64 {
+	if us <= 0 {
+		return 0
+	}
+	return tokens * float64(heads.KV*heads.Dim*2*2) / (us * 1e3)
 }

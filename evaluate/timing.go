@@ -28,9 +28,15 @@ func medianMicros(x timed, reps int) (float64, error) {
 	return micros(times[len(times)/2]), nil
 }
 
+// stagesTimed is what timestamps time stage by stage: a step, a batch.
+type stagesTimed interface {
+	TimeStages(warmup, reps int) ([]time.Duration, time.Duration, error)
+	Stages() []string
+}
+
 // stageMicros returns the median in µs of each stage of reps timed runs of
 // step (after 10 untimed ones), by stage name.
-func stageMicros(step Stepper, reps int) (map[string]float64, error) {
+func stageMicros(step stagesTimed, reps int) (map[string]float64, error) {
 	stages, _, err := step.TimeStages(10, reps)
 	if err != nil {
 		return nil, err

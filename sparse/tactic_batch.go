@@ -114,6 +114,23 @@ func (b *TacticBatch) Time(warmup, reps int) ([]time.Duration, error) {
 	return b.clock.time(b.dense.dev, warmup, reps, b.Record)
 }
 
+// Stages names the batch's dependent stages, TacticStages.
+func (b *TacticBatch) Stages() []string { return TacticStages }
+
+// TimeStages runs reps batched steps back to back in one submission, after
+// warmup untimed ones, with a timestamp after every stage (each stage's
+// dispatches for all the sequences, then the timestamp), and returns each
+// stage's median GPU time (TacticStages order) and the median whole step.
+func (b *TacticBatch) TimeStages(warmup, reps int) (stages []time.Duration, total time.Duration, err error) {
+	steps := make([]*Step, len(b.steps))
+	for i, t := range b.steps {
+		steps[i] = t.Step
+	}
+	return timeStages(b.dense.dev, tacticStageCount, warmup, reps, func(c *vk.Commands, mark func(int)) error {
+		return recordSteps(c, steps, mark)
+	})
+}
+
 // Release frees the steps and the kernels (not the layers or indexes).
 func (b *TacticBatch) Release() error {
 	b.clock.release()

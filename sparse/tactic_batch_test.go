@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -97,4 +98,12 @@ func TestTacticBatch(t *testing.T) {
 	times, err := batch.Time(1, 3)
 	require.NoError(t, err)
 	require.Len(t, times, 3)
+	stages, total, err := batch.TimeStages(1, 3)
+	require.NoError(t, err)
+	require.Equal(t, TacticStages, batch.Stages())
+	require.Len(t, stages, len(TacticStages))
+	for i, s := range stages {
+		require.Greater(t, s, time.Duration(0), "stage %s", TacticStages[i])
+	}
+	require.Greater(t, total, time.Duration(0))
 }

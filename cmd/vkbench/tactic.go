@@ -86,19 +86,23 @@ func tactic(args []string) error {
 		}
 		rows = append(rows, []string{r.Source, fmt.Sprint(r.P), fmt.Sprintf("%.1f", r.DenseUs), fmt.Sprintf("%.1f", r.TacticUs), fmt.Sprintf("%.2f×", r.Speedup),
 			fmt.Sprintf("%.1f", r.SelectedPct), fmt.Sprintf("%.1f", r.UnionPct), fmt.Sprintf("%.3f", r.Mass), fmt.Sprintf("%.0f%%", 100*r.Success),
-			fmt.Sprintf("%.2f", r.RatioToOpt), fmt.Sprintf("%.1e", r.RelErr), st})
+			fmt.Sprintf("%.2f", r.RatioToOpt), fmt.Sprintf("%.1e", r.RelErr), st, fmt.Sprintf("%.0f", r.UnionGBps)})
 	}
-	table(os.Stdout, []string{"source", "P", "dense µs", "tactic µs", "speed-up", "selected %", "union %", "mass", "success", "sel/cluster-opt", "rel err", "stages µs"}, rows)
+	table(os.Stdout, []string{"source", "P", "dense µs", "tactic µs", "speed-up", "selected %", "union %", "mass", "success", "sel/cluster-opt", "rel err", "stages µs", "attend GB/s"}, rows)
 	var batchRows [][]string
 	for _, r := range results {
 		for _, b := range r.Batches {
+			st := ""
+			for _, s := range sparse.TacticStages {
+				st += fmt.Sprintf("%s %.0f ", s, b.StageUs[s])
+			}
 			batchRows = append(batchRows, []string{r.Source, fmt.Sprint(r.P), fmt.Sprint(b.Batch), fmt.Sprintf("%.1f", b.DenseUs), fmt.Sprintf("%.0f", b.DenseGBps),
-				fmt.Sprintf("%.1f", b.TacticUs), fmt.Sprintf("%.2f×", b.Speedup), fmt.Sprintf("%.1f", b.UnionPct)})
+				fmt.Sprintf("%.1f", b.TacticUs), fmt.Sprintf("%.2f×", b.Speedup), fmt.Sprintf("%.1f", b.UnionPct), st, fmt.Sprintf("%.0f", b.UnionGBps)})
 		}
 	}
 	if len(batchRows) > 0 {
 		fmt.Println()
-		table(os.Stdout, []string{"source", "P", "batch", "dense µs", "dense GB/s", "tactic µs", "speed-up", "union %"}, batchRows)
+		table(os.Stdout, []string{"source", "P", "batch", "dense µs", "dense GB/s", "tactic µs", "speed-up", "union %", "stages µs", "attend GB/s"}, batchRows)
 	}
 	for i, r := range results {
 		if i == 0 || r.Source != results[i-1].Source {
