@@ -24,10 +24,10 @@ layout(constant_id = 3) const uint LOG_SIZE = 1;
 // only where shuffles work and LANES divides the subgroup size); 0 meets
 // in shared memory.
 layout(constant_id = 4) const uint SHUFFLE = 0;
+layout(constant_id = 5) const uint LANES = 8;  // threads per centroid, a power of two, HB ≤ LANES
 
 const uint D4 = D / 4;
 const uint D8 = D / 8;         // uvec4 (8 halves) per centroid
-const uint LANES = 8;          // threads per centroid
 const uint ROWS = WG / LANES;  // centroids per group
 const float NEG = -1.0 / 0.0;
 
