@@ -338,6 +338,7 @@ func timeBatch(dense *sparse.Dense, layer *kvcache.Layer, clusters *kvcache.Clus
 		return r, err
 	}
 	h := dense.Heads()
+	var unionTokens int // every sequence's KV heads' unions
 	for i := range layers {
 		idx := make([][][]int32, h.KV)
 		for g := range idx {
@@ -353,6 +354,7 @@ func timeBatch(dense *sparse.Dense, layer *kvcache.Layer, clusters *kvcache.Clus
 		}
 		for _, l := range lists {
 			r.UnionPct += 100 * float64(len(l)) / float64(layers[i].Len()) / float64(h.KV*len(layers))
+			unionTokens += len(l)
 		}
 	}
 	if err := warmUp(b, time.Second); err != nil {
@@ -365,11 +367,7 @@ func timeBatch(dense *sparse.Dense, layer *kvcache.Layer, clusters *kvcache.Clus
 	if err != nil {
 		return r, err
 	}
-	var tokens float64 // mean union of a KV head, summed over the sequences
-	for _, l := range layers {
-		tokens += r.UnionPct / 100 * float64(l.Len())
-	}
-	r.UnionGBps = unionGBps(tokens, h, r.StageUs["attend"])
+	r.UnionGBps = unionGBps(float64(unionTokens)/float64(h.KV), h, r.StageUs["attend"])
 	plan, err := dense.Plan(layers)
 	if err != nil {
 		return r, err

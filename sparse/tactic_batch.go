@@ -81,12 +81,16 @@ func (b *TacticBatch) SetQuery(q []float32) error {
 
 // Record appends the batch's kernels to c, stage by stage (it orders
 // compute work only, as DensePlan.Record).
-func (b *TacticBatch) Record(c *vk.Commands) error {
+func (b *TacticBatch) Record(c *vk.Commands) error { return b.record(c, func(int) {}) }
+
+// record appends the batch stage by stage, calling mark(i) after stage i
+// (recordSteps).
+func (b *TacticBatch) record(c *vk.Commands, mark func(stage int)) error {
 	steps := make([]*Step, len(b.steps))
 	for i, t := range b.steps {
 		steps[i] = t.Step
 	}
-	return recordSteps(c, steps, func(int) {})
+	return recordSteps(c, steps, mark)
 }
 
 // Attend runs a batched step for the queries q ([B][Hq][D]) and returns
@@ -122,13 +126,7 @@ func (b *TacticBatch) Stages() []string { return TacticStages }
 // dispatches for all the sequences, then the timestamp), and returns each
 // stage's median GPU time (TacticStages order) and the median whole step.
 func (b *TacticBatch) TimeStages(warmup, reps int) (stages []time.Duration, total time.Duration, err error) {
-	steps := make([]*Step, len(b.steps))
-	for i, t := range b.steps {
-		steps[i] = t.Step
-	}
-	return timeStages(b.dense.dev, tacticStageCount, warmup, reps, func(c *vk.Commands, mark func(int)) error {
-		return recordSteps(c, steps, mark)
-	})
+	return timeStages(b.dense.dev, tacticStageCount, warmup, reps, b.record)
 }
 
 // Release frees the steps and the kernels (not the layers or indexes).
