@@ -111,8 +111,11 @@ const (
 	// of 131 072 tokens took 37–47 µs so against 60–67 µs with 1 024
 	// workgroups (runs of 64); at 32 768 runs of 64 stay best.
 	clusterWorkgroups = 256
-	partialBindings   = 17
-	partialPushWords  = 14
+	// Sequences of a batch beyond which each one's attention over clusters
+	// takes proportionally fewer, longer runs (DensePlan.runClusters).
+	clusterBatchSequences = 4
+	partialBindings       = 17
+	partialPushWords      = 14
 )
 
 // NewDense compiles the dense attention kernels for heads.
@@ -758,22 +761,41 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 // recordClusters records attention over the taken clusters and the fixed
 // tokens (recordClusterAttention).
 func (p *DensePlan) recordClusters(c *vk.Commands) error {
-	return p.recordClusterAttention(c)
+	return p.recordClusterAttention(c, 1)
+}
+
+// runClusters returns the clusters of a run of attention over clusters
+// when the plans of sequences share a stage's dispatches: the plan's
+// (DenseOptions.ClusterChunk where set), or, for B > clusterBatchSequences
+// sequences, B/clusterBatchSequences times as many where the plan chose
+// it, so that a batch takes about clusterBatchSequences·clusterWorkgroups
+// workgroups in all. Each run's workgroup costs its queries, its windows'
+// scans, its partial and its arrival whatever it attends; many waves of
+// them even out the runs' members without those fixed costs. On the H100
+// (llama, P 0.9, batch 8) runs twice as long took attention 117 → 92 µs at
+// 32 768 tokens and 188 → 178 at 131 072; four times as long 89 and 190.
+func (p *DensePlan) runClusters(sequences int) int {
+	if p.d.opts.ClusterChunk > 0 || sequences <= clusterBatchSequences {
+		return p.clusterChunk
+	}
+	return p.clusterChunk * ceilDiv(sequences, clusterBatchSequences)
 }
 
 // recordClusterAttention records the whole attention over the taken
-// clusters and the fixed tokens in one dispatch per range of KV heads: a
-// workgroup per run of clusters, then one per tile of fixed tokens, each
-// writing its partial (m = −∞ where it attends nothing), and the last
-// workgroup of each head block merging them into the output.
-func (p *DensePlan) recordClusterAttention(c *vk.Commands) error {
+// clusters and the fixed tokens in one dispatch per range of KV heads, for
+// a stage that sequences plans share: a workgroup per run of clusters
+// (runClusters), then one per tile of fixed tokens, each writing its
+// partial (m = −∞ where it attends nothing), and the last workgroup of
+// each head block merging them into the output.
+func (p *DensePlan) recordClusterAttention(c *vk.Commands, sequences int) error {
 	h, d, x := p.d.heads, p.d, p.clusters
 	n := p.seqs[0].Len()
 	end := x.First + x.Count
 	if n < end {
 		return fmt.Errorf("sparse: the cache holds %d tokens, its clusters end at %d", n, end)
 	}
-	cc := ceilDiv(x.C, p.clusterChunk)
+	per := p.runClusters(sequences)
+	cc := ceilDiv(x.C, per)
 	total := cc + ceilDiv(n-x.Count, d.clusterTile)
 	pipe := d.clustered
 	if p.approx != nil {
@@ -781,7 +803,7 @@ func (p *DensePlan) recordClusterAttention(c *vk.Commands) error {
 	}
 	blocks := h.Group() / d.group
 	for _, seg := range p.segments[0] {
-		push := []uint32{uint32(n), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(p.clusterChunk), uint32(p.maxChunks),
+		push := []uint32{uint32(n), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(per), uint32(p.maxChunks),
 			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()),
 			uint32(x.C), uint32(cc), uint32(x.Count), uint32(x.First), uint32(end)}
 		c.Dispatch(pipe, seg.bind, push, uint32(total), uint32(seg.kvCount*blocks), 1)

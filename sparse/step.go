@@ -113,7 +113,7 @@ func recordSteps(c *vk.Commands, steps []*Step, mark func(stage int)) error {
 			if i < ns {
 				err = s.sel.RecordStage(c, i)
 			} else {
-				err = s.plan.recordClusterAttention(c)
+				err = s.plan.recordClusterAttention(c, len(steps))
 			}
 			if err != nil {
 				return err

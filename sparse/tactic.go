@@ -400,15 +400,16 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		// clusters, so fewer, fuller ones are faster (on the H100 at 131 072
 		// tokens, with workgroups of 1 024 threads, one cluster a team took
 		// 52 µs, two 39, three 40 and four 45). Where B > 2 sequences share
-		// the dispatches, 2/B as many: at B = 8 a quarter took 460 µs a
-		// batched step at 131 072 tokens, against 476 with half and 496
-		// with all.
+		// the dispatches, 1/B as many: at B = 8 the selection took 122 µs at
+		// 131 072 tokens with an eighth (one a head) against 133 with a
+		// quarter; a quarter took 460 µs a batched step before, against 476
+		// with half and 496 with all.
 		work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
 		push := []uint32{cc, group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3]),
 			uint32(x.First), uint32(end), uint32(n), maxSampleWorkgroups, scale, math.Float32bits(float32(s.p))}
 		wgs := ceilDiv(work, 2*k.sampleTeams)
 		if s.sequences > 2 {
-			wgs = ceilDiv(2*wgs, s.sequences)
+			wgs = ceilDiv(wgs, s.sequences)
 		}
 		if s.workgroups > 0 {
 			wgs = s.workgroups
