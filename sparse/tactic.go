@@ -132,6 +132,14 @@ func tacticWorkgroup(info vk.Info) uint32 {
 // 131 072 with 512 or 1 024 against 56.7 with 256 (a second wave).
 const selectWorkgroup = 512
 
+// selectWave is the most selection workgroups a stage takes, a batch's
+// sequences together, but for one a query head: about the 2 × 132 that the
+// H100 runs at once. On the H100 (llama, P 0.9) batches of 4 took 124.4 µs
+// a step at 32 768 tokens with 1 workgroup a head against 120.2 with 2,
+// and 207.1 at 131 072 with 2 against 219.1 with 4; batches of 8 took the
+// selection in 122 µs at 131 072 with 1 against 133 with 2.
+const selectWave = 256
+
 // selectShared returns the shared memory tactic_select takes with wg
 // threads for heads of dim dimensions: the query, the bins' offsets and
 // sums, the list of a round with its bins and a vec4 per thread, and a
@@ -399,18 +407,15 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		// clusters of 16): every workgroup also orders all of the head's
 		// clusters, so fewer, fuller ones are faster (on the H100 at 131 072
 		// tokens, with workgroups of 1 024 threads, one cluster a team took
-		// 52 µs, two 39, three 40 and four 45). Where B > 2 sequences share
-		// the dispatches, 1/B as many: at B = 8 the selection took 122 µs at
-		// 131 072 tokens with an eighth (one a head) against 133 with a
-		// quarter; a quarter took 460 µs a batched step before, against 476
-		// with half and 496 with all.
+		// 52 µs, two 39, three 40 and four 45). At most selectWave
+		// workgroups in all, the batch's sequences counted (at least one a
+		// head): where B sequences share the dispatches, their workgroups
+		// would otherwise make several waves, each ordering all of its
+		// head's clusters.
 		work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
 		push := []uint32{cc, group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3]),
 			uint32(x.First), uint32(end), uint32(n), maxSampleWorkgroups, scale, math.Float32bits(float32(s.p))}
-		wgs := ceilDiv(work, 2*k.sampleTeams)
-		if s.sequences > 2 {
-			wgs = ceilDiv(wgs, s.sequences)
-		}
+		wgs := min(ceilDiv(work, 2*k.sampleTeams), max(1, selectWave/(s.sequences*h.Query)))
 		if s.workgroups > 0 {
 			wgs = s.workgroups
 		}
