@@ -140,6 +140,15 @@ const selectWorkgroup = 512
 // selection in 122 µs at 131 072 with 1 against 133 with 2.
 const selectWave = 256
 
+// selectionWidth returns the selection's workgroups per query head for
+// about `sampled` clusters to sample a head, with `teams` teams a
+// workgroup, when `sequences` sequences of `heads` query heads share the
+// dispatch: enough for about two clusters a team, at most
+// selectWave/(sequences·heads), at least one.
+func selectionWidth(sampled, teams, sequences, heads int) int {
+	return max(1, min(ceilDiv(sampled, 2*teams), selectWave/(sequences*heads)))
+}
+
 // selectShared returns the shared memory tactic_select takes with wg
 // threads for heads of dim dimensions: the query, the bins' offsets and
 // sums, the list of a round with its bins and a vec4 per thread, and a
@@ -415,7 +424,7 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
 		push := []uint32{cc, group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3]),
 			uint32(x.First), uint32(end), uint32(n), maxSampleWorkgroups, scale, math.Float32bits(float32(s.p))}
-		wgs := min(ceilDiv(work, 2*k.sampleTeams), max(1, selectWave/(s.sequences*h.Query)))
+		wgs := selectionWidth(work, k.sampleTeams, s.sequences, h.Query)
 		if s.workgroups > 0 {
 			wgs = s.workgroups
 		}

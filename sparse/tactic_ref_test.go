@@ -340,3 +340,26 @@ func TestTacticBudgetErrors(t *testing.T) {
 		assert.Error(t, f(), name)
 	}
 }
+
+// TestSelectionWidth checks the selection's workgroups per head: about two
+// sampled clusters a team alone, at most one wave (selectWave) in all when
+// a batch's sequences share the dispatch, never none.
+func TestSelectionWidth(t *testing.T) {
+	const teams = 16 // teams of 32 threads in workgroups of 512
+	for _, c := range []struct{ sampled, sequences, heads, want int }{
+		{228, 1, 32, 8},  // 131 072 tokens: 8 (one wave of 256)
+		{105, 1, 32, 4},  // 32 768 tokens: the clusters decide
+		{460, 1, 32, 8},  // 262 144 tokens: one wave, not 15
+		{228, 2, 32, 4},  // a batch of 2
+		{228, 4, 32, 2},  // of 4
+		{228, 8, 32, 1},  // of 8: one a head
+		{228, 16, 32, 1}, // of 16: still one a head
+		{105, 4, 32, 2},  // 32 768 tokens, a batch of 4
+		{0, 1, 8, 1},     // nothing to sample
+		{40, 5, 8, 2},    // the batch test's shape
+	} {
+		got := selectionWidth(c.sampled, teams, c.sequences, c.heads)
+		require.Equal(t, c.want, got, "%d clusters, %d sequences of %d heads", c.sampled, c.sequences, c.heads)
+		require.True(t, got == 1 || got*c.sequences*c.heads <= selectWave, "%d workgroups a head beyond a wave", got)
+	}
+}
