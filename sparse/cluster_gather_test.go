@@ -218,3 +218,30 @@ func TestClusterGatherRejectsBadIndex(t *testing.T) {
 	_, err = dense.PlanClusters(layer, other, small.All(), small.All())
 	require.ErrorContains(t, err, "index")
 }
+
+// TestClusterRun checks the runs of attention over clusters against the
+// shapes they were measured on (8 KV heads of one head block each): about
+// clusterWorkgroups workgroups a sequence up to clusterBatchSequences
+// sequences, about clusterBatchSequences·clusterWorkgroups in all beyond,
+// never runs under clusterChunkMin clusters.
+func TestClusterRun(t *testing.T) {
+	for _, c := range []struct{ clusters, sequences, want int }{
+		{8192, 1, 256},   // 131 072 tokens in clusters of 16
+		{2048, 1, 64},    // 32 768
+		{1024, 1, 64},    // 32 768 in clusters of 32: the floor
+		{8192, 4, 256},   // batches of up to 4 keep their runs
+		{8192, 8, 512},   // a batch of 8: twice as long
+		{2048, 8, 128},   // likewise
+		{1024, 8, 64},    // clusters of 32: 128 workgroups a sequence already
+		{4096, 8, 256},   // 131 072 in clusters of 32
+		{8192, 16, 1024}, // 16 sequences: four times
+		{10, 3, 64},
+	} {
+		got := clusterRun(c.clusters, 8, c.sequences)
+		require.Equal(t, c.want, got, "%d clusters a KV head, %d sequences", c.clusters, c.sequences)
+		if got > clusterChunkMin {
+			runs := ceilDiv(c.clusters, got) * 8 * c.sequences
+			require.LessOrEqual(t, runs, max(clusterBatchSequences, c.sequences)*clusterWorkgroups, "%d clusters, %d sequences: %d runs", c.clusters, c.sequences, runs)
+		}
+	}
+}

@@ -112,7 +112,7 @@ const (
 	// workgroups (runs of 64); at 32 768 runs of 64 stay best.
 	clusterWorkgroups = 256
 	// Sequences of a batch beyond which each one's attention over clusters
-	// takes proportionally fewer, longer runs (DensePlan.runClusters).
+	// takes proportionally fewer, longer runs (clusterRun).
 	clusterBatchSequences = 4
 	partialBindings       = 17
 	partialPushWords      = 14
@@ -738,7 +738,7 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 	blocks := h.Group() / d.group
 	per := d.opts.ClusterChunk
 	if per <= 0 {
-		per = max(clusterChunkMin, ceilDiv(clusters.C*h.KV*blocks, clusterWorkgroups))
+		per = clusterRun(clusters.C, h.KV*blocks, 1)
 	}
 	chunks := ceilDiv(clusters.C, per) + ceilDiv(layer.Capacity()-clusters.Count, d.clusterTile)
 	if a := sel.Approx; a != nil {
@@ -764,21 +764,34 @@ func (p *DensePlan) recordClusters(c *vk.Commands) error {
 	return p.recordClusterAttention(c, 1)
 }
 
-// runClusters returns the clusters of a run of attention over clusters
-// when the plans of sequences share a stage's dispatches: the plan's
-// (DenseOptions.ClusterChunk where set), or, for B > clusterBatchSequences
-// sequences, B/clusterBatchSequences times as many where the plan chose
-// it, so that a batch takes about clusterBatchSequences·clusterWorkgroups
-// workgroups in all. Each run's workgroup costs its queries, its windows'
-// scans, its partial and its arrival whatever it attends; many waves of
-// them even out the runs' members without those fixed costs. On the H100
-// (llama, P 0.9, batch 8) runs twice as long took attention 117 → 92 µs at
-// 32 768 tokens and 188 → 178 at 131 072; four times as long 89 and 190.
+// clusterRun returns the clusters of a KV head that a run of attention
+// over clusters takes, for KV heads of c clusters, blocks head blocks in
+// all and sequences sequences sharing the dispatch: at least
+// clusterChunkMin, enough for about clusterWorkgroups workgroups a
+// sequence, and, beyond clusterBatchSequences sequences, about
+// clusterBatchSequences·clusterWorkgroups in all. Each run's workgroup
+// costs its queries, its windows' scans, its partial and its arrival
+// whatever it attends; a batch's several waves of them even out the runs'
+// members without as many of those fixed costs. On the H100 (llama, P 0.9,
+// batch 8) attention took 117, 92 and 89 µs at 32 768 tokens with 8, 4 and
+// 2 waves of runs, 188, 178 and 190 at 131 072; with clusters of 32, 99 µs
+// at 32 768 with 4 waves against 132 with 2.
+func clusterRun(c, blocks, sequences int) int {
+	target := clusterWorkgroups
+	if sequences > clusterBatchSequences {
+		target = max(1, clusterBatchSequences*clusterWorkgroups/sequences)
+	}
+	return max(clusterChunkMin, ceilDiv(c*blocks, target))
+}
+
+// runClusters returns the clusters of a run when the plans of sequences
+// sequences share a stage's dispatches: DenseOptions.ClusterChunk where
+// set, clusterRun otherwise.
 func (p *DensePlan) runClusters(sequences int) int {
-	if p.d.opts.ClusterChunk > 0 || sequences <= clusterBatchSequences {
+	if p.d.opts.ClusterChunk > 0 {
 		return p.clusterChunk
 	}
-	return p.clusterChunk * ceilDiv(sequences, clusterBatchSequences)
+	return clusterRun(p.clusters.C, p.d.heads.KV*(p.d.heads.Group()/p.d.group), sequences)
 }
 
 // recordClusterAttention records the whole attention over the taken

@@ -16,8 +16,7 @@ import (
 // TestTacticBatch runs one batched step over five sequences of different
 // lengths, each with its own generated layer and index, and checks every
 // sequence's output against AttendSubsetRef over the tokens its step
-// attended, and its cuts against the same sequence's step run alone. Five
-// sequences take longer runs of attention over clusters than one.
+// attended, and its cuts against the same sequence's step run alone.
 func TestTacticBatch(t *testing.T) {
 	dev := vktest.Open(t)
 	h := Heads{Query: 8, KV: 2, Dim: 64}
@@ -59,10 +58,6 @@ func TestTacticBatch(t *testing.T) {
 	require.NoError(t, err)
 	defer batch.Release()
 	require.Equal(t, len(lengths), batch.Len())
-	for i := range lengths {
-		plan := batch.Step(i).plan
-		require.Greater(t, plan.runClusters(len(lengths)), plan.runClusters(1), "sequence %d: runs of a batch of %d", i, len(lengths))
-	}
 	nan := math.Float32bits(float32(math.NaN()))
 	require.NoError(t, dev.Run(func(c *vk.Commands) {
 		for i := range lengths {
