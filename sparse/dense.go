@@ -66,7 +66,8 @@ type DenseOptions struct {
 	// ThreadsPerRow, or 1 where ThreadsPerRow is set.
 	RowsPerThread int
 	// ClusterChunk is the clusters of a KV head that one workgroup of
-	// attention over clusters takes; 0 = chosen from the index's size.
+	// attention over clusters takes; 0 = chosen from the index's size and
+	// the sequences of a batch (clusterRun).
 	ClusterChunk int
 	// ClusterWindow is the clusters such a workgroup scans at once (a
 	// power of two, at most Workgroup); 0 = chosen.
