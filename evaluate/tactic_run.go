@@ -157,7 +157,7 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit sparse.Tactic
 				}
 				defer others.release()
 			}
-			br, err := timeBatch(dense, layer, clusters, others.first(b-1), p, fit, reps, t.Query(t.Queries()-1))
+			br, err := timeBatch(dense, layer, clusters, others.first(b-1), p, fit, reps, t.Query(max(0, t.Queries()-2)), t.Query(t.Queries()-1))
 			if err != nil {
 				return nil, err
 			}
@@ -321,7 +321,7 @@ func batchPeers(dev *vk.Device, km *sparse.KMeans, heads sparse.Heads, count, pr
 
 // timeBatch times a sparse.TacticBatch over layer and the peers (every
 // sequence given query q) and dense attention over the same caches.
-func timeBatch(dense *sparse.Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, others *peers, p float64, fit sparse.TacticFit, reps int, q []float32) (BatchRun, error) {
+func timeBatch(dense *sparse.Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, others *peers, p float64, fit sparse.TacticFit, reps int, prev, q []float32) (BatchRun, error) {
 	var r BatchRun
 	layers := append([]*kvcache.Layer{layer}, others.layers...)
 	indexes := append([]*kvcache.Clusters{clusters}, others.clusters...)
@@ -331,6 +331,15 @@ func timeBatch(dense *sparse.Dense, layer *kvcache.Layer, clusters *kvcache.Clus
 	}
 	defer b.Release()
 	qs := make([]float32, 0, len(layers)*len(q))
+	for range layers {
+		qs = append(qs, prev...)
+	}
+	// A step of the query before, as in decoding: its unions divide the
+	// timed step's attention among workgroups (sparse.DensePlan.Rebalance).
+	if _, err := b.Attend(qs); err != nil {
+		return r, err
+	}
+	qs = qs[:0]
 	for range layers {
 		qs = append(qs, q...)
 	}

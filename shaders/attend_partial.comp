@@ -6,9 +6,9 @@
 // attends nothing writes m = −∞, l = 0 and no o). It walks the chunk in
 // tiles of up to TILE tokens with an online softmax.
 // Every workgroup then arrives at its head block's counter; the last of the
-// block's chunks to arrive (all gl_NumWorkGroups.x of them, or with token
-// lists those below the list's length: the others exit at once) merges
-// them, writing per query head
+// block's chunks to arrive (all of the block's chunks, or with token lists
+// those below the list's length: the others exit at once) merges them,
+// writing per query head
 // out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c with M = max_c m_c
 // over the chunks with m_c > −∞, and resets the counter to 0. No workgroup
 // waits for another.
@@ -48,8 +48,8 @@ layout(constant_id = 10) const uint RPT = 1;
 // GATHER = 2: clusters scanned at once (a power of two, at most WG).
 layout(constant_id = 11) const uint WINDOW = 64;
 // APPROX = 1 (with GATHER = 2) adds Double-P's pseudo-tokens (seed 004,
-// Eq. 8-9): after its run of clusters, workgroup a < clusterChunks takes
-// the a-th range of chunk clusters again and gives each query head h of its
+// Eq. 8-9): after its run of clusters, workgroup a < runs takes
+// the a-th range of chunk clusters (⌈C/runs⌉ with a table of runs) again and gives each query head h of its
 // block, for every cluster c of KV head g that no head of g takes
 // (rank[h'][c] >= cut[h'] for all) and that h keeps (rank[h][c] < keep[h]),
 // one token of logit logit[h][c] and value means[g][c], folded into the
@@ -76,14 +76,18 @@ layout(std430, binding = 8) restrict readonly buffer Cut { uint cut[]; };       
 layout(std430, binding = 9) restrict readonly buffer Starts { uint starts[]; };   // [heads][C] member offsets
 layout(std430, binding = 10) restrict readonly buffer Sizes { uint sizes[]; };    // [heads][C]
 layout(std430, binding = 11) restrict readonly buffer Members { uint members[]; }; // [heads][clustered], unused: clusters are runs of slots
-// Workgroups of the head block (seq, h0 / GROUP) that have written their
-// partials; 0 between dispatches (the last to arrive resets it).
-layout(std430, binding = 12) coherent buffer Arrivals { uint arrivals[]; };  // [B][Hq/GROUP]
+// Per head block (seq, h0 / GROUP): the workgroups that have written their
+// partials, and (GATHER = 2) the members their runs attended; both 0
+// between dispatches (the last to arrive resets them).
+layout(std430, binding = 12) coherent buffer Arrivals { uint arrivals[]; };  // [B][Hq/GROUP][2]
 layout(std430, binding = 13) restrict writeonly buffer Out { vec4 o[]; };      // [B][Hq][D/4]
 // APPROX = 1 only.
 layout(std430, binding = 14) restrict readonly buffer Logits { float logit[]; };  // [Hq][C]
 layout(std430, binding = 15) restrict readonly buffer Keep { uint keep[]; };      // [Hq]
 layout(std430, binding = 16) restrict readonly buffer Means { vec4 means[]; };    // [heads][C][D/4]
+// GATHER = 2: the members of taken clusters each head block attended, set
+// by the block's last workgroup (the host reads it to balance the runs).
+layout(std430, binding = 17) restrict writeonly buffer Taken { uint taken[]; };  // [B][Hq/GROUP]
 
 layout(push_constant) uniform Push {
 	uint n;           // tokens of this sequence (GATHER: token-list stride)
@@ -101,7 +105,19 @@ layout(push_constant) uniform Push {
 	uint clustered;      // members per KV head
 	uint first;          // the clustered tokens are [first, clusteredEnd)
 	uint clusteredEnd;
+	// GATHER = 2 with runTable > 0: a one-dimensional grid whose
+	// workgroups are, head block after head block (runTable of them),
+	// that block's runs (runs[b], a byte each of runLo for b < 4 and of
+	// runHi beyond) and then its fixedChunks chunks of fixed tokens;
+	// clusterChunks is then unused. With runTable = 0 the grid's y is the
+	// head block and every block has clusterChunks runs.
+	uint runTable;
+	uint runLo, runHi;
+	uint fixedChunks;
 } pc;
+
+// The runs of clusters of this workgroup's head block (GATHER = 2).
+uint runs;
 
 shared vec4 qs[GROUP * D4];  // the queries; with APPROX, then the run's partial outputs
 // APPROX = 1: the run's partial max and sum per head, for approxChunk.
@@ -310,8 +326,9 @@ void putML(uint base, uint g, float m, float l, bool held) {
 // head kvBase + kvLocal): m, l and o per head, or m = −∞ and l = 0 (o
 // unwritten) where the chunk attends no token. Where held (a run whose
 // pseudo-tokens follow), it leaves them in runM, runL and qs instead, for
-// approxChunk.
-void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
+// approxChunk. It returns the members of taken clusters it attended (0
+// but for runs of clusters).
+uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 	uint tid = gl_LocalInvocationID.x;
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
 	uint listBase = (pc.kvBase + kvLocal) * pc.n;
@@ -321,8 +338,8 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 	// GATHER = 2: the first window's cluster (taken or not, its size and
 	// its first slot) loaded with the queries, in flight together.
 	uint g = pc.kvBase + kvLocal;
-	uint stride = pc.clusterChunks;
-	uint cEnd = GATHER == 2 && c < pc.clusterChunks ? (pc.C - c + stride - 1) / stride : 0;  // clusters of this run
+	uint stride = runs;
+	uint cEnd = GATHER == 2 && c < runs ? (pc.C - c + stride - 1) / stride : 0;  // clusters of this run
 	uint size0 = 0, from0 = 0;
 	if (tid < CW && tid < cEnd) {
 		uint cl = c + tid * stride;
@@ -357,8 +374,8 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 		for (uint t0 = chunkStart; t0 < chunkEnd; t0 += TILE) {
 			attendTile(min(TILE, chunkEnd - t0), headBase, headBase + t0 * DV, listBase, t0, m, l, acc);
 		}
-	} else if (c < pc.clusterChunks) {
-		// Clusters c, c + R, c + 2R, ... of KV head g (R = clusterChunks
+	} else if (c < runs) {
+		// Clusters c, c + R, c + 2R, ... of KV head g (R = runs
 		// runs), CW at a time: the taken ones' member counts are scanned,
 		// and their members' token ids appended to lst; each full tile is
 		// attended, so that tiles stay full however few clusters a window
@@ -409,7 +426,7 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 		}
 	} else {
 		// The fixed tokens [0, first) and [clusteredEnd, n), a tile per chunk.
-		uint f0 = (c - pc.clusterChunks) * TILE;
+		uint f0 = (c - runs) * TILE;
 		uint fixedCount = pc.first + pc.n - pc.clusteredEnd;
 		attended = f0 < fixedCount ? 1 : 0;
 		if (f0 < fixedCount) {
@@ -427,7 +444,7 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 		// Nothing taken in this chunk: m = −∞ tells the merge to skip it,
 		// so its output is not written.
 		if (tid < GROUP) putML(base, tid, -1.0 / 0.0, 0.0, held);
-		return;
+		return 0;
 	}
 	combine(l, 1);  // its last barrier: no thread reads the queries in qs again
 
@@ -448,6 +465,7 @@ void attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 		barrier();
 	}
 	if (tid < GROUP) putML(base, tid, m[tid], l[tid], held);
+	return GATHER == 2 && c < runs ? attended : 0;
 }
 
 // approxChunk writes the partials of run c (APPROX = 1), its clusters'
@@ -465,8 +483,9 @@ void approxChunk(uint c, uint h0, uint kvLocal) {
 	uint tid = gl_LocalInvocationID.x;
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
 	uint g = pc.kvBase + kvLocal;
-	uint c0 = c * pc.chunk;
-	uint cEnd = min(c0 + pc.chunk, pc.C);
+	uint per = pc.runTable > 0 ? (pc.C + runs - 1) / runs : pc.chunk;  // clusters of a range
+	uint c0 = c * per;
+	uint cEnd = min(c0 + per, pc.C);
 	const uint LA = WG / D4;  // lanes of mean rows
 	// Rows whose loads a lane has in flight: on the H100, Double-P's
 	// attention took 65.3 µs with 16 against 66.9 with 4 (llama, 131 072
@@ -633,8 +652,25 @@ void mergeChunks(uint h0, uint nc) {
 void main() {
 	uint tid = gl_LocalInvocationID.x;
 	uint headBlocks = pc.groupSize / GROUP;
-	uint kvLocal = gl_WorkGroupID.y / headBlocks;
-	uint h0 = (pc.kvBase + kvLocal) * pc.groupSize + (gl_WorkGroupID.y % headBlocks) * GROUP;
+	// This workgroup's head block and chunk, and the block's chunks.
+	uint block = gl_WorkGroupID.y, x = gl_WorkGroupID.x;
+	uint blockChunks = gl_NumWorkGroups.x;
+	runs = pc.clusterChunks;
+	if (GATHER == 2 && pc.runTable > 0) {
+		block = 0;
+		for (uint b = 0; b < pc.runTable; b++) {
+			uint r = ((b < 4 ? pc.runLo : pc.runHi) >> (8 * (b % 4))) & 0xffu;
+			if (x < r + pc.fixedChunks) {
+				block = b;
+				runs = r;
+				blockChunks = r + pc.fixedChunks;
+				break;
+			}
+			x -= r + pc.fixedChunks;
+		}
+	}
+	uint kvLocal = block / headBlocks;
+	uint h0 = (pc.kvBase + kvLocal) * pc.groupSize + (block % headBlocks) * GROUP;
 	uint n = GATHER == 1 ? tokCount[pc.kvBase + kvLocal] : pc.n;
 	// GATHER = 1: chunks of at least pc.chunk tokens, sized on the device
 	// from the lists' total length so that all lists together take about
@@ -650,29 +686,37 @@ void main() {
 	// tokCount; the others exit at once: they would only add empty
 	// partials, and on an H100 holding their slots for the arrival cost
 	// more than the separate merge kernel saved), every chunk otherwise.
-	uint used = GATHER == 1 ? min((n + chunk - 1) / chunk, gl_NumWorkGroups.x) : gl_NumWorkGroups.x;
-	if (gl_WorkGroupID.x >= used) return;
+	uint used = GATHER == 1 ? min((n + chunk - 1) / chunk, blockChunks) : blockChunks;
+	if (x >= used) return;
 	// A run of clusters followed by its pseudo-tokens holds its partial in
 	// shared memory for approxChunk, which writes both as one.
-	bool held = APPROX != 0 && gl_WorkGroupID.x < pc.clusterChunks;
-	attendChunk(gl_WorkGroupID.x, h0, kvLocal, n, chunk, held);
+	bool held = APPROX != 0 && x < runs;
+	uint members = attendChunk(x, h0, kvLocal, n, chunk, held);
 	if (held) {
 		barrier();  // the run's partial is in shared memory
-		approxChunk(gl_WorkGroupID.x, h0, kvLocal);
+		approxChunk(x, h0, kvLocal);
 	}
 
 	// Arrive: the partials written (and made visible device-wide) before
 	// one thread counts this workgroup in. Only the last of the head
 	// block's chunks goes on; none waits for another.
-	uint block = pc.seq * (pc.qHeads / GROUP) + h0 / GROUP;
+	uint counter = pc.seq * (pc.qHeads / GROUP) + h0 / GROUP;
+	if (GATHER == 2 && tid == 0 && members > 0) atomicAdd(arrivals[2 * counter + 1], members);
 	memoryBarrierBuffer();
 	barrier();
 	// Whether it was the last goes through red[0], free now (the merge does
 	// not use red): no shared memory beyond the attention's.
-	if (tid == 0) red[0] = atomicAdd(arrivals[block], 1) == used - 1 ? 1.0 : 0.0;
+	if (tid == 0) red[0] = atomicAdd(arrivals[2 * counter], 1) == used - 1 ? 1.0 : 0.0;
 	barrier();
 	if (red[0] == 0.0) return;
 	memoryBarrierBuffer();
+	uint attended = GATHER == 2 && tid == 0 ? arrivals[2 * counter + 1] : 0;  // loaded before the merge, used after
 	mergeChunks(h0, used);
-	if (tid == 0) arrivals[block] = 0;  // for the next dispatch
+	if (tid == 0) {
+		if (GATHER == 2) {
+			taken[counter] = attended;
+			arrivals[2 * counter + 1] = 0;
+		}
+		arrivals[2 * counter] = 0;  // for the next dispatch
+	}
 }

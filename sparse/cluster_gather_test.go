@@ -245,3 +245,114 @@ func TestClusterRun(t *testing.T) {
 		}
 	}
 }
+
+// TestClusterRunsPerHeadBlock gives every head block of attention over
+// clusters its own number of runs (SetRuns: random, from one to the most),
+// checks the output against the reference over each KV head's union and
+// the members each block reports attending (Taken) against the union's
+// clustered part, then balances the runs by those counts (Rebalance) and
+// checks the output of the next step again.
+func TestClusterRunsPerHeadBlock(t *testing.T) {
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(rand.Int63()))
+	for _, c := range []clusterCase{
+		{heads: Heads{32, 8, 128}, n: 6000, capacity: 6100, first: 4, tail: 70, clusters: 700, opts: DenseOptions{ClusterChunk: 64}, none: []int{5}},
+		// Two head blocks per KV head, windows shorter than the runs.
+		{heads: Heads{16, 4, 64}, n: 5003, capacity: 5003, first: 1, tail: 1, clusters: 333, opts: DenseOptions{Group: 2, ClusterChunk: 40, ClusterWindow: 16}},
+		// More head blocks than a table holds: equal runs whatever is set.
+		{heads: Heads{16, 16, 32}, n: 3000, capacity: 3000, first: 2, tail: 10, clusters: 200},
+	} {
+		name := fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_C%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, c.clusters)
+		t.Run(name, func(t *testing.T) {
+			h := c.heads
+			plan, k, v, lists := clusterPlan(t, dev, rng, c)
+			blocks := h.Group() / plan.d.group
+			fixed := len(lists[0]) - clusteredMembers(t, c, lists[0])
+			runs := make([]int, h.KV*blocks)
+			for i := range runs {
+				runs[i] = 1 + rng.Intn(plan.MostRuns())
+			}
+			require.Error(t, plan.SetRuns(runs[1:]), "a table of the wrong length")
+			require.Error(t, plan.SetRuns(append([]int{plan.MostRuns() + 1}, runs[1:]...)), "more runs than the plan has slots for")
+			require.NoError(t, plan.SetRuns(runs))
+			for step := 0; step < 2; step++ {
+				q := randomQueries(rng, h.Query*h.Dim, 1.5)
+				nan := math.Float32bits(float32(math.NaN()))
+				require.NoError(t, dev.Run(func(cmd *vk.Commands) {
+					cmd.Fill(plan.Output().All(), nan)
+					cmd.Fill(plan.partO.All(), nan)
+					cmd.Fill(plan.partML.All(), nan)
+				}))
+				got, err := plan.Attend(q)
+				require.NoError(t, err)
+				requireClose(t, listsRef(t, h, q, k, v, c.n, lists), got, h.Dim, 1e-3, fmt.Sprintf("step %d, runs %v", step, plan.runs))
+				taken, err := plan.Taken()
+				require.NoError(t, err)
+				for i, m := range taken {
+					require.Equal(t, len(lists[i/blocks])-fixed, int(m), "members taken by head block %d", i)
+				}
+				require.NoError(t, plan.Rebalance(1))
+				if h.KV*blocks > runTableBlocks {
+					continue
+				}
+				equal := ceilDiv(c.clusters, plan.clusterChunk)
+				total := 0
+				for i, r := range plan.runs {
+					total += r
+					require.GreaterOrEqual(t, r, max(1, equal/runLeast), "head block %d", i)
+					require.LessOrEqual(t, r, plan.MostRuns(), "head block %d", i)
+				}
+				require.LessOrEqual(t, total, equal*len(plan.runs))
+			}
+		})
+	}
+}
+
+// clusteredMembers returns how many tokens of a KV head's list lie in the
+// clustered range of c.
+func clusteredMembers(t *testing.T, c clusterCase, list []int32) int {
+	t.Helper()
+	n := 0
+	for _, tok := range list {
+		if int(tok) >= c.first && int(tok) < c.n-c.tail {
+			n++
+		}
+	}
+	return n
+}
+
+// TestBalancedRuns checks the sharing of runs among head blocks: in
+// proportion to their members within the least and the most, every run
+// given when the caps allow, none when no block attends anything.
+func TestBalancedRuns(t *testing.T) {
+	require.Nil(t, balancedRuns([]uint32{0, 0, 0}, 30, 2, 20))
+	require.Equal(t, []int{10, 10, 10}, balancedRuns([]uint32{5, 5, 5}, 30, 2, 20))
+	require.Equal(t, []int{2, 2, 20, 8}, balancedRuns([]uint32{0, 1, 1000, 300}, 32, 2, 20))
+	rng := rand.New(rand.NewSource(rand.Int63()))
+	for i := 0; i < 200; i++ {
+		n := 1 + rng.Intn(8)
+		members := make([]uint32, n)
+		for j := range members {
+			members[j] = uint32(rng.Intn(20000))
+		}
+		members[rng.Intn(n)]++
+		equal := 1 + rng.Intn(64)
+		least, most := max(1, equal/4), 4*equal
+		runs := balancedRuns(members, equal*n, least, most)
+		total, sum := 0, 0.0
+		for _, m := range members {
+			sum += float64(m)
+		}
+		for j, r := range runs {
+			require.GreaterOrEqual(t, r, least)
+			require.LessOrEqual(t, r, most)
+			total += r
+			// Within one run and the least of the proportional share.
+			if r < most {
+				share := float64(equal*n-least*n) * float64(members[j]) / sum
+				require.InDelta(t, share, float64(r-least), 1.0+1e-9, "members %v, runs %v", members, runs)
+			}
+		}
+		require.LessOrEqual(t, total, equal*n)
+	}
+}

@@ -128,8 +128,13 @@ func recordSteps(c *vk.Commands, steps []*Step, mark func(stage int)) error {
 }
 
 // Attend runs a step for the query q ([Hq][D]) and returns the output.
+// Its attention divides the clusters among workgroups by the members each
+// head block attended in the step before (DensePlan.Rebalance).
 func (s *Step) Attend(q []float32) ([]float32, error) {
 	if err := s.SetQuery(q); err != nil {
+		return nil, err
+	}
+	if err := s.plan.Rebalance(1); err != nil {
 		return nil, err
 	}
 	if err := runOnce(s.dense.dev, s.Record); err != nil {

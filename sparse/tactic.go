@@ -272,6 +272,10 @@ func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
 		b.release()
 		return err
 	}
+	// The runs of the next step follow the old index's last union.
+	if taken, err := t.plan.Taken(); err == nil {
+		err = plan.taken.WriteUint32(0, taken)
+	}
 	old, oldPlan := t.tacticBound, t.plan
 	t.tacticBound, t.plan = b, plan
 	return errors.Join(old.release(), oldPlan.Release())

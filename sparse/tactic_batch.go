@@ -94,10 +94,16 @@ func (b *TacticBatch) record(c *vk.Commands, mark func(stage int)) error {
 }
 
 // Attend runs a batched step for the queries q ([B][Hq][D]) and returns
-// the outputs, [B][Hq][D].
+// the outputs, [B][Hq][D]; as Step.Attend, each sequence's attention
+// divides its clusters by the members of the step before.
 func (b *TacticBatch) Attend(q []float32) ([]float32, error) {
 	if err := b.SetQuery(q); err != nil {
 		return nil, err
+	}
+	for _, t := range b.steps {
+		if err := t.plan.Rebalance(len(b.steps)); err != nil {
+			return nil, err
+		}
 	}
 	if err := runOnce(b.dense.dev, b.Record); err != nil {
 		return nil, err
