@@ -110,6 +110,10 @@ func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, clustering 
 		return nil, err
 	}
 	q := t.Query(t.Queries() - 1)
+	var prev []float32 // the query before, whose step divides the timed one's attention
+	if t.Queries() > 1 {
+		prev = t.Query(t.Queries() - 2)
+	}
 
 	plan, err := dense.Plan([]*kvcache.Layer{l.Positional})
 	if err != nil {
@@ -134,7 +138,7 @@ func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, clustering 
 		if progress != nil {
 			progress(p.Name)
 		}
-		r, err := timeStep(dev, l, p, q, ref, reps)
+		r, err := timeStep(dev, l, p, prev, q, ref, reps)
 		if err != nil {
 			return nil, fmt.Errorf("evaluate: %s: %w", p.Name, err)
 		}
@@ -145,14 +149,31 @@ func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, clustering 
 	return out, nil
 }
 
-// timeStep makes, checks and times one policy's step.
-func timeStep(dev *vk.Device, l *Layers, p Policy, q []float32, ref []float32, reps int) (StepRun, error) {
+// balancer is a step whose attention divides its work by the step before
+// (sparse.Step.Rebalance).
+type balancer interface{ Rebalance() error }
+
+// timeStep makes, checks and times one policy's step; where the step
+// balances its attention and prev is set, as in decoding, after a step of
+// prev.
+func timeStep(dev *vk.Device, l *Layers, p Policy, prev, q []float32, ref []float32, reps int) (StepRun, error) {
 	var r StepRun
 	step, err := p.Make(l)
 	if err != nil {
 		return r, err
 	}
 	defer step.Release()
+	if b, ok := step.(balancer); ok && prev != nil {
+		if err := step.SetQuery(prev); err != nil {
+			return r, err
+		}
+		if _, err := step.Time(0, 1); err != nil {
+			return r, err
+		}
+		if err := b.Rebalance(); err != nil {
+			return r, err
+		}
+	}
 	if err := step.SetQuery(q); err != nil {
 		return r, err
 	}
@@ -281,6 +302,10 @@ type h2oStep struct {
 
 // h2oWarmup is the steps H2O takes before it is checked.
 const h2oWarmup = 3
+
+// Rebalance leaves H2O's runs of attention equal: its warm-up must see the
+// checked query first, not a step of the one before.
+func (s *h2oStep) Rebalance() error { return nil }
 
 // SetQuery sets the query and, the first time, warms the state with it.
 func (s *h2oStep) SetQuery(q []float32) error {

@@ -77,7 +77,8 @@ layout(std430, binding = 9) restrict readonly buffer Starts { uint starts[]; }; 
 layout(std430, binding = 10) restrict readonly buffer Sizes { uint sizes[]; };    // [heads][C]
 layout(std430, binding = 11) restrict readonly buffer Members { uint members[]; }; // [heads][clustered], unused: clusters are runs of slots
 // Per head block (seq, h0 / GROUP): the workgroups that have written their
-// partials, and (GATHER = 2) the members their runs attended; both 0
+// partials, and (GATHER = 2) the rows their runs attended (members of
+// taken clusters and pseudo-tokens, not fixed tokens); both 0
 // between dispatches (the last to arrive resets them).
 layout(std430, binding = 12) coherent buffer Arrivals { uint arrivals[]; };  // [B][Hq/GROUP][2]
 layout(std430, binding = 13) restrict writeonly buffer Out { vec4 o[]; };      // [B][Hq][D/4]
@@ -85,8 +86,8 @@ layout(std430, binding = 13) restrict writeonly buffer Out { vec4 o[]; };      /
 layout(std430, binding = 14) restrict readonly buffer Logits { float logit[]; };  // [Hq][C]
 layout(std430, binding = 15) restrict readonly buffer Keep { uint keep[]; };      // [Hq]
 layout(std430, binding = 16) restrict readonly buffer Means { vec4 means[]; };    // [heads][C][D/4]
-// GATHER = 2: the members of taken clusters each head block attended, set
-// by the block's last workgroup (the host reads it to balance the runs).
+// GATHER = 2: the rows each head block's runs attended (as in Arrivals),
+// set by the block's last workgroup (the host reads it to balance the runs).
 layout(std430, binding = 17) restrict writeonly buffer Taken { uint taken[]; };  // [B][Hq/GROUP]
 
 layout(push_constant) uniform Push {
@@ -109,8 +110,9 @@ layout(push_constant) uniform Push {
 	// workgroups are, head block after head block (runTable of them),
 	// that block's runs (runs[b], a byte each of runLo for b < 4 and of
 	// runHi beyond) and then its fixedChunks chunks of fixed tokens;
-	// clusterChunks is then unused. With runTable = 0 the grid's y is the
-	// head block and every block has clusterChunks runs.
+	// clusterChunks then only counts the ranges of pseudo-tokens (APPROX).
+	// With runTable = 0 the grid's y is the head block and every block has
+	// clusterChunks runs.
 	uint runTable;
 	uint runLo, runHi;
 	uint fixedChunks;
@@ -470,22 +472,25 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 
 // approxChunk writes the partials of run c (APPROX = 1), its clusters'
 // (runM, runL and qs, from attendChunk) and, for each query head h0 + j of
-// the block, the pseudo-tokens of the clusters of range c, [c·chunk,
-// (c + 1)·chunk), that the head keeps and no head of the group takes:
+// the block, the pseudo-tokens of the clusters of ranges c, c + R, c + 2R,
+// ... (R = runs) below clusterChunks, range r being [r·chunk,
+// (r + 1)·chunk), that the head keeps and no head of the group takes:
 // with a = max logit, la = Σ exp(logit − a), oa = Σ exp(logit − a)·mean,
 // M = max(a, runM), m = M, l = e^(a−M) la + e^(runM−M) runL and
 // o = e^(a−M) oa + e^(runM−M) o_run (a part without tokens adds nothing;
 // m = −∞, l = 0 and o unwritten where neither has any). The clusters some
 // head approximates are listed in lst, TILE at a time, with their weights
 // in sc; then every listed mean row is read once, a vec4 per thread, for
-// all the block's heads, LA lanes of rows at a time.
-void approxChunk(uint c, uint h0, uint kvLocal) {
+// all the block's heads, LA lanes of rows at a time. It returns the
+// pseudo-tokens it attended (clusters some head of the block weighs).
+uint approxChunk(uint c, uint h0, uint kvLocal) {
 	uint tid = gl_LocalInvocationID.x;
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
 	uint g = pc.kvBase + kvLocal;
-	uint per = pc.runTable > 0 ? (pc.C + runs - 1) / runs : pc.chunk;  // clusters of a range
-	uint c0 = c * per;
-	uint cEnd = min(c0 + per, pc.C);
+	// The ranges' clusters as one index i < span: range c + (i / per)·R,
+	// its (i % per)-th cluster (past C: none).
+	uint per = pc.chunk;
+	uint span = c < pc.clusterChunks ? (pc.clusterChunks - c + runs - 1) / runs * per : 0;
 	const uint LA = WG / D4;  // lanes of mean rows
 	// Rows whose loads a lane has in flight: on the H100, Double-P's
 	// attention took 65.3 µs with 16 against 66.9 with 4 (llama, 131 072
@@ -500,21 +505,23 @@ void approxChunk(uint c, uint h0, uint kvLocal) {
 		l[j] = 0.0;
 		acc[j] = vec4(0.0);
 	}
-	for (uint cl = c0 + tid; cl < cEnd; cl += WG) {
-		if (takenByGroup(g, cl)) continue;
+	for (uint i = tid; i < span; i += WG) {
+		uint cl = (c + i / per * runs) * per + i % per;
+		if (cl >= pc.C || takenByGroup(g, cl)) continue;
 		[[unroll]] for (uint j = 0; j < GROUP; j++) {
 			uint h = h0 + j;
 			if (rank[h * pc.C + cl] < keep[h]) m[j] = max(m[j], logit[h * pc.C + cl]);
 		}
 	}
 	combine(m, 0);
-	for (uint w0 = c0; w0 < cEnd; w0 += TILE) {
-		uint len = min(TILE, cEnd - w0);
+	uint listed = 0;
+	for (uint w0 = 0; w0 < span; w0 += TILE) {
+		uint len = min(TILE, span - w0);
 		if (tid == 0) pre[0] = 0;
 		barrier();
 		for (uint i = tid; i < len; i += WG) {
-			uint cl = w0 + i;
-			if (takenByGroup(g, cl)) continue;
+			uint cl = (c + (w0 + i) / per * runs) * per + (w0 + i) % per;
+			if (cl >= pc.C || takenByGroup(g, cl)) continue;
 			float w[GROUP];
 			bool any = false;
 			[[unroll]] for (uint j = 0; j < GROUP; j++) {
@@ -531,6 +538,7 @@ void approxChunk(uint c, uint h0, uint kvLocal) {
 		}
 		barrier();
 		uint count = pre[0];
+		listed += count;
 		if (lane < LA) {
 			for (uint s0 = lane; s0 < count; s0 += MU * LA) {
 				vec4 x[MU];
@@ -567,6 +575,7 @@ void approxChunk(uint c, uint h0, uint kvLocal) {
 		if (tid == 0) pml[base + j * pc.maxChunks] = vec2(M, wa * l[j] + wr * runL[j]);
 		barrier();
 	}
+	return listed;
 }
 
 // mergeChunks writes the output of query heads h0 .. h0 + GROUP − 1 of
@@ -694,7 +703,7 @@ void main() {
 	uint members = attendChunk(x, h0, kvLocal, n, chunk, held);
 	if (held) {
 		barrier();  // the run's partial is in shared memory
-		approxChunk(x, h0, kvLocal);
+		members += approxChunk(x, h0, kvLocal);
 	}
 
 	// Arrive: the partials written (and made visible device-wide) before

@@ -296,10 +296,11 @@ func TestClusterRunsPerHeadBlock(t *testing.T) {
 					continue
 				}
 				equal := ceilDiv(c.clusters, plan.clusterChunk)
+				least, _ := runBounds(c.clusters, equal, plan.d.window)
 				total := 0
 				for i, r := range plan.runs {
 					total += r
-					require.GreaterOrEqual(t, r, max(1, equal/runLeast), "head block %d", i)
+					require.GreaterOrEqual(t, r, least, "head block %d", i)
 					require.LessOrEqual(t, r, plan.MostRuns(), "head block %d", i)
 				}
 				require.LessOrEqual(t, total, equal*len(plan.runs))
@@ -354,5 +355,27 @@ func TestBalancedRuns(t *testing.T) {
 			}
 		}
 		require.LessOrEqual(t, total, equal*n)
+	}
+}
+
+// TestRunBounds checks the least and most runs of a balanced head block on
+// the shapes measured: Tactic's clusters of 16 at 131 072 and 32 768 tokens
+// keep an eighth of their runs; the token oracle's clusters of one token
+// keep all of theirs, so that no run scans more than runScanWindows
+// windows.
+func TestRunBounds(t *testing.T) {
+	for _, c := range []struct{ clusters, equal, window, least, most int }{
+		{8192, 32, 256, 4, 128},
+		{2048, 32, 256, 4, 128},
+		{131072, 32, 256, 32, 128},
+		{32768, 32, 256, 16, 128},
+		{100, 2, 64, 1, 8},
+	} {
+		least, most := runBounds(c.clusters, c.equal, c.window)
+		require.Equal(t, c.least, least, "%d clusters, %d equal runs", c.clusters, c.equal)
+		require.Equal(t, c.most, most, "%d clusters, %d equal runs", c.clusters, c.equal)
+		if least < c.equal {
+			require.LessOrEqual(t, ceilDiv(c.clusters, least), runScanWindows*c.window, "%d clusters", c.clusters)
+		}
 	}
 }

@@ -320,8 +320,8 @@ type DensePlan struct {
 	// one merges them and sets both back to 0.
 	arrivals *vk.Buffer
 	// taken holds, per sequence and head block ([B][Hq/group] uint32,
-	// host-visible), the members of clusters the block attended in the
-	// last attention over clusters.
+	// host-visible), the members of clusters and pseudo-tokens the block
+	// attended in the last attention over clusters.
 	taken    *vk.Buffer
 	out      *vk.Buffer
 	segments [][]segment // per sequence: KV head ranges bound together
@@ -846,8 +846,9 @@ func (p *DensePlan) SetRuns(runs []int) error {
 // MostRuns is the most runs SetRuns gives a head block.
 func (p *DensePlan) MostRuns() int { return p.mostRuns }
 
-// Taken returns the members of clusters each head block attended in the
-// last attention over clusters that ran ([KV][blocks], as SetRuns).
+// Taken returns the rows each head block attended in the last attention
+// over clusters that ran ([KV][blocks], as SetRuns): the members of the
+// clusters taken and the pseudo-tokens, not the fixed tokens.
 func (p *DensePlan) Taken() ([]uint32, error) {
 	out := make([]uint32, p.d.heads.KV*(p.d.heads.Group()/p.d.group))
 	return out, p.taken.ReadUint32(0, out)
@@ -857,31 +858,43 @@ func (p *DensePlan) Taken() ([]uint32, error) {
 // over clusters from the members each block attended in the last one
 // (Taken): balancedRuns over the equal runs' total when sequences plans
 // share the stage, each block keeping at least a runLeast-th of its equal
-// runs. Until some block has attended a member it keeps equal runs, as do
-// plans with pseudo-tokens (whose runs' work follows their ranges).
+// runs. Until some block has attended a member it keeps equal runs.
 func (p *DensePlan) Rebalance(sequences int) error {
-	if p.approx != nil {
-		// Pseudo-tokens follow a run's range of clusters, not its taken
-		// members: those runs stay equal.
-		return p.SetRuns(nil)
-	}
 	taken, err := p.Taken()
 	if err != nil {
 		return err
 	}
 	equal := ceilDiv(p.clusters.C, p.runClusters(sequences))
-	runs := balancedRuns(taken, equal*len(taken), max(1, equal/runLeast), min(p.mostRuns, runTableSpread*equal))
+	least, most := runBounds(p.clusters.C, equal, p.d.window)
+	runs := balancedRuns(taken, equal*len(taken), least, min(p.mostRuns, most))
 	if runs == nil {
 		return p.SetRuns(nil)
 	}
 	return p.SetRuns(runs)
 }
 
-// runLeast: a head block keeps at least 1/runLeast of its equal runs. On
-// the H100 (P 0.9, Tactic's step at 131 072 tokens) balanced runs took
-// attention 39 → 37 µs on llama and 51 → 45 on megabeam keeping an eighth,
-// against 40 and 47 keeping a quarter and 41 and 45 a sixteenth.
-const runLeast = 8
+// runBounds returns the fewest and most runs a head block of c clusters
+// gets when balanced around equal runs of a block: at least 1/runLeast of
+// them, and no fewer than make runs of runScanWindows windows of window
+// clusters (each window's scan costs a workgroup about 2 µs on the H100),
+// but never more than equal; at most runTableSpread times equal.
+func runBounds(c, equal, window int) (least, most int) {
+	least = min(equal, max(1, equal/runLeast, ceilDiv(c, runScanWindows*window)))
+	return least, runTableSpread * equal
+}
+
+// A head block keeps at least 1/runLeast of its equal runs, and runs of at
+// most runScanWindows windows. On the H100 (P 0.9, 131 072 tokens in
+// clusters of 16: runs of 2 048 clusters at the least) balanced runs took
+// Tactic's attention 39 → 37 µs on llama and 51 → 45 on megabeam keeping an
+// eighth, against 40 and 47 keeping a quarter and 41 and 45 a sixteenth,
+// and Double-P's 62 → 56 on llama. Without the bound on windows, the
+// token oracle's clusters of one token left runs of 32 768 clusters, and
+// its attention took 245 µs against 74.
+const (
+	runLeast       = 8
+	runScanWindows = 8
+)
 
 // balancedRuns shares total runs among blocks in proportion to the members
 // each attends (largest remainders), each between least and most; nil

@@ -144,6 +144,11 @@ func (s *Step) Attend(q []float32) ([]float32, error) {
 	return out, s.plan.out.ReadFloat32(0, out)
 }
 
+// Rebalance divides the next steps' attention among workgroups by the
+// rows each head block attended in the last step that ran
+// (DensePlan.Rebalance); Attend does it before every step.
+func (s *Step) Rebalance() error { return s.plan.Rebalance(1) }
+
 // Output returns the buffer the output lands in, float32 [Hq][D]
 // (TacticStep.SetClusters replaces it: ask again after).
 func (s *Step) Output() *vk.Buffer { return s.plan.Output() }
