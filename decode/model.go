@@ -524,7 +524,9 @@ func (m *Model) build(layer int) error {
 }
 
 // SetQuery uploads a layer's queries for the active slots, [B][Hq][D]
-// float32 in Active order, for the Record that follows.
+// float32 in Active order, for the Record that follows; with Tactic it
+// also divides the layer's attention among workgroups by what each head
+// attended in the layer's last step.
 func (m *Model) SetQuery(layer int, q []float32) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -547,7 +549,11 @@ func (m *Model) setQuery(layer int, q []float32) error {
 	b := &m.layers[layer]
 	var err error
 	if b.batch != nil {
-		err = b.batch.SetQuery(q)
+		// The last step of this batch has run (as the package says it
+		// must have): its unions divide the next one's attention.
+		if err = b.batch.SetQuery(q); err == nil {
+			err = b.batch.Rebalance()
+		}
 	} else {
 		err = b.plan.SetQuery(q)
 	}

@@ -93,6 +93,19 @@ func (b *TacticBatch) record(c *vk.Commands, mark func(stage int)) error {
 	return recordSteps(c, steps, mark)
 }
 
+// Rebalance divides each sequence's attention among workgroups, for the
+// steps recorded next, by the rows its head blocks attended in the last
+// batched step that ran (DensePlan.Rebalance); Attend does it before every
+// step.
+func (b *TacticBatch) Rebalance() error {
+	for _, t := range b.steps {
+		if err := t.plan.Rebalance(len(b.steps)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // Attend runs a batched step for the queries q ([B][Hq][D]) and returns
 // the outputs, [B][Hq][D]; as Step.Attend, each sequence's attention
 // divides its clusters by the members of the step before.
@@ -100,10 +113,8 @@ func (b *TacticBatch) Attend(q []float32) ([]float32, error) {
 	if err := b.SetQuery(q); err != nil {
 		return nil, err
 	}
-	for _, t := range b.steps {
-		if err := t.plan.Rebalance(len(b.steps)); err != nil {
-			return nil, err
-		}
+	if err := b.Rebalance(); err != nil {
+		return nil, err
 	}
 	if err := runOnce(b.dense.dev, b.Record); err != nil {
 		return nil, err
