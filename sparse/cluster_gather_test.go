@@ -229,12 +229,13 @@ func TestClusterRun(t *testing.T) {
 		{8192, 1, 256},   // 131 072 tokens in clusters of 16
 		{2048, 1, 64},    // 32 768
 		{1024, 1, 64},    // 32 768 in clusters of 32: the floor
-		{8192, 4, 256},   // batches of up to 4 keep their runs
-		{8192, 8, 512},   // a batch of 8: twice as long
-		{2048, 8, 128},   // likewise
-		{1024, 8, 64},    // clusters of 32: 128 workgroups a sequence already
-		{4096, 8, 256},   // 131 072 in clusters of 32
-		{8192, 16, 1024}, // 16 sequences: four times
+		{8192, 2, 256},   // batches of up to 2 keep their runs
+		{8192, 4, 512},   // a batch of 4: twice as long
+		{8192, 8, 1024},  // a batch of 8: four times
+		{2048, 8, 256},   // likewise
+		{1024, 8, 128},   // clusters of 32
+		{4096, 8, 512},   // 131 072 in clusters of 32
+		{8192, 16, 2048}, // 16 sequences: eight times
 		{10, 3, 64},
 	} {
 		got := clusterRun(c.clusters, 8, c.sequences)

@@ -114,7 +114,7 @@ const (
 	clusterWorkgroups = 256
 	// Sequences of a batch beyond which each one's attention over clusters
 	// takes proportionally fewer, longer runs (clusterRun).
-	clusterBatchSequences = 4
+	clusterBatchSequences = 2
 	partialBindings       = 18
 	partialPushWords      = 18
 )
@@ -788,9 +788,9 @@ func (p *DensePlan) recordClusters(c *vk.Commands) error {
 // costs its queries, its windows' scans, its partial and its arrival
 // whatever it attends; a batch's several waves of them even out the runs'
 // members without as many of those fixed costs. On the H100 (llama, P 0.9,
-// batch 8) attention took 117, 92 and 89 µs at 32 768 tokens with 8, 4 and
-// 2 waves of runs, 188, 178 and 190 at 131 072; with clusters of 32, 99 µs
-// at 32 768 with 4 waves against 132 with 2.
+// batch 8, runs balanced by the step before) attention took 80, 77 and 89
+// µs at 32 768 tokens with 1, 2 and 4 waves of runs, 213, 177 and 175 at
+// 131 072; with equal runs 117, 92 and 89 µs with 8, 4 and 2 waves.
 func clusterRun(c, blocks, sequences int) int {
 	target := clusterWorkgroups
 	if sequences > clusterBatchSequences {
