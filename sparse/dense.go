@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"time"
 
@@ -836,10 +837,7 @@ func (p *DensePlan) SetRuns(runs []int) error {
 			return fmt.Errorf("sparse: %d runs for head block %d, want 1 to %d", r, j, p.mostRuns)
 		}
 	}
-	p.runs = append([]int(nil), runs...)
-	if runs == nil {
-		p.runs = nil
-	}
+	p.runs = slices.Clone(runs)
 	return nil
 }
 
@@ -855,18 +853,26 @@ func (p *DensePlan) Taken() ([]uint32, error) {
 }
 
 // Rebalance sets the runs per head block (SetRuns) for the next attention
-// over clusters from the members each block attended in the last one
+// over clusters from the rows each block attended in the last one
 // (Taken): balancedRuns over the equal runs' total when sequences plans
-// share the stage, each block keeping at least a runLeast-th of its equal
-// runs. Until some block has attended a member it keeps equal runs.
+// share the stage, within runBounds. Until some block has attended a row,
+// and where more equal runs than a table holds are chosen, the blocks keep
+// equal runs.
 func (p *DensePlan) Rebalance(sequences int) error {
+	if p.clusters == nil {
+		return fmt.Errorf("sparse: Rebalance of a plan without clusters")
+	}
 	taken, err := p.Taken()
 	if err != nil {
 		return err
 	}
 	equal := ceilDiv(p.clusters.C, p.runClusters(sequences))
 	least, most := runBounds(p.clusters.C, equal, p.d.window)
-	runs := balancedRuns(taken, equal*len(taken), least, min(p.mostRuns, most))
+	most = min(most, p.mostRuns)
+	if least > most {
+		return p.SetRuns(nil) // more equal runs than a table holds
+	}
+	runs := balancedRuns(taken, equal*len(taken), least, most)
 	if runs == nil {
 		return p.SetRuns(nil)
 	}
