@@ -128,7 +128,7 @@ func recordSteps(c *vk.Commands, steps []*Step, mark func(stage int)) error {
 }
 
 // Attend runs a step for the query q ([Hq][D]) and returns the output.
-// Its attention divides the clusters among workgroups by the members each
+// Its attention divides the clusters among workgroups by the rows each
 // head block attended in the step before (DensePlan.Rebalance).
 func (s *Step) Attend(q []float32) ([]float32, error) {
 	if err := s.SetQuery(q); err != nil {
