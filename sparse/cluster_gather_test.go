@@ -130,17 +130,25 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 				require.Greater(t, plan.clusterChunk, plan.d.window, "a chunk must span several windows")
 			}
 			q := randomQueries(rng, h.Query*h.Dim, 1.5)
-			nan := math.Float32bits(float32(math.NaN()))
-			require.NoError(t, dev.Run(func(cmd *vk.Commands) {
-				cmd.Fill(plan.Output().All(), nan)
-				cmd.Fill(plan.partO.All(), nan)
-				cmd.Fill(plan.partML.All(), nan)
-			}))
-			got, err := plan.Attend(q)
-			require.NoError(t, err)
+			got := attendPoisoned(t, dev, plan, q)
 			requireClose(t, listsRef(t, h, q, k, v, c.n, lists), got, h.Dim, 1e-3, "over clusters")
 		})
 	}
+}
+
+// attendPoisoned fills the plan's output and partials with NaN, so that
+// an element no workgroup writes fails the comparison, and attends q.
+func attendPoisoned(t *testing.T, dev *vk.Device, plan *DensePlan, q []float32) []float32 {
+	t.Helper()
+	nan := math.Float32bits(float32(math.NaN()))
+	require.NoError(t, dev.Run(func(cmd *vk.Commands) {
+		cmd.Fill(plan.Output().All(), nan)
+		cmd.Fill(plan.partO.All(), nan)
+		cmd.Fill(plan.partML.All(), nan)
+	}))
+	got, err := plan.Attend(q)
+	require.NoError(t, err)
+	return got
 }
 
 // TestClusterPlanTakesNoClusterForAHeadBlock attends over clusters where
@@ -278,14 +286,7 @@ func TestClusterRunsPerHeadBlock(t *testing.T) {
 			require.NoError(t, plan.SetRuns(runs))
 			for step := 0; step < 2; step++ {
 				q := randomQueries(rng, h.Query*h.Dim, 1.5)
-				nan := math.Float32bits(float32(math.NaN()))
-				require.NoError(t, dev.Run(func(cmd *vk.Commands) {
-					cmd.Fill(plan.Output().All(), nan)
-					cmd.Fill(plan.partO.All(), nan)
-					cmd.Fill(plan.partML.All(), nan)
-				}))
-				got, err := plan.Attend(q)
-				require.NoError(t, err)
+				got := attendPoisoned(t, dev, plan, q)
 				requireClose(t, listsRef(t, h, q, k, v, c.n, lists), got, h.Dim, 1e-3, fmt.Sprintf("step %d, runs %v", step, plan.runs))
 				taken, err := plan.Taken()
 				require.NoError(t, err)

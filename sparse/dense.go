@@ -275,6 +275,10 @@ func (d *Dense) kernel(name string, gather, approx uint32) (*vk.Pipeline, error)
 	return d.dev.NewPipeline(vk.Kernel{Name: name, SPIRV: d.code, Bindings: partialBindings, PushWords: partialPushWords, Specialization: spec})
 }
 
+// headBlocks returns the head blocks of a sequence: each KV head's query
+// heads, group at a time.
+func (d *Dense) headBlocks() int { return d.heads.KV * (d.heads.Group() / d.group) }
+
 // ThreadsPerRow returns how many threads share a K row in the score pass.
 func (d *Dense) ThreadsPerRow() int { return d.tpr }
 
@@ -317,8 +321,8 @@ type DensePlan struct {
 	partML    *vk.Buffer // per chunk: max and sum, [B][Hq][maxChunks][2] float32
 	// arrivals counts, per sequence and head block of group query heads
 	// ([B][Hq/group][2] uint32), the workgroups that have written their
-	// partials and the members of clusters their runs attended; the last
-	// one merges them and sets both back to 0.
+	// partials and the rows their runs attended (Taken); the last one
+	// merges them and sets both back to 0.
 	arrivals *vk.Buffer
 	// taken holds, per sequence and head block ([B][Hq/group] uint32,
 	// host-visible), the members of clusters and pseudo-tokens the block
@@ -467,7 +471,7 @@ func (p *DensePlan) chunkFor(n int) int {
 		for _, s := range p.seqs {
 			total += s.Len()
 		}
-		blocks := d.heads.KV * (d.heads.Group() / d.group)
+		blocks := d.headBlocks()
 		fine := ceilDiv(ceilDiv(total*blocks, targetWorkgroups), 64) * 64
 		coarse := ceilDiv(ceilDiv(total*blocks, targetWorkgroups/4), 64) * 64
 		c = max(fine, min(d.tile, coarse))
@@ -807,7 +811,7 @@ func (p *DensePlan) runClusters(sequences int) int {
 	if p.d.opts.ClusterChunk > 0 {
 		return p.clusterChunk
 	}
-	return clusterRun(p.clusters.C, p.d.heads.KV*(p.d.heads.Group()/p.d.group), sequences)
+	return clusterRun(p.clusters.C, p.d.headBlocks(), sequences)
 }
 
 // Runs of attention over clusters set per head block (DensePlan.SetRuns):
@@ -828,7 +832,7 @@ func (p *DensePlan) SetRuns(runs []int) error {
 	if p.clusters == nil {
 		return fmt.Errorf("sparse: runs of clusters for a plan without clusters")
 	}
-	blocks := p.d.heads.KV * (p.d.heads.Group() / p.d.group)
+	blocks := p.d.headBlocks()
 	if runs != nil && len(runs) != blocks {
 		return fmt.Errorf("sparse: %d runs for %d head blocks", len(runs), blocks)
 	}
@@ -848,7 +852,7 @@ func (p *DensePlan) MostRuns() int { return p.mostRuns }
 // over clusters that ran ([KV][blocks], as SetRuns): the members of the
 // clusters taken and the pseudo-tokens, not the fixed tokens.
 func (p *DensePlan) Taken() ([]uint32, error) {
-	out := make([]uint32, p.d.heads.KV*(p.d.heads.Group()/p.d.group))
+	out := make([]uint32, p.d.headBlocks())
 	return out, p.taken.ReadUint32(0, out)
 }
 
@@ -872,11 +876,7 @@ func (p *DensePlan) Rebalance(sequences int) error {
 	if least > most {
 		return p.SetRuns(nil) // more equal runs than a table holds
 	}
-	runs := balancedRuns(taken, equal*len(taken), least, most)
-	if runs == nil {
-		return p.SetRuns(nil)
-	}
-	return p.SetRuns(runs)
+	return p.SetRuns(balancedRuns(taken, equal*len(taken), least, most))
 }
 
 // runBounds returns the fewest and most runs a head block of c clusters
@@ -925,15 +925,13 @@ func balancedRuns(members []uint32, total, least, most int) []int {
 		frac float64
 	}
 	var parts []part
+	given := total - left
 	for i, m := range members {
 		share := float64(left) * float64(m) / sum
 		add := min(int(share), most-runs[i])
 		runs[i] += add
+		given += add
 		parts = append(parts, part{i, share - float64(int(share))})
-	}
-	given := 0
-	for _, r := range runs {
-		given += r
 	}
 	sort.Slice(parts, func(a, b int) bool { return parts[a].frac > parts[b].frac })
 	for _, pt := range parts {
