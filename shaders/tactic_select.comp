@@ -18,15 +18,18 @@
 // each one's bin b and sum
 //   Σ_{t in c} e(t),  e(t) = exp(scale·q_h·k_t − m),
 // as smp[h][w·cap + i] = (c·NB + b, sum bits), i < count_w, cap = ⌈C/W⌉
-// (so C·NB < 2^32);
-// and its share of the fixed tokens (the sinks [0, sinks) and the tail
-// [clusteredEnd, n)) with its count as fsum[h][w] = (Σ e(t), count_w bits).
+// (so C·NB < 2^32); a window's clusters beyond the exact bins only where
+// c is a multiple of pc.stride (1: all); and its share of the fixed tokens
+// (the sinks [0, sinks) and the tail [clusteredEnd, n)) with its count and
+// the tokens it sampled in each window as
+// fsum[h][w] = (Σ e(t), count_w bits, window 1's bits, window 2's bits).
 // The last of the head's workgroups to finish (an arrival counter, reset
 // by it; no workgroup waits for another) fits: the listed sums per bin,
 // scanned; the fixed total F; the exact sum E = Σ bins < j0; the
-// windows' means μ and mean 1/x over their token ranges
-// [start[r1], start[r2 + 1]) and [start[r3], start[r4 + 1]) (positions
-// from 1); the curve y = a/x + b through them in the 1/x coordinate; the
+// windows' means μ over the tokens they sampled and mean 1/x over their
+// token ranges [start[r1], start[r2 + 1]) and [start[r3], start[r4 + 1])
+// (positions from 1); the curve y = a/x + b through them in the 1/x
+// coordinate (a = 0 and b the pooled mean where a window sampled none); the
 // estimated cumulative sum S at every bin boundary j (F + the exact
 // prefix for j ≤ j0, F + E + Σ_{x = exact+1}^{start[j]} max(0, a/x + b)
 // beyond, in closed form); and the cut, the least j with S(j) ≥ P·S(n)
@@ -75,7 +78,7 @@ layout(std430, binding = 4) readonly buffer Sizes { uint sizes[]; };    // [Hkv]
 layout(std430, binding = 5) writeonly buffer BinOf { uint binOf[]; };   // [Hq][C]
 // Written by every workgroup of a head, read by the last: coherent.
 layout(std430, binding = 6) coherent buffer Sampled { uvec2 smp[]; };   // [Hq][C + maxW]
-layout(std430, binding = 7) coherent buffer FixedSum { vec2 fsum[]; };   // [Hq][maxW]
+layout(std430, binding = 7) coherent buffer FixedSum { vec4 fsum[]; };   // [Hq][maxW]
 layout(std430, binding = 8) writeonly buffer Plan { uint plan[]; };      // [Hq][16]
 layout(std430, binding = 9) writeonly buffer Cut { uint cut[]; };        // [Hq]
 layout(std430, binding = 10) coherent buffer Extremes { uvec2 ext[]; };  // [Hq], 0 between steps
@@ -94,6 +97,7 @@ layout(push_constant) uniform Push {
 	uint maxW;          // fsum's stride
 	float scale;
 	float p;            // target mass
+	uint stride;        // a window samples clusters c ≡ 0 (mod stride)
 } pc;
 
 shared vec4 qs[D / 4];
@@ -105,6 +109,7 @@ shared uint lst[WG];         // sampled clusters of a round; scanU's slots
 shared uint lstBin[WG];      // their bins
 shared uint nList;
 shared uint found[5];
+shared uint winCount[2];     // tokens sampled in each window
 shared vec4 part[WG];        // team sums; scanV's slots or subgroup totals
 shared bool last;
 
@@ -220,9 +225,9 @@ void scoreRows(uint g, uint tok[RPT], uint sub, float m, out float ev[RPT]) {
 // the layer holds clusters in cluster order (kvcache Layer.Reorder), so the
 // members are the slots from sinks + the cluster's start; the team scores
 // PASS of them at once.
-float sampleCluster(uint g, uint c, uint tslot, uint sub, float m) {
+float sampleCluster(uint g, uint c, uint tslot, uint sub, float m, out uint size) {
 	uint from = pc.sinks + starts[g * pc.C + c];
-	uint size = sizes[g * pc.C + c];
+	size = sizes[g * pc.C + c];
 	float acc = 0.0;
 	for (uint y0 = 0; y0 < size; y0 += PASS) {
 		uint tok[RPT];
@@ -236,10 +241,18 @@ float sampleCluster(uint g, uint c, uint tslot, uint sub, float m) {
 	return acc;
 }
 
-// sampled reports whether bin b is sampled: an exact bin (b < j0) or one
-// of a window's, r1..r2 and r3..r4.
-bool sampled(uint b, uint j0, bool windows, uint r1, uint r2, uint r3, uint r4) {
-	return b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
+// sampled reports whether cluster c of bin b is sampled: all of an exact
+// bin's (b < j0), and those of a window's bins, r1..r2 and r3..r4, with c a
+// multiple of the stride.
+bool sampled(uint c, uint b, uint j0, bool windows, uint r1, uint r2, uint r3, uint r4) {
+	return b < j0 || (windows && c % pc.stride == 0 && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
+}
+
+// countWindows adds the size of a sampled cluster of bin b to the
+// windows' sampled tokens.
+void countWindows(uint b, uint size, bool windows, uint r1, uint r2, uint r3, uint r4) {
+	if (windows && b >= r1 && b <= r2) atomicAdd(winCount[0], size);
+	if (windows && b >= r3 && b <= r4) atomicAdd(winCount[1], size);
 }
 
 // preAt returns pre[i] as a float.
@@ -311,6 +324,7 @@ void main() {
 	}
 	for (uint i = tid; i <= NB; i += WG) start[i] = 0;
 	if (tid < 5) found[tid] = tid == 0 ? NB : NB - 1;
+	if (tid < 2) winCount[tid] = 0;
 	barrier();
 
 	// The bins' token counts, BATCH clusters a thread with their loads in
@@ -376,7 +390,7 @@ void main() {
 		uint cl = w + (i0 + tid) * W;
 		if (i0 + tid < share) {
 			uint b = binOfScore(m, u, s[sb + cl]);
-			if (sampled(b, j0, windows, r1, r2, r3, r4)) {
+			if (sampled(cl, b, j0, windows, r1, r2, r3, r4)) {
 				uint k = atomicAdd(nList, 1);
 				lst[k] = cl;
 				lstBin[k] = b;
@@ -387,22 +401,28 @@ void main() {
 		if (TEAM_SHUFFLE != 0) {
 			// Teams go on independently; a team's threads sum by shuffles.
 			for (uint i = team; i < count; i += TEAMS) {
-				uint c = lst[i];
-				float acc = sampleCluster(g, c, tslot, sub, m);
+				uint c = lst[i], size;
+				float acc = sampleCluster(g, c, tslot, sub, m, size);
 				[[unroll]] for (uint o = TEAM / 2; o >= TPR; o >>= 1) acc += subgroupShuffleXor(acc, o);
-				if (tid % TEAM == 0) smp[mine + listed + i] = uvec2(c * NB + lstBin[i], floatBitsToUint(acc));
+				if (tid % TEAM == 0) {
+					uint b = lstBin[i];
+					smp[mine + listed + i] = uvec2(c * NB + b, floatBitsToUint(acc));
+					countWindows(b, size, windows, r1, r2, r3, r4);
+				}
 			}
 		} else {
 			// Rounds of TEAMS clusters; a team's threads meet in part.
 			for (uint t0 = 0; t0 < count; t0 += TEAMS) {
-				uint i = t0 + team;
-				float acc = i < count ? sampleCluster(g, lst[i], tslot, sub, m) : 0.0;
+				uint i = t0 + team, size = 0;
+				float acc = i < count ? sampleCluster(g, lst[i], tslot, sub, m, size) : 0.0;
 				part[tid].x = acc;
 				barrier();
 				if (i < count && tid % TEAM == 0) {
 					float t = 0.0;
 					for (uint j = 0; j < TEAM; j += TPR) t += part[tid + j].x;
-					smp[mine + listed + i] = uvec2(lst[i] * NB + lstBin[i], floatBitsToUint(t));
+					uint b = lstBin[i];
+					smp[mine + listed + i] = uvec2(lst[i] * NB + b, floatBitsToUint(t));
+					countWindows(b, size, windows, r1, r2, r3, r4);
 				}
 				barrier();
 			}
@@ -429,7 +449,7 @@ void main() {
 	}
 	vec4 tot;
 	scanV(vec4(facc, 0.0, 0.0, 0.0), tot);
-	if (tid == 0) fsum[h * pc.maxW + w] = vec2(tot.x, uintBitsToFloat(listed));
+	if (tid == 0) fsum[h * pc.maxW + w] = vec4(tot.x, uintBitsToFloat(listed), uintBitsToFloat(winCount[0]), uintBitsToFloat(winCount[1]));
 
 	// The last of the head's workgroups to arrive fits.
 	memoryBarrierBuffer();
@@ -445,12 +465,17 @@ void main() {
 	// The listed sums per bin: R threads take each workgroup's list, after
 	// its fixed sum and count; the fixed sums go to the scan below.
 	for (uint i = tid; i <= NB; i += WG) pre[i] = 0;
+	if (tid < 2) winCount[tid] = 0;
 	barrier();
 	uint R = max(1u, WG / W);
 	float fixedPart = 0.0;
 	for (uint r = tid / R; r < W; r += WG / R) {
-		vec2 f = fsum[h * pc.maxW + r];
-		if (tid % R == 0) fixedPart += f.x;
+		vec4 f = fsum[h * pc.maxW + r];
+		if (tid % R == 0) {
+			fixedPart += f.x;
+			atomicAdd(winCount[0], floatBitsToUint(f.z));
+			atomicAdd(winCount[1], floatBitsToUint(f.w));
+		}
 		uint count = floatBitsToUint(f.y);
 		for (uint i = tid % R; i < count; i += R) {
 			uvec2 e = smp[hb + r * cap + i];
@@ -485,15 +510,16 @@ void main() {
 	barrier();  // every thread has read pre[j0]
 
 	float a = 0.0, bb = 0.0;
+	uint s1 = winCount[0], s2 = winCount[1];  // tokens the windows sampled
 	if (windows) {
-		float mu1 = win1 / float(v1 - u1), mu2 = win2 / float(v2 - u2);
 		float h1 = (harmonic(v1) - harmonic(u1)) / float(v1 - u1);
 		float h2 = (harmonic(v2) - harmonic(u2)) / float(v2 - u2);
-		if (h1 != h2) {
+		if (h1 != h2 && s1 > 0 && s2 > 0) {
+			float mu1 = win1 / float(s1), mu2 = win2 / float(s2);
 			a = (mu1 - mu2) / (h1 - h2);
 			bb = mu1 - a * h1;
-		} else {
-			bb = (win1 + win2) / float(v1 - u1 + v2 - u2);
+		} else if (s1 + s2 > 0) {
+			bb = (win1 + win2) / float(s1 + s2);
 		}
 	}
 

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math"
 	"slices"
-	"sort"
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/vk"
@@ -64,9 +63,10 @@ type tacticBound struct {
 	// pairs [Hq][C+maxSampleWorkgroups]: workgroup w's i-th from w·⌈C/W⌉,
 	// (cluster·TacticBins + bin, Σ e(t) over the cluster as float bits).
 	sampled *vk.Buffer
-	// fixedE holds, per head and workgroup, float32 pairs
-	// [Hq][maxSampleWorkgroups]: Σ e(t) over its fixed tokens, and the
-	// count of its sampled list as uint32 bits.
+	// fixedE holds, per head and workgroup, four words
+	// [Hq][maxSampleWorkgroups]: Σ e(t) over its fixed tokens (float32),
+	// the count of its sampled list and the tokens it sampled in each
+	// window (uint32).
 	fixedE   *vk.Buffer
 	cut      *vk.Buffer // uint32 [Hq]
 	extremes *vk.Buffer // uint32 [Hq][2]: keys of each head's best and worst score, 0 between steps
@@ -143,10 +143,18 @@ const selectWave = 256
 // selectionWidth returns the selection's workgroups per query head for
 // about `sampled` clusters to sample a head, with `teams` teams a
 // workgroup, when `sequences` sequences of `heads` query heads share the
-// dispatch: enough for about two clusters a team, at most
-// selectWave/(sequences·heads), at least one.
+// dispatch: enough for about two clusters a team, and at least a workgroup
+// per SM (half of selectWave in all) where each team still has a cluster;
+// at most selectWave/(sequences·heads), at least one. On the H100 (llama,
+// P 0.9, windows of every 4th cluster) 4 workgroups a head took the step
+// in 44.6 µs at 32 768 tokens against 47.7 with the two that two clusters
+// a team give, and 6 or 8 took 82.3 and 81.5 µs at 131 072 against 85.8
+// with 4: each workgroup ranks all its head's clusters, so two on an SM
+// pay where there is little to sample.
 func selectionWidth(sampled, teams, sequences, heads int) int {
-	return max(1, min(ceilDiv(sampled, 2*teams), selectWave/(sequences*heads)))
+	wave := selectWave / (sequences * heads)
+	perSM := min(ceilDiv(sampled, teams), wave/2)
+	return max(1, min(max(ceilDiv(sampled, 2*teams), perSM), wave))
 }
 
 // selectShared returns the shared memory tactic_select takes with wg
@@ -154,7 +162,7 @@ func selectionWidth(sampled, teams, sequences, heads int) int {
 // sums, the list of a round with its bins and a vec4 per thread, and a
 // few words.
 func selectShared(wg, dim int) int {
-	return 4*dim + 2*4*(TacticBins+1) + 8*wg + 16*wg + 32
+	return 4*dim + 2*4*(TacticBins+1) + 8*wg + 16*wg + 48
 }
 
 // tacticKernels are the selection kernels of Tactic steps, shared by the
@@ -239,7 +247,7 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 		shuffle = int(info.SubgroupSize)%team == 0
 	}
 	k.sampleTeams = int(selectWG) / team
-	k.fit = build("tactic_select", 12, 15, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, 10, subgroups(selectWG), boolWord(shuffle))
+	k.fit = build("tactic_select", 12, 16, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, 10, subgroups(selectWG), boolWord(shuffle))
 	if b.err != nil {
 		k.release()
 		return nil, b.err
@@ -305,7 +313,7 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 	x.planBuf, x.cut = alloc(hq*16), alloc(hq)
 	x.extremes, x.fitArrived = alloc(2*hq), alloc(hq)
 	x.centroids = alloc(h.KV * c * h.Dim / 2)
-	x.sampled, x.fixedE = alloc(2*hq*(c+maxSampleWorkgroups)), alloc(2*hq*maxSampleWorkgroups)
+	x.sampled, x.fixedE = alloc(2*hq*(c+maxSampleWorkgroups)), alloc(4*hq*maxSampleWorkgroups)
 	err := b.err
 	if err == nil {
 		err = halfCentroids(clusters, x.centroids)
@@ -426,9 +434,12 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		// head): where B sequences share the dispatches, their workgroups
 		// would otherwise make several waves, each ordering all of its
 		// head's clusters.
-		work := ceilDiv((need+(win[1]-win[0]+1)+(win[3]-win[2]+1))*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
+		stride := s.fit.windowStride(x.Count, x.C)
+		windows := ceilDiv(win[1]-win[0]+1+win[3]-win[2]+1, stride)
+		work := ceilDiv((need+windows)*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
 		push := []uint32{cc, group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3]),
-			uint32(x.First), uint32(end), uint32(n), maxSampleWorkgroups, scale, math.Float32bits(float32(s.p))}
+			uint32(x.First), uint32(end), uint32(n), maxSampleWorkgroups, scale, math.Float32bits(float32(s.p)),
+			uint32(stride)}
 		wgs := selectionWidth(work, k.sampleTeams, s.sequences, h.Query)
 		if s.workgroups > 0 {
 			wgs = s.workgroups
@@ -526,6 +537,8 @@ func (t *TacticStep) Tokens(members [][][]int32) ([][]int32, error) {
 // members of a bin's clusters merged, ascending) and the groups ranked by
 // ascending bin; the fit and budget then run over the groups. It returns
 // the budget and the cut: the head selects the clusters whose bin is below.
+// A window scores, of a bin beyond the exact part, the members of the
+// clusters its stride takes (TacticFit.WindowStride).
 func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *ClusterIndex, scores []float32, fixed []int32, p float64, fit TacticFit) (*TacticBudget, int, error) {
 	if len(scores) != idx.Clusters() {
 		return nil, 0, fmt.Errorf("sparse: %d scores for %d clusters", len(scores), idx.Clusters())
@@ -536,23 +549,36 @@ func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *Clus
 		b := TacticBin(m, u, s)
 		byBin[b] = append(byBin[b], idx.Members[c]...)
 	}
+	// The members a window scores per bin: those of the bin's clusters
+	// that fit.strided takes.
+	k := fit.windowStride(idx.Tokens(), idx.Clusters())
+	scoredByBin := make([][]int32, TacticBins)
+	for c, s := range scores {
+		if thinned(int32(c), k) {
+			b := TacticBin(m, u, s)
+			scoredByBin[b] = append(scoredByBin[b], idx.Members[c]...)
+		}
+	}
 	groups := &ClusterIndex{D: idx.D}
 	var bins []int
+	var scoredOf [][]int32
 	for b, mem := range byBin {
 		if len(mem) == 0 {
 			continue
 		}
-		sort.Slice(mem, func(i, j int) bool { return mem[i] < mem[j] })
+		slices.Sort(mem)
+		slices.Sort(scoredByBin[b])
 		groups.Members = append(groups.Members, mem)
 		groups.Sizes = append(groups.Sizes, len(mem))
 		bins = append(bins, b)
+		scoredOf = append(scoredOf, scoredByBin[b])
 	}
 	groups.Centroids = make([]float64, len(bins)*idx.D)
 	order := make([]int32, len(bins))
 	for i := range order {
 		order[i] = int32(i)
 	}
-	budget, err := tacticBudget(q, scale, keys, groups, fixed, p, fit, order)
+	budget, err := tacticBudget(q, scale, keys, groups, fixed, p, fit, order, func(c int32) []int32 { return scoredOf[c] })
 	if err != nil {
 		return nil, 0, err
 	}

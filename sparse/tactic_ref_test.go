@@ -143,6 +143,68 @@ func TestTacticBudgetWindowPlacement(t *testing.T) {
 	fit.MaxWindow = -1
 	_, err = TacticBudgetRef([]float64{1}, 1, keys, idx, nil, 0.5, fit)
 	require.ErrorContains(t, err, "MaxWindow")
+
+	// Windows of 80 tokens hold 8 clusters of the mean size, enough for a
+	// stride of 2 (4·2): window 1, centre 200, is [160, 239], ranks 15–23,
+	// of which it scores clusters 16, 18, 20 and 22; window 2, centre 500,
+	// [460, 539], ranks 45–53, scores 46 to 52. The means are over the
+	// tokens scored, 1/x over all the windows' positions.
+	fit = TacticFit{InitialFrac: 0.02, Window1: 0.2, Window2: 0.5, WindowFrac: 0.08, WindowStride: 2}
+	bud, err = TacticBudgetRef([]float64{1}, 1, keys, idx, nil, 0.5, fit)
+	require.NoError(t, err)
+	assert.Equal(t, [2]int{15, 24}, bud.Win1)
+	assert.Equal(t, [2]int{45, 54}, bud.Win2)
+	assert.Equal(t, 40, bud.Scored1)
+	assert.Equal(t, 40, bud.Scored2)
+	assert.Equal(t, 20+40+40, bud.SampledTokens())
+	assert.InDelta(t, (TacticHarmonic(240)-TacticHarmonic(150))/90, bud.H1, 1e-15)
+	mean := func(clusters ...int) float64 {
+		sum, count := 0.0, 0
+		for _, c := range clusters {
+			for _, tok := range idx.Members[c] {
+				sum += math.Exp(keys[tok] - bud.Shift)
+				count++
+			}
+		}
+		return sum / float64(count)
+	}
+	assert.InDelta(t, mean(16, 18, 20, 22), bud.Mu1, 1e-12*bud.Mu1)
+	assert.InDelta(t, mean(46, 48, 50, 52), bud.Mu2, 1e-12*bud.Mu2)
+	assert.InDelta(t, (bud.Mu1-bud.Mu2)/(bud.H1-bud.H2), bud.A, 1e-9*math.Abs(bud.A))
+	// A stride of 3 needs windows of 4·3 clusters: these score every one.
+	fit.WindowStride = 3
+	bud, err = TacticBudgetRef([]float64{1}, 1, keys, idx, nil, 0.5, fit)
+	require.NoError(t, err)
+	assert.Equal(t, 90, bud.Scored1)
+	assert.Equal(t, 20+90+90, bud.SampledTokens())
+
+	// A window that scores nothing (window 1's clusters left out): the
+	// curve is flat at window 2's mean; neither: nothing beyond the exact
+	// part is estimated.
+	fit.WindowStride = 0
+	skip := func(lo, hi int32) func(c int32) []int32 {
+		return func(c int32) []int32 {
+			if c >= lo && c < hi {
+				return nil
+			}
+			return idx.Members[c]
+		}
+	}
+	bud, err = tacticBudget([]float64{1}, 1, keys, idx, nil, 0.5, fit, nil, skip(15, 24))
+	require.NoError(t, err)
+	assert.Zero(t, bud.Scored1)
+	assert.Equal(t, 90, bud.Scored2)
+	assert.Zero(t, bud.A)
+	assert.InDelta(t, mean(45, 46, 47, 48, 49, 50, 51, 52, 53), bud.B, 1e-12*bud.B)
+	bud, err = tacticBudget([]float64{1}, 1, keys, idx, nil, 0.5, fit, nil, skip(15, 54))
+	require.NoError(t, err)
+	assert.Zero(t, bud.Scored1+bud.Scored2)
+	assert.Zero(t, bud.A)
+	assert.Zero(t, bud.B)
+	assert.InDelta(t, bud.FixedSum+bud.ExactSum, bud.Total, 1e-12*bud.Total)
+	fit.WindowStride = MaxWindowStride + 1
+	_, err = TacticBudgetRef([]float64{1}, 1, keys, idx, nil, 0.5, fit)
+	require.ErrorContains(t, err, "WindowStride")
 }
 
 // TestTacticSampledTokensCountsEachClusterOnce checks SampledTokens against
@@ -171,13 +233,22 @@ func TestTacticSampledTokensCountsEachClusterOnce(t *testing.T) {
 		{InitialFrac: 0.05, Window1: 0.03, Window2: 0.06, WindowFrac: 0.04}, // windows inside and across the exact part
 		{InitialFrac: 0.01, Window1: 0.30, Window2: 0.32, WindowFrac: 0.05}, // windows overlapping each other
 		{InitialFrac: 0.001, Window1: 0.5, Window2: 0.9, WindowFrac: 0.001}, // narrow, apart
+		{InitialFrac: 0.05, Window1: 0.13, Window2: 0.36, WindowFrac: 0.24, WindowStride: 2}, // thinned
+		{InitialFrac: 0.01, Window1: 0.30, Window2: 0.32, WindowFrac: 0.25, WindowStride: 2}, // thinned, overlapping
 	} {
 		bud, err := TacticBudgetRef(q, 0.5, keys, idx, nil, 0.9, fit)
 		require.NoError(t, err)
 		marked := make([]bool, idx.Clusters())
-		for _, r := range [][2]int{{0, bud.ExactClusters}, bud.Win1, bud.Win2} {
+		for j := 0; j < bud.ExactClusters; j++ {
+			marked[j] = true
+		}
+		k := fit.windowStride(n, idx.Clusters())
+		if fit.WindowFrac > 0.2 {
+			require.Equal(t, 2, k, "fit %+v: windows wide enough to thin", fit)
+		}
+		for _, r := range [][2]int{bud.Win1, bud.Win2} {
 			for j := r[0]; j < r[1]; j++ {
-				marked[j] = true
+				marked[j] = marked[j] || int(bud.Order[j])%k == 0
 			}
 		}
 		want := 0
@@ -342,13 +413,17 @@ func TestTacticBudgetErrors(t *testing.T) {
 }
 
 // TestSelectionWidth checks the selection's workgroups per head: about two
-// sampled clusters a team alone, at most one wave (selectWave) in all when
-// a batch's sequences share the dispatch, never none.
+// sampled clusters a team, at least half a wave where every team has a
+// cluster, at most one wave (selectWave) in all when a batch's sequences
+// share the dispatch, never none.
 func TestSelectionWidth(t *testing.T) {
 	const teams = 16 // teams of 32 threads in workgroups of 512
 	for _, c := range []struct{ sampled, sequences, heads, want int }{
 		{228, 1, 32, 8},  // 131 072 tokens: 8 (one wave of 256)
 		{105, 1, 32, 4},  // 32 768 tokens: the clusters decide
+		{57, 1, 32, 4},   // windows of every 4th cluster: half a wave
+		{40, 1, 32, 3},   // fewer clusters than half a wave's teams
+		{180, 1, 32, 6},  // 131 072 tokens, every 4th cluster
 		{460, 1, 32, 8},  // 262 144 tokens: one wave, not 15
 		{228, 2, 32, 4},  // a batch of 2
 		{228, 4, 32, 2},  // of 4
@@ -356,7 +431,7 @@ func TestSelectionWidth(t *testing.T) {
 		{228, 16, 32, 1}, // of 16: still one a head
 		{105, 4, 32, 2},  // 32 768 tokens, a batch of 4
 		{0, 1, 8, 1},     // nothing to sample
-		{40, 5, 8, 2},    // the batch test's shape
+		{40, 5, 8, 3},    // the batch test's shape: half a wave
 	} {
 		got := selectionWidth(c.sampled, teams, c.sequences, c.heads)
 		require.Equal(t, c.want, got, "%d clusters, %d sequences of %d heads", c.sampled, c.sequences, c.heads)

@@ -97,13 +97,19 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	// its share is every cluster, listed and sampled in several rounds.
 	wide := DefaultTacticFit()
 	wide.WindowFrac, wide.MaxWindow = 0.25, 0
-	runs := []run{{dense, 0.9, DefaultTacticFit(), 0, 0}, {tree, 0.8, DefaultTacticFit(), 3, 3}, {dense, 0.9, wide, 1, 1}}
+	// Windows of every 3rd cluster (wide ones: many clusters each).
+	thin := wide
+	thin.WindowStride = 3
+	runs := []run{{dense, 0.9, DefaultTacticFit(), 0, 0}, {tree, 0.8, DefaultTacticFit(), 3, 3}, {dense, 0.9, wide, 1, 1}, {dense, 0.8, thin, 2, 0}}
 	if all {
 		runs = append(runs, run{dense, 0.5, DefaultTacticFit(), 0, 0}, run{dense, 1, DefaultTacticFit(), 0, 0}, run{single, 0.9, DefaultTacticFit(), 0, 0},
-			run{dense, 0.7, capped, 0, 5}, run{dense, 0.9, DefaultTacticFit(), 5, 0})
+			run{dense, 0.7, capped, 0, 5}, run{dense, 0.9, DefaultTacticFit(), 5, 0}, run{tree, 0.9, thin, 0, 0})
 	}
 	for _, r := range runs {
 		p := r.p
+		if r.fit == thin {
+			require.Equal(t, thin.WindowStride, thin.windowStride(clusters.Count, clusters.C), "windows wide enough to thin")
+		}
 		step, err := NewTacticStep(r.dense, layer, clusters, p, r.fit)
 		require.NoError(t, err)
 		step.workgroups, step.scoreWorkgroups = r.workgroups, r.scoreWorkgroups
@@ -239,10 +245,12 @@ func requireCut(t *testing.T, b *TacticBudget, scores []float32, want, got int, 
 
 // requireSampled checks the sampling of the last step: for every query
 // head, that the workgroups' lists hold each sampled cluster (those in the
-// exact bins or a window of the head's plan) once, in the list of the
-// workgroup whose share it is, with its bin, and its exponential sum
-// against Σ exp(scale·q·k − m) over its members in float64, m the head's
-// best centroid score; and the sum over the fixed tokens the same way.
+// exact bins, and those of a window of the head's plan whose index the
+// fit's stride divides) once, in the list of the workgroup whose share it
+// is, with its bin, and its exponential sum against Σ exp(scale·q·k − m)
+// over its members in float64, m the head's best centroid score; the
+// tokens the workgroups counted per window against the sampled clusters'
+// sizes; and the sum over the fixed tokens the same way.
 func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64, index []*ClusterIndex, fixed []int32, n int) {
 	t.Helper()
 	h, x := step.dense.heads, step.clusters
@@ -250,12 +258,13 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 	plan := make([]uint32, h.Query*16)
 	stride := x.C + maxSampleWorkgroups // list entries per head
 	lists := make([]uint32, 2*h.Query*stride)
-	counts := make([]uint32, 2*h.Query*maxSampleWorkgroups)
+	counts := make([]uint32, 4*h.Query*maxSampleWorkgroups)
 	require.NoError(t, step.planBuf.ReadUint32(0, plan))
 	require.NoError(t, step.sampled.ReadUint32(0, lists))
 	require.NoError(t, step.fixedE.ReadUint32(0, counts))
 	bins, err := step.BinsOf()
 	require.NoError(t, err)
+	thin := step.fit.windowStride(x.Count, x.C)
 	bad := 0
 	check := func(what string, want float64, got float32) {
 		if math.Abs(want-float64(got)) > 1e-4*(math.Abs(want)+1e-6) || math.IsNaN(float64(got)) {
@@ -282,8 +291,12 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 		require.True(t, w >= 1 && w <= maxSampleWorkgroups, "head %d: %d workgroups", hh, w)
 		listCap := (x.C + w - 1) / w
 		listed := map[int]bool{}
+		var counted [2]int // tokens the workgroups sampled per window
 		for r := 0; r < w; r++ {
-			count := int(counts[2*(hh*maxSampleWorkgroups+r)+1])
+			at := 4 * (hh*maxSampleWorkgroups + r)
+			count := int(counts[at+1])
+			counted[0] += int(counts[at+2])
+			counted[1] += int(counts[at+3])
 			require.LessOrEqual(t, count, listCap, "head %d: workgroup %d lists %d clusters", hh, r, count)
 			for i := 0; i < count; i++ {
 				at := 2 * (hh*stride + r*listCap + i)
@@ -301,16 +314,23 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 			}
 		}
 		sampled := 0
+		var windowTokens [2]int
 		for c := 0; c < x.C; c++ {
 			b := bins[hh*x.C+c]
-			if b >= j0 && !in(b, pl[4], pl[5]) && !in(b, pl[8], pl[9]) {
+			if b >= j0 && (!thinned(int32(c), thin) || !in(b, pl[4], pl[5]) && !in(b, pl[8], pl[9])) {
 				continue
+			}
+			for k, at := range []int{4, 8} {
+				if in(b, pl[at], pl[at+1]) {
+					windowTokens[k] += len(index[g].Members[c])
+				}
 			}
 			sampled++
 			require.True(t, listed[c], "head %d: sampled cluster %d (bin %d) is not listed", hh, c, b)
 		}
 		require.Positive(t, sampled, "head %d samples no cluster", hh)
 		require.Len(t, listed, sampled, "head %d: clusters listed that are not sampled", hh)
+		require.Equal(t, windowTokens, counted, "head %d: tokens sampled per window", hh)
 		if hh == 0 {
 			t.Logf("head 0: %d clusters sampled by %d workgroups", sampled, w)
 		}

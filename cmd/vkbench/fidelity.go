@@ -88,6 +88,7 @@ func fidelity(args []string) error {
 	initial := fs.Float64("initial", sparse.DefaultTacticFit().InitialFrac, "share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)")
 	spans := fs.String("span", "0", fmt.Sprintf("K-means within spans of this many tokens (comma-separated to compare; 0: whole prefill, the paper's clustering; %d recommended)", sparse.KMeansDefaultSpan))
 	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
+	windowStride := fs.Int("window-stride", sparse.DefaultTacticFit().WindowStride, "sampling windows score only the clusters whose index is a multiple of this (0 or 1: every cluster)")
 	bandwidth := fs.Float64("bandwidth", 2870, "GB/s that a step and dense attention read at, for the bound (the H100's dense attention: 2870)")
 	floor := fs.Float64("floor", 3, "µs each dependent dispatch costs before any work, for the bound")
 	dispatches := fs.Int("dispatches", 3, "dependent dispatches of a sparse step, for the bound")
@@ -128,6 +129,7 @@ func fidelity(args []string) error {
 	opts.P = pList
 	opts.Fit.InitialFrac = *initial
 	opts.Fit.MaxWindow = *maxWindow
+	opts.Fit.WindowStride = *windowStride
 	opts.AvgClusterSize = *clusterSize
 	if err := opts.Validate(); err != nil {
 		return err

@@ -29,6 +29,7 @@ func tactic(args []string) error {
 	dim := fs.Int("dim", 128, "head dimension (generated workload)")
 	kindsName := fs.String("kinds", "mixed", kindsUsage)
 	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
+	windowStride := fs.Int("window-stride", sparse.DefaultTacticFit().WindowStride, "sampling windows score only the clusters whose index is a multiple of this (0 or 1: every cluster)")
 	initial := fs.Float64("initial", sparse.DefaultTacticFit().InitialFrac, "share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	batchList := fs.String("batch", "1", "batch sizes B (comma-separated): for each B > 1 a batched step over B sequences, each its own cache and index, is timed beside dense attention over B")
@@ -52,7 +53,7 @@ func tactic(args []string) error {
 		return fmt.Errorf("-batch: %v", err)
 	}
 	fit := sparse.DefaultTacticFit()
-	fit.MaxWindow, fit.InitialFrac = *maxWindow, *initial
+	fit.MaxWindow, fit.InitialFrac, fit.WindowStride = *maxWindow, *initial, *windowStride
 	if _, err := workload.NamedConfig(*kindsName, 1, *qHeads, *kvHeads, *dim); err != nil {
 		return fmt.Errorf("-kinds: %v", err)
 	}
