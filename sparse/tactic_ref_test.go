@@ -230,9 +230,9 @@ func TestTacticSampledTokensCountsEachClusterOnce(t *testing.T) {
 	q := []float64{0.3, -1.1, 0.7, 0.2}
 	for _, fit := range []TacticFit{
 		DefaultTacticFit(),
-		{InitialFrac: 0.05, Window1: 0.03, Window2: 0.06, WindowFrac: 0.04}, // windows inside and across the exact part
-		{InitialFrac: 0.01, Window1: 0.30, Window2: 0.32, WindowFrac: 0.05}, // windows overlapping each other
-		{InitialFrac: 0.001, Window1: 0.5, Window2: 0.9, WindowFrac: 0.001}, // narrow, apart
+		{InitialFrac: 0.05, Window1: 0.03, Window2: 0.06, WindowFrac: 0.04},                  // windows inside and across the exact part
+		{InitialFrac: 0.01, Window1: 0.30, Window2: 0.32, WindowFrac: 0.05},                  // windows overlapping each other
+		{InitialFrac: 0.001, Window1: 0.5, Window2: 0.9, WindowFrac: 0.001},                  // narrow, apart
 		{InitialFrac: 0.05, Window1: 0.13, Window2: 0.36, WindowFrac: 0.24, WindowStride: 2}, // thinned
 		{InitialFrac: 0.01, Window1: 0.30, Window2: 0.32, WindowFrac: 0.25, WindowStride: 2}, // thinned, overlapping
 	} {
