@@ -550,7 +550,7 @@ func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *Clus
 		byBin[b] = append(byBin[b], idx.Members[c]...)
 	}
 	// The members a window scores per bin: those of the bin's clusters
-	// that fit.strided takes.
+	// whose index the windows' stride k divides.
 	k := fit.windowStride(idx.Tokens(), idx.Clusters())
 	scoredByBin := make([][]int32, TacticBins)
 	for c, s := range scores {

@@ -98,11 +98,13 @@ func (f TacticFit) windowWidth(n int) int {
 // sampling took 27 µs instead of 34 on an H200). The cap changes neither
 // the traces (2 % of 16 384 is below it) nor the success rates and token
 // counts of the generator's layer at 32 768 tokens by more than a point.
-// The windows score every 4th cluster (WindowStride): the fit then reads
-// about 990 key rows a head instead of 1 740 at 32 768 tokens, and the
-// success rates of the traces and the generator at P 0.5, 0.7 and 0.9 stay
-// within 1.2 points of scoring every cluster (narrower windows of 128
-// tokens, which read about as little, cost 7.6 points on a trace at P 0.5).
+// The windows score every 4th cluster (WindowStride) where they hold at
+// least 16 clusters of the mean size (from about 12 800 tokens on with
+// clusters of 16): the fit then reads about 990 key rows a head instead of
+// 1 740 at 32 768 tokens, and the success rates of the traces and the
+// generator at P 0.5, 0.7 and 0.9 stay within 1.2 points of scoring every
+// cluster (narrower windows of 128 tokens, which read about as little,
+// cost 7.6 points on a trace at P 0.5).
 func DefaultTacticFit() TacticFit {
 	return TacticFit{InitialFrac: 0.02, Window1: 0.10, Window2: 0.40, WindowFrac: 0.02, MaxWindow: 512, WindowStride: 4}
 }
