@@ -275,13 +275,46 @@ func describe(inst vk.Instance, pd vk.PhysicalDevice, index int) Info {
 	return info
 }
 
-// Devices lists every Vulkan device the loader sees.
-func Devices() ([]Info, error) {
-	inst, err := newInstance(false)
+// The process's Vulkan instances, one per validation setting, each created
+// by the first call that needs it and kept until the process ends: NVIDIA's
+// driver (580, on an H100) refuses vkCreateInstance with
+// VK_ERROR_INCOMPATIBLE_DRIVER once about 30 instances have been created
+// and destroyed in one process, so devices opened and released again and
+// again share one instance (and, under validation, one messenger).
+var (
+	instanceMu sync.Mutex
+	instances  = map[bool]vk.Instance{}
+)
+
+// instanceFor returns the process's instance for the validation setting,
+// creating it (with its messenger under validation) on first use.
+func instanceFor(validate bool) (vk.Instance, error) {
+	instanceMu.Lock()
+	defer instanceMu.Unlock()
+	if inst, ok := instances[validate]; ok {
+		return inst, nil
+	}
+	inst, err := newInstance(validate)
 	if err != nil {
 		return nil, err
 	}
-	defer vk.DestroyInstance(inst, nil)
+	if validate {
+		var m C.VkDebugUtilsMessengerEXT
+		if err := check("vkCreateDebugUtilsMessengerEXT", vk.Result(C.vks_messenger_create(C.VkInstance(unsafe.Pointer(inst)), &m))); err != nil {
+			vk.DestroyInstance(inst, nil)
+			return nil, err
+		}
+	}
+	instances[validate] = inst
+	return inst, nil
+}
+
+// Devices lists every Vulkan device the loader sees.
+func Devices() ([]Info, error) {
+	inst, err := instanceFor(false)
+	if err != nil {
+		return nil, err
+	}
 	pds, err := physicalDevices(inst)
 	if err != nil {
 		return nil, err
@@ -326,17 +359,16 @@ func choose(infos []Info, sel string) (int, error) {
 
 // Device is an open logical device with one compute queue.
 type Device struct {
-	info      Info
-	instance  vk.Instance
-	physical  vk.PhysicalDevice
-	device    vk.Device
-	queue     vk.Queue
-	memory    vk.PhysicalDeviceMemoryProperties
-	messenger C.VkDebugUtilsMessengerEXT
-	validate  bool
-	stats     bool   // pipelines keep their compiler statistics
-	firstMsg  uint64 // messages recorded before this device opened
-	firstErr  uint64 // errors recorded before this device opened
+	info     Info
+	instance vk.Instance
+	physical vk.PhysicalDevice
+	device   vk.Device
+	queue    vk.Queue
+	memory   vk.PhysicalDeviceMemoryProperties
+	validate bool
+	stats    bool   // pipelines keep their compiler statistics
+	firstMsg uint64 // messages recorded before this device opened
+	firstErr uint64 // errors recorded before this device opened
 
 	mu   sync.Mutex
 	live map[any]string // objects not yet released, with a description
@@ -344,9 +376,10 @@ type Device struct {
 	queueMu sync.Mutex // serializes use of queue
 }
 
-// Open creates a device as opts say.
+// Open creates a device as opts say, on the process's instance for
+// opts.Validate (created on first use and kept; see instanceFor).
 func Open(opts Options) (*Device, error) {
-	inst, err := newInstance(opts.Validate)
+	inst, err := instanceFor(opts.Validate)
 	if err != nil {
 		return nil, err
 	}
@@ -354,18 +387,8 @@ func Open(opts Options) (*Device, error) {
 	if opts.Validate {
 		d.firstMsg = uint64(C.vks_messages_total())
 		d.firstErr = uint64(C.vks_messages_errors())
-		var m C.VkDebugUtilsMessengerEXT
-		err := check("vkCreateDebugUtilsMessengerEXT", vk.Result(C.vks_messenger_create(C.VkInstance(unsafe.Pointer(inst)), &m)))
-		d.messenger = m
-		if err != nil {
-			vk.DestroyInstance(inst, nil)
-			return nil, err
-		}
 	}
-	fail := func(err error) (*Device, error) {
-		d.destroyInstance()
-		return nil, err
-	}
+	fail := func(err error) (*Device, error) { return nil, err }
 	pds, err := physicalDevices(inst)
 	if err != nil {
 		return fail(err)
@@ -501,7 +524,7 @@ func (d *Device) Release() error {
 	before := uint64(C.vks_messages_errors())
 	vk.DestroyDevice(d.device, nil)
 	d.device = nil
-	after := d.destroyInstance()
+	after := uint64(C.vks_messages_errors())
 	if after > before {
 		msgs, _ := d.ValidationMessages()
 		errs = append(errs, fmt.Sprintf("validation reported %d errors while releasing the device: %s", after-before, strings.Join(msgs, "\n")))
@@ -510,17 +533,4 @@ func (d *Device) Release() error {
 		return fmt.Errorf("vk: releasing device: %s", strings.Join(errs, "; "))
 	}
 	return nil
-}
-
-// destroyInstance removes the messenger and the instance and returns the
-// error count recorded before the messenger went away.
-func (d *Device) destroyInstance() uint64 {
-	errs := uint64(C.vks_messages_errors())
-	if d.validate && d.messenger != nil {
-		C.vks_messenger_destroy(C.VkInstance(unsafe.Pointer(d.instance)), d.messenger)
-		d.messenger = nil
-	}
-	vk.DestroyInstance(d.instance, nil)
-	d.instance = nil
-	return errs
 }

@@ -216,12 +216,6 @@ VkResult vks_messenger_create(VkInstance instance, VkDebugUtilsMessengerEXT *out
 	return create(instance, &ci, NULL, out);
 }
 
-void vks_messenger_destroy(VkInstance instance, VkDebugUtilsMessengerEXT m) {
-	PFN_vkDestroyDebugUtilsMessengerEXT destroy =
-		(PFN_vkDestroyDebugUtilsMessengerEXT)gipa(instance, "vkDestroyDebugUtilsMessengerEXT");
-	if (destroy) destroy(instance, m, NULL);
-}
-
 uint64_t vks_messages_errors(void) {
 	pthread_mutex_lock(&mu);
 	uint64_t e = errors;

@@ -47,9 +47,8 @@ void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv, in
 const char *const *vks_coopmat_extensions(uint32_t *count);
 
 // vks_messenger_create installs a debug-utils messenger that records
-// validation messages; vks_messenger_destroy removes it.
+// validation messages for as long as the instance lives.
 VkResult vks_messenger_create(VkInstance instance, VkDebugUtilsMessengerEXT *out);
-void vks_messenger_destroy(VkInstance instance, VkDebugUtilsMessengerEXT m);
 
 // vks_messages_errors returns how many error messages were recorded so far.
 uint64_t vks_messages_errors(void);

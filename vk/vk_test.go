@@ -156,6 +156,28 @@ func TestReleaseReportsLeaks(t *testing.T) {
 	require.ErrorContains(t, err, "1 objects not released")
 }
 
+// TestOpenReleaseMany opens and releases a device more times than NVIDIA's
+// driver allows instances to be created and destroyed in one process
+// (about 30), running a fill on each, with validation when the environment
+// asks for it.
+func TestOpenReleaseMany(t *testing.T) {
+	first := vktest.Open(t).Info()
+	for i := 0; i < 40; i++ {
+		dev, err := vk.Open(vk.OptionsFromEnv())
+		require.NoError(t, err, "open %d", i)
+		require.Equal(t, first.Name, dev.Info().Name)
+		buf, err := dev.NewBuffer(64, vk.DeviceLocal)
+		require.NoError(t, err)
+		require.NoError(t, dev.Run(func(c *vk.Commands) { c.Fill(buf.All(), uint32(i)) }))
+		got := make([]uint32, 16)
+		require.NoError(t, buf.ReadUint32(0, got))
+		require.Equal(t, uint32(i), got[15], "open %d", i)
+		require.NoError(t, buf.Release())
+		vktest.Check(t, dev)
+		require.NoError(t, dev.Release(), "release %d", i)
+	}
+}
+
 func TestBadSelection(t *testing.T) {
 	_, err := vk.Open(vk.Options{Select: "no device has this name"})
 	if errors.Is(err, vk.ErrNoLoader) {
