@@ -245,7 +245,7 @@ float sampleCluster(uint g, uint c, uint tslot, uint sub, float m, out uint size
 // bin's (b < j0), and those of a window's bins, r1..r2 and r3..r4, with c a
 // multiple of the stride.
 bool sampled(uint c, uint b, uint j0, bool windows, uint r1, uint r2, uint r3, uint r4) {
-	return b < j0 || (windows && c % pc.stride == 0 && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)));
+	return b < j0 || (windows && ((b >= r1 && b <= r2) || (b >= r3 && b <= r4)) && c % pc.stride == 0);
 }
 
 // countWindows adds the size of a sampled cluster of bin b to the

@@ -544,18 +544,14 @@ func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *Clus
 		return nil, 0, fmt.Errorf("sparse: %d scores for %d clusters", len(scores), idx.Clusters())
 	}
 	m, u := TacticBinScale(scores)
-	byBin := make([][]int32, TacticBins)
+	// Each bin's members, and those a window scores: the members of the
+	// bin's clusters whose index the windows' stride k divides.
+	k := fit.windowStride(idx.Tokens(), idx.Clusters())
+	byBin, scoredByBin := make([][]int32, TacticBins), make([][]int32, TacticBins)
 	for c, s := range scores {
 		b := TacticBin(m, u, s)
 		byBin[b] = append(byBin[b], idx.Members[c]...)
-	}
-	// The members a window scores per bin: those of the bin's clusters
-	// whose index the windows' stride k divides.
-	k := fit.windowStride(idx.Tokens(), idx.Clusters())
-	scoredByBin := make([][]int32, TacticBins)
-	for c, s := range scores {
 		if thinned(int32(c), k) {
-			b := TacticBin(m, u, s)
 			scoredByBin[b] = append(scoredByBin[b], idx.Members[c]...)
 		}
 	}

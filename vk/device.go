@@ -388,10 +388,9 @@ func Open(opts Options) (*Device, error) {
 		d.firstMsg = uint64(C.vks_messages_total())
 		d.firstErr = uint64(C.vks_messages_errors())
 	}
-	fail := func(err error) (*Device, error) { return nil, err }
 	pds, err := physicalDevices(inst)
 	if err != nil {
-		return fail(err)
+		return nil, err
 	}
 	infos := make([]Info, len(pds))
 	for i, pd := range pds {
@@ -399,7 +398,7 @@ func Open(opts Options) (*Device, error) {
 	}
 	idx, err := choose(infos, opts.Select)
 	if err != nil {
-		return fail(err)
+		return nil, err
 	}
 	d.info, d.physical = infos[idx], pds[idx]
 	vk.GetPhysicalDeviceMemoryProperties(d.physical, &d.memory)
@@ -414,7 +413,7 @@ func Open(opts Options) (*Device, error) {
 	d.stats = opts.Statistics && d.info.ExecutableStatistics
 	features := C.vks_features(boolInt(d.info.Storage16Bit), boolInt(d.info.Float16), boolInt(d.info.Int64), boolInt(d.info.CooperativeMatrixNV), boolInt(d.stats))
 	if features == nil {
-		return fail(ErrOutOfMemory)
+		return nil, ErrOutOfMemory
 	}
 	defer C.free(features)
 	var dev vk.Device
@@ -441,7 +440,7 @@ func Open(opts Options) (*Device, error) {
 	}
 	ci.EnabledExtensionCount = uint32(len(ci.PpEnabledExtensionNames))
 	if err := check("vkCreateDevice", vk.CreateDevice(d.physical, &ci, nil, &dev)); err != nil {
-		return fail(err)
+		return nil, err
 	}
 	d.device = dev
 	var q vk.Queue
