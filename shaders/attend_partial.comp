@@ -59,6 +59,10 @@ layout(constant_id = 12) const uint APPROX = 0;
 const uint DV = D / 8;  // uvec4 words per row
 const uint ACC = GROUP * 2;  // vec4 of output a thread accumulates
 const uint D4 = D / 4;  // vec4 per query row
+// A thread's partial sums in the score pass, RPT·GROUP padded to a
+// multiple of TPR, and the whole sums each of a row's threads ends with.
+const uint SUMS = (RPT * GROUP + TPR - 1) / TPR * TPR;
+const uint HELD = SUMS / TPR;
 
 layout(std430, binding = 0) restrict readonly buffer Queries { vec4 q[]; };      // [B][Hq][D/4]
 layout(std430, binding = 1) restrict readonly buffer Keys { uvec4 k[]; };        // [heads][headStride]
@@ -124,7 +128,7 @@ uint runs;
 shared vec4 qs[GROUP * D4];  // the queries; with APPROX, then the run's partial outputs
 // APPROX = 1: the run's partial max and sum per head, for approxChunk.
 shared float runM[GROUP], runL[GROUP];
-shared float sc[SCORE_SLOTS];
+shared float sc[SCORE_SLOTS];  // a tile's scores, then weights, of row t and head g at t·GROUP + g
 shared float red[REDUCE_SLOTS];
 // GATHER = 2 only (one slot otherwise): a tile's token ids, and a window's
 // clusters' member offsets and scanned counts.
@@ -215,9 +219,9 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 	float mt[GROUP];
 	[[unroll]] for (uint g = 0; g < GROUP; g++) mt[g] = m[g];
 	for (uint pass = 0; pass < len; pass += ROWS) {
-		float s[RPT * GROUP];
+		float s[SUMS];  // entry r·GROUP + g, then zeros
 		uvec4 w[RPT * VPT];
-		[[unroll]] for (uint i = 0; i < RPT * GROUP; i++) s[i] = 0.0;
+		[[unroll]] for (uint i = 0; i < SUMS; i++) s[i] = 0.0;
 		[[unroll]] for (uint r = 0; r < RPT; r++) {
 			uint t = min(pass + r * STRIDE + tid / TPR, len - 1);  // a valid row; its scores are dropped
 			uint row = rowOf(headBase, rowBase, listBase, t0, t);
@@ -237,17 +241,29 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 				[[unroll]] for (uint r = 0; r < RPT; r++) s[r * GROUP + g] += dot(a[r], qa) + dot(b[r], qb);
 			}
 		}
+		// The TPR threads of a row meet by halving exchanges: at each step
+		// a thread sends the half of its partial sums it gives up to the
+		// thread o away and adds the other half it gets, so that TPR − 1
+		// rounds of HELD·o shuffles leave thread sub with the whole sums
+		// sub·HELD .. sub·HELD + HELD − 1 (entry r·GROUP + g: row r, head g).
 		if (TPR > 1) {
 			[[unroll]] for (uint o = TPR / 2; o > 0; o >>= 1) {
-				[[unroll]] for (uint i = 0; i < RPT * GROUP; i++) s[i] += subgroupShuffleXor(s[i], o);
+				bool upper = (sub & o) != 0;
+				[[unroll]] for (uint i = 0; i < HELD * o; i++) {
+					float give = upper ? s[i] : s[i + HELD * o];
+					float keep = upper ? s[i + HELD * o] : s[i];
+					s[i] = keep + subgroupShuffleXor(give, o);
+				}
 			}
 		}
-		[[unroll]] for (uint r = 0; r < RPT; r++) {
+		[[unroll]] for (uint i = 0; i < HELD; i++) {
+			uint e = sub * HELD + i;
+			uint r = e / GROUP, g = e % GROUP;
 			uint t = pass + r * STRIDE + tid / TPR;
-			if (t < len && sub == 0) {
-				[[unroll]] for (uint g = 0; g < GROUP; g++) {
-					sc[g * TILE + t] = s[r * GROUP + g];
-					mt[g] = max(mt[g], s[r * GROUP + g]);
+			if (e < RPT * GROUP && t < len) {
+				sc[t * GROUP + g] = s[i];
+				[[unroll]] for (uint x = 0; x < GROUP; x++) {
+					if (x == g) mt[x] = max(mt[x], s[i]);
 				}
 			}
 		}
@@ -266,8 +282,8 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 	}
 	for (uint t = tid; t < len; t += WG) {
 		[[unroll]] for (uint g = 0; g < GROUP; g++) {
-			float p = exp(sc[g * TILE + t] - m[g]);
-			sc[g * TILE + t] = p;
+			float p = exp(sc[t * GROUP + g] - m[g]);
+			sc[t * GROUP + g] = p;
 			l[g] += p;
 		}
 	}
@@ -284,7 +300,7 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 				vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
 				vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
 				[[unroll]] for (uint g = 0; g < GROUP; g++) {
-					float p = sc[g * TILE + t + r * LANES];
+					float p = sc[(t + r * LANES) * GROUP + g];
 					acc[2 * g] += p * a;
 					acc[2 * g + 1] += p * b;
 				}
@@ -295,7 +311,7 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
 			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
 			[[unroll]] for (uint g = 0; g < GROUP; g++) {
-				float p = sc[g * TILE + t];
+				float p = sc[t * GROUP + g];
 				acc[2 * g] += p * a;
 				acc[2 * g + 1] += p * b;
 			}
