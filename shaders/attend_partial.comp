@@ -241,10 +241,11 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 				[[unroll]] for (uint r = 0; r < RPT; r++) s[r * GROUP + g] += dot(a[r], qa) + dot(b[r], qb);
 			}
 		}
-		// The TPR threads of a row meet by halving exchanges: at each step
-		// a thread sends the half of its partial sums it gives up to the
-		// thread o away and adds the other half it gets, so that TPR − 1
-		// rounds of HELD·o shuffles leave thread sub with the whole sums
+		// The TPR threads of a row meet by halving exchanges: in the round
+		// with partner o a thread sends the half of its partial sums it
+		// gives up to the thread o away and adds the other half it gets
+		// (HELD·o shuffles), so that log2(TPR) rounds, HELD·(TPR − 1)
+		// shuffles in all, leave thread sub with the whole sums
 		// sub·HELD .. sub·HELD + HELD − 1 (entry r·GROUP + g: row r, head g).
 		if (TPR > 1) {
 			[[unroll]] for (uint o = TPR / 2; o > 0; o >>= 1) {
