@@ -557,3 +557,48 @@ func TacticDecodeRef(qs [][]float64, keys, values []float64, scale float64, idx 
 	}
 	return outs, tokens, budgets, nil
 }
+
+// TacticUnionRef returns a KV head's listed union (UnionList) from the
+// bins of each of its query heads' clusters (bins[j][c]), their cuts, and
+// the clusters' sizes and first slots: the entries (first slot, members)
+// of the clusters, in ascending order, that have members and whose bin is
+// below the cut of some head; and the TacticUnionPoints+1 points, point i
+// < TacticUnionPoints being (k, o) for member m = ⌊i·M/TacticUnionPoints⌋
+// of the M the entries hold in order, entry k holding members [S_k, S_k +
+// size_k) and o = m − S_k, and the last point (K, 0); every point is
+// (0, 0) where M = 0.
+func TacticUnionRef(bins [][]int, cuts []int, sizes, slots []int) (entries, points [][2]int, err error) {
+	if len(bins) != len(cuts) || len(sizes) != len(slots) {
+		return nil, nil, fmt.Errorf("sparse: bins of %d heads for %d cuts, %d sizes for %d slots", len(bins), len(cuts), len(sizes), len(slots))
+	}
+	var starts []int // S_k
+	total := 0
+	for c, size := range sizes {
+		taken := false
+		for j, b := range bins {
+			if len(b) != len(sizes) {
+				return nil, nil, fmt.Errorf("sparse: %d bins of head %d for %d clusters", len(b), j, len(sizes))
+			}
+			taken = taken || b[c] < cuts[j]
+		}
+		if taken && size > 0 {
+			entries = append(entries, [2]int{slots[c], size})
+			starts = append(starts, total)
+			total += size
+		}
+	}
+	points = make([][2]int, TacticUnionPoints+1)
+	points[TacticUnionPoints] = [2]int{len(entries), 0}
+	if total == 0 {
+		return entries, points, nil
+	}
+	k := 0
+	for i := range TacticUnionPoints {
+		m := i * total / TacticUnionPoints
+		for starts[k]+entries[k][1] <= m {
+			k++
+		}
+		points[i] = [2]int{k, m - starts[k]}
+	}
+	return entries, points, nil
+}
