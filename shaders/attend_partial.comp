@@ -41,8 +41,6 @@ layout(constant_id = 8) const uint REDUCE_SLOTS = 1024;
 // i < tokCount[g], instead of tokens 0 .. n-1 (n is then listStride).
 // GATHER = 2 attends, for KV head g, the members of the clusters some query
 // head of g takes and the fixed tokens outside the clusters (see Rank).
-// GATHER = 3 attends the same members as listed by the selection (see
-// UnionEntries), its runs taking equal shares of them.
 layout(constant_id = 9) const uint GATHER = 0;
 // RPT rows are scored by each thread (rows WG/TPR apart), so every q value
 // read from shared memory serves RPT K words.
@@ -59,8 +57,6 @@ layout(constant_id = 11) const uint WINDOW = 64;
 layout(constant_id = 12) const uint APPROX = 0;
 
 const uint DV = D / 8;  // uvec4 words per row
-const bool CLUSTERS = GATHER >= 2;  // runs of clusters' members and chunks of fixed tokens
-const uint POINTS = 1024;  // points of a union (GATHER = 3)
 const uint ACC = GROUP * 2;  // vec4 of output a thread accumulates
 const uint D4 = D / 4;  // vec4 per query row
 // A thread's partial sums in the score pass, RPT·GROUP padded to a
@@ -97,12 +93,6 @@ layout(std430, binding = 16) restrict readonly buffer Means { vec4 means[]; };  
 // GATHER = 2: the rows each head block's runs attended (as in Arrivals),
 // set by the block's last workgroup (the host reads it to balance the runs).
 layout(std430, binding = 17) restrict writeonly buffer Taken { uint taken[]; };  // [B][Hq/GROUP]
-// GATHER = 3: KV head g's union as the selection lists it, its entries
-// (first slot, members) k < K of the M members taken, and its points
-// (k, o), where member ⌊i·M/POINTS⌋ lies (point POINTS: (K, 0)). Run r of
-// R takes the members from point ⌊r·POINTS/R⌋ to point ⌊(r+1)·POINTS/R⌋.
-layout(std430, binding = 18) restrict readonly buffer UnionEntries { uvec2 ue[]; };  // [Hkv][C]
-layout(std430, binding = 19) restrict readonly buffer UnionPoints { uvec2 up[]; };   // [Hkv][POINTS + 1]
 
 layout(push_constant) uniform Push {
 	uint n;           // tokens of this sequence (GATHER: token-list stride)
@@ -207,7 +197,7 @@ void scanSizes(uint size) {
 
 // rowOf returns the first uvec4 word of row t of the tile starting at t0.
 uint rowOf(uint headBase, uint rowBase, uint listBase, uint t0, uint t) {
-	if (CLUSTERS) return headBase + lst[t] * DV;
+	if (GATHER == 2) return headBase + lst[t] * DV;
 	return GATHER != 0 ? headBase + tok[listBase + t0 + t] * DV : rowBase + t * DV;
 }
 
@@ -350,37 +340,6 @@ void putML(uint base, uint g, float m, float l, bool held) {
 	}
 }
 
-// takeWindow appends the pre[CW] members of a scanned window (from[j] the
-// first slot of its j-th part, pre its prefix sums) to the tile's list lst
-// (fill of them there), attending each full tile, and what remains after
-// the last window (GATHER ≥ 2).
-void takeWindow(bool last, inout uint fill, uint headBase, inout float m[GROUP], inout float l[GROUP], inout vec4 acc[ACC]) {
-	uint tid = gl_LocalInvocationID.x;
-	uint total = pre[CW];
-	// One call of attendTile in the loop: a full tile, or what remains
-	// after the last window.
-	uint s0 = 0;
-	do {
-		uint len = min(TILE - fill, total - s0);
-		for (uint y = tid; y < len; y += WG) {
-			// The part j whose members hold s0 + y: pre[j] <= s0 + y < pre[j + 1].
-			uint lo = 0, hi = CW - 1;
-			while (lo < hi) {
-				uint mid = (lo + hi + 1) / 2;
-				if (pre[mid] <= s0 + y) lo = mid; else hi = mid - 1;
-			}
-			lst[fill + y] = from[lo] + s0 + y - pre[lo];
-		}
-		fill += len;
-		s0 += len;
-		if (fill == TILE || (last && s0 == total && fill > 0)) {
-			barrier();
-			attendTile(fill, headBase, 0, 0, 0, m, l, acc);
-			fill = 0;
-		}
-	} while (s0 < total);
-}
-
 // attendChunk writes the partials of chunk c (of chunk tokens, or clusters
 // with GATHER = 2, out of n) of query heads h0 .. h0 + GROUP − 1 (of KV
 // head kvBase + kvLocal): m, l and o per head, or m = −∞ and l = 0 (o
@@ -406,13 +365,6 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 		size0 = takenByGroup(g, cl) ? sizes[g * pc.C + cl] : 0;
 		from0 = pc.first + starts[g * pc.C + cl];
 	}
-	// GATHER = 3: the run's first and end points, likewise.
-	uvec2 pa = uvec2(0), pb = uvec2(0);
-	if (GATHER == 3 && c < runs) {
-		uint pts = g * (POINTS + 1);
-		pa = up[pts + c * POINTS / runs];
-		pb = up[pts + (c + 1) * POINTS / runs];
-	}
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
 	}
@@ -437,11 +389,11 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 
 	uint headBase = kvLocal * pc.headStride;
 	uint attended = 1;  // GATHER = 2: the members attended (every chunk attends some tokens otherwise)
-	if (!CLUSTERS) {
+	if (GATHER != 2) {
 		for (uint t0 = chunkStart; t0 < chunkEnd; t0 += TILE) {
 			attendTile(min(TILE, chunkEnd - t0), headBase, headBase + t0 * DV, listBase, t0, m, l, acc);
 		}
-	} else if (GATHER == 2 && c < runs) {
+	} else if (c < runs) {
 		// Clusters c, c + R, c + 2R, ... of KV head g (R = runs
 		// runs), CW at a time: the taken ones' member counts are scanned,
 		// and their members' token ids appended to lst; each full tile is
@@ -464,28 +416,31 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 				}
 			}
 			scanSizes(size);
-			attended += pre[CW];
-			takeWindow(w0 + CW >= cEnd, fill, headBase, m, l, acc);
-			barrier();  // the next window rewrites pre and from
-		}
-	} else if (GATHER == 3 && c < runs) {
-		// The union's entries from point a to point b, CW at a time: the
-		// members of each (those of entry pa.x from pa.y on, those of pb.x
-		// below pb.y) scanned and attended as a window's above.
-		attended = 0;
-		uint fill = 0;
-		uint jEnd = pb.y > 0 ? pb.x + 1 : pb.x;
-		for (uint j0 = pa.x; j0 < jEnd; j0 += CW) {
-			uint j = j0 + tid, size = 0;
-			if (tid < CW && j < jEnd) {
-				uvec2 e = ue[g * pc.C + j];
-				uint lo = j == pa.x ? pa.y : 0;
-				size = (j == pb.x ? pb.y : e.y) - lo;
-				from[tid] = e.x + lo;
-			}
-			scanSizes(size);
-			attended += pre[CW];
-			takeWindow(j0 + CW >= jEnd, fill, headBase, m, l, acc);
+			uint total = pre[CW];
+			attended += total;
+			bool last = w0 + CW >= cEnd;
+			// One call of attendTile in the loop: a full tile, or what
+			// remains after the last window.
+			uint s0 = 0;
+			do {
+				uint len = min(TILE - fill, total - s0);
+				for (uint y = tid; y < len; y += WG) {
+					// The cluster j whose members hold s0 + y: pre[j] <= s0 + y < pre[j + 1].
+					uint lo = 0, hi = CW - 1;
+					while (lo < hi) {
+						uint mid = (lo + hi + 1) / 2;
+						if (pre[mid] <= s0 + y) lo = mid; else hi = mid - 1;
+					}
+					lst[fill + y] = from[lo] + s0 + y - pre[lo];
+				}
+				fill += len;
+				s0 += len;
+				if (fill == TILE || (last && s0 == total && fill > 0)) {
+					barrier();
+					attendTile(fill, headBase, 0, 0, 0, m, l, acc);
+					fill = 0;
+				}
+			} while (s0 < total);
 			barrier();  // the next window rewrites pre and from
 		}
 	} else {
@@ -529,7 +484,7 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 		barrier();
 	}
 	if (tid < GROUP) putML(base, tid, m[tid], l[tid], held);
-	return CLUSTERS && c < runs ? attended : 0;
+	return GATHER == 2 && c < runs ? attended : 0;
 }
 
 // approxChunk writes the partials of run c (APPROX = 1), its clusters'
@@ -727,7 +682,7 @@ void main() {
 	uint block = gl_WorkGroupID.y, x = gl_WorkGroupID.x;
 	uint blockChunks = gl_NumWorkGroups.x;
 	runs = pc.clusterChunks;
-	if (CLUSTERS && pc.runTable > 0) {
+	if (GATHER == 2 && pc.runTable > 0) {
 		block = 0;
 		for (uint b = 0; b < pc.runTable; b++) {
 			uint r = ((b < 4 ? pc.runLo : pc.runHi) >> (8 * (b % 4))) & 0xffu;
@@ -772,7 +727,7 @@ void main() {
 	// one thread counts this workgroup in. Only the last of the head
 	// block's chunks goes on; none waits for another.
 	uint counter = pc.seq * (pc.qHeads / GROUP) + h0 / GROUP;
-	if (CLUSTERS && tid == 0 && members > 0) atomicAdd(arrivals[2 * counter + 1], members);
+	if (GATHER == 2 && tid == 0 && members > 0) atomicAdd(arrivals[2 * counter + 1], members);
 	memoryBarrierBuffer();
 	barrier();
 	// Whether it was the last goes through red[0], free now (the merge does
@@ -781,10 +736,10 @@ void main() {
 	barrier();
 	if (red[0] == 0.0) return;
 	memoryBarrierBuffer();
-	uint attended = CLUSTERS && tid == 0 ? arrivals[2 * counter + 1] : 0;  // loaded before the merge, used after
+	uint attended = GATHER == 2 && tid == 0 ? arrivals[2 * counter + 1] : 0;  // loaded before the merge, used after
 	mergeChunks(h0, used);
 	if (tid == 0) {
-		if (CLUSTERS) {
+		if (GATHER == 2) {
 			taken[counter] = attended;
 			arrivals[2 * counter + 1] = 0;
 		}

@@ -36,14 +36,6 @@
 // (NB at P = 1). The head selects the clusters of bins below the cut.
 // plan[h][15] is W.
 // TacticBinnedBudgetRef states the same computation in float64.
-// UNION = 1: the last of KV head g's query heads to finish (a second
-// arrival counter, arrived[Hq + g], reset by it) lists the union of the
-// group's selections for attention's runs of equal members: the clusters
-// some head of g selects, with members, in cluster order, as
-// ue[g][k] = (sinks + start of the cluster, its size) for k < K, and the
-// points up[g][i] = (k, o), i < POINTS, where member ⌊i·M/POINTS⌋ of the
-// M listed lies: entry k, its o-th member; up[g][POINTS] = (K, 0) (every
-// point (0, 0) where M = 0). TacticUnionRef states the same.
 #extension GL_EXT_control_flow_attributes : enable
 #extension GL_KHR_shader_subgroup_basic : enable
 #extension GL_KHR_shader_subgroup_shuffle : enable
@@ -69,10 +61,6 @@ layout(constant_id = 7) const uint SUBGROUPS = 0;
 // shuffles work and TEAM divides the subgroup size); 0 meets in shared
 // memory, a round of teams at a time.
 layout(constant_id = 8) const uint TEAM_SHUFFLE = 0;
-layout(constant_id = 9) const uint UNION = 0;
-const uint POINTS = 1024;  // points of a union (TacticUnionPoints)
-const uint SPAN = 16;      // consecutive clusters a thread lists at once
-const uint MAXG = 64;      // query heads per KV head the union allows
 
 const uint DV = D / 8;           // uvec4 per fp16 K row
 const uint WPT = DV / TPR;       // words per thread per row
@@ -91,13 +79,10 @@ layout(std430, binding = 5) writeonly buffer BinOf { uint binOf[]; };   // [Hq][
 // Written by every workgroup of a head, read by the last: coherent.
 layout(std430, binding = 6) coherent buffer Sampled { uvec2 smp[]; };   // [Hq][C + maxW]
 layout(std430, binding = 7) coherent buffer FixedSum { vec4 fsum[]; };   // [Hq][maxW]
-// Plan and Cut are read by the union's lister (UNION = 1): coherent.
-layout(std430, binding = 8) coherent buffer Plan { uint plan[]; };      // [Hq][16]
-layout(std430, binding = 9) coherent buffer Cut { uint cut[]; };        // [Hq]
+layout(std430, binding = 8) writeonly buffer Plan { uint plan[]; };      // [Hq][16]
+layout(std430, binding = 9) writeonly buffer Cut { uint cut[]; };        // [Hq]
 layout(std430, binding = 10) coherent buffer Extremes { uvec2 ext[]; };  // [Hq], 0 between steps
-layout(std430, binding = 11) coherent buffer Arrived { uint arrived[]; }; // [Hq + Hkv], 0 between steps
-layout(std430, binding = 12) writeonly buffer UnionEntries { uvec2 ue[]; };  // [Hkv][C]
-layout(std430, binding = 13) writeonly buffer UnionPoints { uvec2 up[]; };   // [Hkv][POINTS + 1]
+layout(std430, binding = 11) coherent buffer Arrived { uint arrived[]; }; // [Hq], 0 between steps
 
 layout(push_constant) uniform Push {
 	uint C;
@@ -127,11 +112,6 @@ shared uint found[5];
 shared uint winCount[2];     // tokens sampled in each window
 shared vec4 part[WG];        // team sums; scanV's slots or subgroup totals
 shared bool last;
-// The union's lister: each head's best score, bin factor and cut, and
-// the union's entries and members so far.
-shared float um[(MAXG - 1) * UNION + 1], uu[(MAXG - 1) * UNION + 1];
-shared uint ucut[(MAXG - 1) * UNION + 1];
-shared uint utot[2];
 
 // unkey inverts centroid_score's key.
 float unkey(uint x) {
@@ -320,105 +300,6 @@ float curve(float a, float b, uint lo, uint hi) {
 	}
 	if (lo > hi) return 0.0;
 	return max(0.0, a * (harmonic(hi) - harmonic(lo - 1)) + b * float(hi - lo + 1));
-}
-
-// takenSpan returns, for the SPAN clusters from c0 of KV head g, a bit
-// per cluster that some query head of g selects and that has members,
-// their count and their members.
-void takenSpan(uint g, uint c0, out uint mask, out uint cnt, out uint mem) {
-	uint gs = pc.groupSize;
-	uint take = 0;  // a bit per cluster, a head's SPAN scores loaded at once
-	for (uint j = 0; j < gs; j++) {
-		uint row = (g * gs + j) * pc.C;
-		[[unroll]] for (uint i = 0; i < SPAN; i++) {
-			if (binOfScore(um[j], uu[j], s[row + min(c0 + i, pc.C - 1)]) < ucut[j]) take |= 1u << i;
-		}
-	}
-	mask = 0;
-	cnt = 0;
-	mem = 0;
-	[[unroll]] for (uint i = 0; i < SPAN; i++) {
-		uint size = sizes[g * pc.C + min(c0 + i, pc.C - 1)];
-		if (c0 + i < pc.C && (take & (1u << i)) != 0 && size > 0) {
-			mask |= 1u << i;
-			cnt++;
-			mem += size;
-		}
-	}
-}
-
-// listUnion writes KV head g's union (UNION = 1, the header's layout):
-// the threads take SPAN consecutive clusters each in scan order, WG·SPAN
-// a round; the totals come first, since the points need M.
-void listUnion(uint g) {
-	uint tid = gl_LocalInvocationID.x;
-	uint gs = pc.groupSize;
-	for (uint j = tid; j < gs; j += WG) {
-		uint hh = g * gs + j;
-		um[j] = uintBitsToFloat(plan[hh * 16]);
-		uu[j] = uintBitsToFloat(plan[hh * 16 + 12]);
-		ucut[j] = cut[hh];
-	}
-	barrier();
-	uint slot = slotOf();
-	uint per = WG * SPAN;
-	uint rounds = (pc.C + per - 1) / per;
-	uint mask0 = 0, cnt0 = 0, mem0 = 0, cntAll = 0, memAll = 0;
-	for (uint r = 0; r < rounds; r++) {
-		uint mask, cnt, mem;
-		takenSpan(g, r * per + slot * SPAN, mask, cnt, mem);
-		if (r == 0) {
-			mask0 = mask;
-			cnt0 = cnt;
-			mem0 = mem;
-		}
-		cntAll += cnt;
-		memAll += mem;
-	}
-	uint kx = scanU(cntAll), mx = scanU(memAll);
-	if (slot == WG - 1) {
-		utot[0] = kx + cntAll;
-		utot[1] = mx + memAll;
-	}
-	barrier();
-	uint K = utot[0], M = utot[1];
-	uint pts = g * (POINTS + 1);
-	uint k = 0, at = 0;  // entries and members before this thread's span
-	for (uint r = 0; r < rounds; r++) {
-		uint mask = mask0, cnt = cnt0, mem = mem0;
-		if (r > 0) takenSpan(g, r * per + slot * SPAN, mask, cnt, mem);
-		uint kr = kx, mr = mx;  // one round: the totals' scans
-		if (rounds > 1) {
-			kr = scanU(cnt);
-			mr = scanU(mem);
-		}
-		uint ke = k + kr, me = at + mr;
-		uint c0 = r * per + slot * SPAN;
-		for (uint i = 0; i < SPAN; i++) {
-			if ((mask & (1u << i)) == 0) continue;
-			uint c = c0 + i;
-			uint size = sizes[g * pc.C + c];
-			ue[g * pc.C + ke] = uvec2(pc.sinks + starts[g * pc.C + c], size);
-			// The points whose member lies in [me, me + size).
-			uint i0 = (me * POINTS + M - 1) / M, i1 = min(POINTS, ((me + size) * POINTS + M - 1) / M);
-			for (uint pi = i0; pi < i1; pi++) up[pts + pi] = uvec2(ke, pi * M / POINTS - me);
-			ke++;
-			me += size;
-		}
-		// The round's totals, from the thread of the last slot.
-		if (slot == WG - 1) {
-			utot[0] = ke;
-			utot[1] = me;
-		}
-		barrier();
-		k = utot[0];
-		at = utot[1];
-		barrier();
-	}
-	if (M == 0) {
-		for (uint pi = tid; pi < POINTS; pi += WG) up[pts + pi] = uvec2(0);
-	}
-	if (tid == 0) up[pts + POINTS] = uvec2(K, 0);
 }
 
 void main() {
@@ -684,18 +565,4 @@ void main() {
 		plan[p + 15] = W;
 		ext[h] = uvec2(0);
 	}
-	if (UNION == 0) return;
-
-	// The last of the KV head's query heads to arrive lists the union.
-	memoryBarrierBuffer();
-	barrier();
-	if (tid == 0) {
-		uint at = gl_NumWorkGroups.y + g;
-		last = atomicAdd(arrived[at], 1) == pc.groupSize - 1;
-		if (last) arrived[at] = 0;
-	}
-	barrier();
-	if (!last) return;
-	memoryBarrierBuffer();
-	listUnion(g);
 }

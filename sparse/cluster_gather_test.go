@@ -76,11 +76,7 @@ func clusterPlan(t *testing.T, dev *vk.Device, rng *rand.Rand, c clusterCase) (*
 	require.NoError(t, rankBuf.WriteUint32(0, rank))
 	require.NoError(t, cutBuf.WriteUint32(0, cut))
 
-	sel := Selection{Clusters: x, Rank: rankBuf.All(), Cut: cutBuf.All()}
-	if c.opts.MemberRuns {
-		sel.Union = hostUnion(t, dev, x, rank, cut, h.Group())
-	}
-	plan, err := dense.PlanSelection(layer, sel)
+	plan, err := dense.PlanClusters(layer, x, rankBuf.All(), cutBuf.All())
 	require.NoError(t, err)
 	t.Cleanup(func() { plan.Release() })
 
@@ -274,10 +270,6 @@ func TestClusterRunsPerHeadBlock(t *testing.T) {
 		{heads: Heads{16, 4, 64}, n: 5003, capacity: 5003, first: 1, tail: 1, clusters: 333, opts: DenseOptions{Group: 2, ClusterChunk: 40, ClusterWindow: 16}},
 		// More head blocks than a table holds: equal runs whatever is set.
 		{heads: Heads{16, 16, 32}, n: 3000, capacity: 3000, first: 2, tail: 10, clusters: 200},
-		// Listed unions in runs of equal members, windows shorter than the
-		// runs' entries, one oversized cluster.
-		{heads: Heads{32, 8, 128}, n: 6000, capacity: 6100, first: 4, tail: 70, clusters: 700, big: 900, opts: DenseOptions{ClusterChunk: 64, MemberRuns: true}, none: []int{5}},
-		{heads: Heads{16, 4, 64}, n: 5003, capacity: 5003, first: 1, tail: 1, clusters: 333, opts: DenseOptions{Group: 2, ClusterChunk: 40, ClusterWindow: 16, MemberRuns: true}},
 	} {
 		name := fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_C%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, c.clusters)
 		t.Run(name, func(t *testing.T) {
@@ -388,50 +380,4 @@ func TestRunBounds(t *testing.T) {
 			require.LessOrEqual(t, ceilDiv(c.clusters, least), runScanWindows*c.window, "%d clusters", c.clusters)
 		}
 	}
-}
-
-// hostUnion lists, as TacticUnionRef does, the union of the clusters the
-// query heads of each KV head of x take (rank[h][c] < cut[h], group heads
-// per KV head) in buffers released when the test ends.
-func hostUnion(t *testing.T, dev *vk.Device, x *kvcache.Clusters, rank, cut []uint32, group int) *UnionList {
-	t.Helper()
-	sizes, err := readInts(x.Counts, x.KVHeads*x.C)
-	require.NoError(t, err)
-	starts, err := readInts(x.Starts, x.KVHeads*x.C)
-	require.NoError(t, err)
-	entries := make([]uint32, 2*x.KVHeads*x.C)
-	points := make([]uint32, 2*x.KVHeads*(TacticUnionPoints+1))
-	for g := 0; g < x.KVHeads; g++ {
-		var bins [][]int
-		var cuts []int
-		for hh := g * group; hh < (g+1)*group; hh++ {
-			b := make([]int, x.C)
-			for c := range b {
-				b[c] = int(rank[hh*x.C+c])
-			}
-			bins = append(bins, b)
-			cuts = append(cuts, int(cut[hh]))
-		}
-		slots := make([]int, x.C)
-		for c := range slots {
-			slots[c] = x.First + starts[g*x.C+c]
-		}
-		e, p, err := TacticUnionRef(bins, cuts, sizes[g*x.C:(g+1)*x.C], slots)
-		require.NoError(t, err)
-		for k, v := range e {
-			entries[2*(g*x.C+k)], entries[2*(g*x.C+k)+1] = uint32(v[0]), uint32(v[1])
-		}
-		for i, v := range p {
-			at := 2 * (g*(TacticUnionPoints+1) + i)
-			points[at], points[at+1] = uint32(v[0]), uint32(v[1])
-		}
-	}
-	buf := func(words []uint32) vk.Range {
-		b, err := dev.NewBuffer(uint64(len(words))*4, vk.DeviceLocal)
-		require.NoError(t, err)
-		t.Cleanup(func() { b.Release() })
-		require.NoError(t, b.WriteUint32(0, words))
-		return b.All()
-	}
-	return &UnionList{Entries: buf(entries), Points: buf(points)}
 }

@@ -30,11 +30,8 @@ type Dense struct {
 	// approx is attend_partial over taken clusters with pseudo-tokens of
 	// the kept ones (PlanSelection), built on first use.
 	approx *vk.Pipeline
-	// union is attend_partial over a selection's listed union in runs of
-	// equal members (Selection.Union), built on first use.
-	union *vk.Pipeline
-	code  []byte   // attend_partial's SPIR-V
-	spec  []uint32 // its specialization, GATHER and APPROX 0
+	code   []byte   // attend_partial's SPIR-V
+	spec   []uint32 // its specialization, GATHER and APPROX 0
 	// clusterSpec is spec with attention over clusters' tiles and score
 	// slots.
 	clusterSpec []uint32
@@ -82,11 +79,6 @@ type DenseOptions struct {
 	// Group is the query heads of a KV head that one workgroup attends
 	// for (a divisor of the GQA group, at most 8); 0 = the largest.
 	Group int
-	// MemberRuns makes Tactic's selection list each KV head's union
-	// (Selection.Union), so that attention splits its members into runs
-	// of equal shares, instead of runs of strided clusters that each scan
-	// which of theirs some head takes.
-	MemberRuns bool
 }
 
 func boolWord(b bool) uint32 {
@@ -124,7 +116,7 @@ const (
 	// Sequences of a batch beyond which each one's attention over clusters
 	// takes proportionally fewer, longer runs (clusterRun).
 	clusterBatchSequences = 2
-	partialBindings       = 20
+	partialBindings       = 18
 	partialPushWords      = 18
 )
 
@@ -272,21 +264,10 @@ func (d *Dense) buildApprox() error {
 	return err
 }
 
-// buildUnion builds attention over a listed union (d.union) the first
-// time a plan needs it.
-func (d *Dense) buildUnion() error {
-	if d.union != nil {
-		return nil
-	}
-	var err error
-	d.union, err = d.kernel("attend_partial (union)", 3, 0)
-	return err
-}
-
 // kernel builds attend_partial with GATHER gather and APPROX approx.
 func (d *Dense) kernel(name string, gather, approx uint32) (*vk.Pipeline, error) {
 	base := d.spec
-	if gather >= 2 {
+	if gather == 2 {
 		base = d.clusterSpec
 	}
 	spec := append([]uint32(nil), base...)
@@ -321,7 +302,7 @@ func (d *Dense) Heads() Heads { return d.heads }
 // Release destroys the kernels.
 func (d *Dense) Release() error {
 	var errs []error
-	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.approx, d.union} {
+	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.approx} {
 		if p != nil {
 			errs = append(errs, p.Release())
 		}
@@ -365,8 +346,6 @@ type DensePlan struct {
 	mostRuns int
 	// approx holds the pseudo-tokens' buffers (PlanSelection); nil without.
 	approx *Approximation
-	// union holds the listed union (PlanSelection); nil without.
-	union *UnionList
 }
 
 type segment struct {
@@ -441,7 +420,6 @@ func (p *DensePlan) allocate() error {
 			pipe, lists, counts := d.partial, p.query.All(), p.query.All() // unused bindings get a valid range
 			index := []vk.Range{lists, lists, lists, lists, lists}
 			pseudo := []vk.Range{lists, lists, lists}
-			union := []vk.Range{lists, lists}
 			switch {
 			case p.gatherStride > 0:
 				pipe, lists, counts = d.gather, p.tokens.All(), p.tokCounts.All()
@@ -451,14 +429,10 @@ func (p *DensePlan) allocate() error {
 				if a := p.approx; a != nil {
 					pipe, pseudo = d.approx, []vk.Range{a.Logits, a.Keep, a.Means}
 				}
-				if u := p.union; u != nil {
-					pipe, union = d.union, []vk.Range{u.Entries, u.Points}
-				}
 			}
 			ranges := append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists, counts}, index...)
 			ranges = append(ranges, p.arrivals.All(), p.out.All())
 			ranges = append(append(ranges, pseudo...), p.taken.All())
-			ranges = append(ranges, union...)
 			bind, err := pipe.Bind(ranges...)
 			if err != nil {
 				return err
@@ -796,18 +770,7 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 			return nil, err
 		}
 	}
-	if u := sel.Union; u != nil {
-		switch {
-		case sel.Approx != nil:
-			return nil, fmt.Errorf("sparse: a listed union with pseudo-tokens")
-		case u.Entries.Size < uint64(h.KV*clusters.C)*8 || u.Points.Size < uint64(h.KV*(TacticUnionPoints+1))*8:
-			return nil, fmt.Errorf("sparse: a union of %d bytes of entries and %d of points for %d KV heads of %d clusters", u.Entries.Size, u.Points.Size, h.KV, clusters.C)
-		}
-		if err := d.buildUnion(); err != nil {
-			return nil, err
-		}
-	}
-	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut, approx: sel.Approx, union: sel.Union, mostRuns: most}
+	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most}
 	if err := p.allocate(); err != nil {
 		p.Release()
 		return nil, err
@@ -1004,9 +967,6 @@ func (p *DensePlan) recordClusterAttention(c *vk.Commands, sequences int) error 
 	pipe := d.clustered
 	if p.approx != nil {
 		pipe = d.approx // each run's workgroup then folds in its range's pseudo-tokens
-	}
-	if p.union != nil {
-		pipe = d.union // runs of equal members of the listed union
 	}
 	blocks := h.Group() / d.group
 	for _, seg := range p.segments[0] {

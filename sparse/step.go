@@ -23,27 +23,6 @@ type Selection struct {
 	// Approx, when set, adds one pseudo-token per cluster that a head
 	// keeps but no head of its group takes.
 	Approx *Approximation
-	// Union, when set, lists the clusters some head of each KV head takes
-	// (the union Rank and Cut give), so that attention splits their
-	// members into runs of equal shares instead of scanning every cluster.
-	Union *UnionList
-}
-
-// TacticUnionPoints is the points of a listed union (UnionList.Points).
-const TacticUnionPoints = 1024
-
-// UnionList is a selection's union per KV head in the order attention
-// reads it (TacticUnionRef states it): for KV head g, Entries[g][k] for
-// k < K holds the k-th cluster with members that some query head of g
-// takes, in cluster order, as the uint32 pair (its first slot, its
-// members); of the M members they hold in that order, Points[g][i] for
-// i < TacticUnionPoints is the pair (k, o) of member ⌊i·M/TacticUnionPoints⌋
-// (entry k, its o-th member), and Points[g][TacticUnionPoints] is (K, 0);
-// where M = 0 every point is (0, 0). Run r of R attends the members from
-// point ⌊r·TacticUnionPoints/R⌋ up to point ⌊(r+1)·TacticUnionPoints/R⌋.
-type UnionList struct {
-	Entries vk.Range // uint32 pairs [Hkv][C]
-	Points  vk.Range // uint32 pairs [Hkv][TacticUnionPoints+1]
 }
 
 // Approximation stands clusters in for their tokens: head h of KV head g

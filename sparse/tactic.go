@@ -75,9 +75,6 @@ type tacticBound struct {
 	// fitArrived counts the selection's workgroups done per query head, 0
 	// between steps.
 	fitArrived *vk.Buffer
-	// union is the union each KV head's last query head lists
-	// (DenseOptions.MemberRuns); nil without.
-	union *UnionList
 }
 
 // release frees the bindings and buffers.
@@ -162,10 +159,10 @@ func selectionWidth(sampled, teams, sequences, heads int) int {
 
 // selectShared returns the shared memory tactic_select takes with wg
 // threads for heads of dim dimensions: the query, the bins' offsets and
-// sums, the list of a round with its bins and a vec4 per thread, the
-// union lister's three words a head, and a few words.
+// sums, the list of a round with its bins and a vec4 per thread, and a
+// few words.
 func selectShared(wg, dim int) int {
-	return 4*dim + 2*4*(TacticBins+1) + 8*wg + 16*wg + 12*maxUnionGroup + 56
+	return 4*dim + 2*4*(TacticBins+1) + 8*wg + 16*wg + 48
 }
 
 // tacticKernels are the selection kernels of Tactic steps, shared by the
@@ -175,17 +172,7 @@ type tacticKernels struct {
 	fit   *vk.Pipeline
 	// sampleTeams is the clusters a selection workgroup samples at once.
 	sampleTeams int
-	// union is set where the selection lists each KV head's union.
-	union bool
 }
-
-// maxUnionGroup is the most query heads per KV head whose union
-// tactic_select lists; maxUnionMembers bounds the clustered tokens, so
-// that a member's point index times TacticUnionPoints fits 32 bits.
-const (
-	maxUnionGroup   = 64
-	maxUnionMembers = 1 << 22
-)
 
 // release destroys the kernels.
 func (k *tacticKernels) release() error {
@@ -260,8 +247,7 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 		shuffle = int(info.SubgroupSize)%team == 0
 	}
 	k.sampleTeams = int(selectWG) / team
-	k.union = dense.opts.MemberRuns && h.Group() <= maxUnionGroup
-	k.fit = build("tactic_select", 14, 16, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, 10, subgroups(selectWG), boolWord(shuffle), boolWord(k.union))
+	k.fit = build("tactic_select", 12, 16, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, 10, subgroups(selectWG), boolWord(shuffle))
 	if b.err != nil {
 		k.release()
 		return nil, b.err
@@ -280,7 +266,7 @@ func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
 	if err != nil {
 		return err
 	}
-	plan, err := t.dense.PlanSelection(t.layer, Selection{Clusters: clusters, Rank: b.binOf.All(), Cut: b.cut.All(), Union: b.union})
+	plan, err := t.dense.PlanSelection(t.layer, Selection{Clusters: clusters, Rank: b.binOf.All(), Cut: b.cut.All()})
 	if err == nil {
 		err = b.bindKernels(t.kernels, t.seq, plan.query.All())
 		if err == nil && t.Step.query != nil {
@@ -325,20 +311,10 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 	hq, c := h.Query, clusters.C
 	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
 	x.planBuf, x.cut = alloc(hq*16), alloc(hq)
-	x.extremes, x.fitArrived = alloc(2*hq), alloc(hq+h.KV)
+	x.extremes, x.fitArrived = alloc(2*hq), alloc(hq)
 	x.centroids = alloc(h.KV * c * h.Dim / 2)
 	x.sampled, x.fixedE = alloc(2*hq*(c+maxSampleWorkgroups)), alloc(4*hq*maxSampleWorkgroups)
-	var entries, points *vk.Buffer
-	if s.kernels.union {
-		if clusters.Count >= maxUnionMembers {
-			b.err = fmt.Errorf("%w: a listed union of %d clustered tokens (at most %d)", vk.ErrUnsupported, clusters.Count, maxUnionMembers-1)
-		}
-		entries, points = alloc(2*h.KV*c), alloc(2*h.KV*(TacticUnionPoints+1))
-	}
 	err := b.err
-	if err == nil && entries != nil {
-		x.union = &UnionList{Entries: entries.All(), Points: points.All()}
-	}
 	if err == nil {
 		err = halfCentroids(clusters, x.centroids)
 	}
@@ -364,12 +340,8 @@ func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query 
 	if err != nil {
 		return err
 	}
-	union := []vk.Range{x.cut.All(), x.cut.All()} // unused without a union
-	if x.union != nil {
-		union = []vk.Range{x.union.Entries, x.union.Points}
-	}
 	fit, err := k.fit.Bind(query, layer.Keys().All(), x.scores.All(), clusters.Starts.All(), clusters.Counts.All(), x.binOf.All(),
-		x.sampled.All(), x.fixedE.All(), x.planBuf.All(), x.cut.All(), x.extremes.All(), x.fitArrived.All(), union[0], union[1])
+		x.sampled.All(), x.fixedE.All(), x.planBuf.All(), x.cut.All(), x.extremes.All(), x.fitArrived.All())
 	if err != nil {
 		return errors.Join(err, score.Release())
 	}
@@ -384,7 +356,7 @@ func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query 
 
 // Selection returns the bins and cuts the selection writes.
 func (s *tacticSelector) Selection() Selection {
-	return Selection{Clusters: s.clusters, Rank: s.binOf.All(), Cut: s.cut.All(), Union: s.union}
+	return Selection{Clusters: s.clusters, Rank: s.binOf.All(), Cut: s.cut.All()}
 }
 
 // Bind binds the kernels to the queries in query.

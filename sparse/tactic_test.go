@@ -80,14 +80,6 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	tree, err := NewDenseWith(dev, h, DenseOptions{TreeReduce: true})
 	require.NoError(t, err)
 	defer tree.Release()
-	// Unions listed by the selection, attended in runs of equal members,
-	// with subgroups and with shared-memory trees.
-	listed, err := NewDenseWith(dev, h, DenseOptions{MemberRuns: true})
-	require.NoError(t, err)
-	defer listed.Release()
-	listedTree, err := NewDenseWith(dev, h, DenseOptions{MemberRuns: true, TreeReduce: true})
-	require.NoError(t, err)
-	defer listedTree.Release()
 	// Windows capped below 2 % of the tokens in one run.
 	capped := DefaultTacticFit()
 	capped.MaxWindow = 16
@@ -108,11 +100,10 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	// Windows of every 3rd cluster (wide ones: many clusters each).
 	thin := wide
 	thin.WindowStride = 3
-	runs := []run{{dense, 0.9, DefaultTacticFit(), 0, 0}, {tree, 0.8, DefaultTacticFit(), 3, 3}, {dense, 0.9, wide, 1, 1}, {dense, 0.8, thin, 2, 0}, {listed, 0.9, DefaultTacticFit(), 0, 0}}
+	runs := []run{{dense, 0.9, DefaultTacticFit(), 0, 0}, {tree, 0.8, DefaultTacticFit(), 3, 3}, {dense, 0.9, wide, 1, 1}, {dense, 0.8, thin, 2, 0}}
 	if all {
 		runs = append(runs, run{dense, 0.5, DefaultTacticFit(), 0, 0}, run{dense, 1, DefaultTacticFit(), 0, 0}, run{single, 0.9, DefaultTacticFit(), 0, 0},
-			run{dense, 0.7, capped, 0, 5}, run{dense, 0.9, DefaultTacticFit(), 5, 0}, run{tree, 0.9, thin, 0, 0},
-			run{listedTree, 0.7, thin, 2, 0}, run{listed, 1, DefaultTacticFit(), 0, 0})
+			run{dense, 0.7, capped, 0, 5}, run{dense, 0.9, DefaultTacticFit(), 5, 0}, run{tree, 0.9, thin, 0, 0})
 	}
 	for _, r := range runs {
 		p := r.p
@@ -135,18 +126,10 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 			c.Fill(step.cut.All(), nan)
 			c.Fill(step.scores.All(), nan)
 			c.Fill(step.binOf.All(), nan)
-			if u := step.union; u != nil {
-				c.Fill(u.Entries, nan)
-				c.Fill(u.Points, nan)
-			}
 		}))
 		got, err := step.Attend(q)
 		require.NoError(t, err)
 		requireSampled(t, step, q, k, index, fixed, n)
-		require.Equal(t, r.dense.opts.MemberRuns, step.union != nil, "a union listed where asked")
-		if step.union != nil {
-			requireUnion(t, step)
-		}
 		scores, err := step.Scores()
 		require.NoError(t, err)
 		cuts, err := step.Cuts()
@@ -358,54 +341,4 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 		check(fmt.Sprintf("head %d, fixed tokens", hh), want, math.Float32frombits(pl[13]))
 	}
 	require.Zero(t, bad, "sampled exponential sums differing from float64")
-}
-
-// requireUnion checks the union each KV head's selection listed against
-// TacticUnionRef of the step's bins and cuts, the clusters' sizes and
-// first slots as the GPU holds them.
-func requireUnion(t *testing.T, step *TacticStep) {
-	t.Helper()
-	h, x := step.dense.heads, step.clusters
-	bins, err := step.BinsOf()
-	require.NoError(t, err)
-	cuts, err := step.Cuts()
-	require.NoError(t, err)
-	sizes, err := readInts(x.Counts, h.KV*x.C)
-	require.NoError(t, err)
-	starts, err := readInts(x.Starts, h.KV*x.C)
-	require.NoError(t, err)
-	entries := make([]uint32, 2*h.KV*x.C)
-	require.NoError(t, step.union.Entries.Buffer.ReadUint32(step.union.Entries.Offset, entries))
-	points := make([]uint32, 2*h.KV*(TacticUnionPoints+1))
-	require.NoError(t, step.union.Points.Buffer.ReadUint32(step.union.Points.Offset, points))
-	for g := 0; g < h.KV; g++ {
-		var headBins [][]int
-		for j := 0; j < h.Group(); j++ {
-			hh := g*h.Group() + j
-			headBins = append(headBins, bins[hh*x.C:(hh+1)*x.C])
-		}
-		slots := make([]int, x.C)
-		for c := range slots {
-			slots[c] = x.First + starts[g*x.C+c]
-		}
-		wantE, wantP, err := TacticUnionRef(headBins, cuts[g*h.Group():(g+1)*h.Group()], sizes[g*x.C:(g+1)*x.C], slots)
-		require.NoError(t, err)
-		bad := 0
-		for k, e := range wantE {
-			got := [2]int{int(entries[2*(g*x.C+k)]), int(entries[2*(g*x.C+k)+1])}
-			if got != e && bad < 5 {
-				t.Errorf("KV head %d: entry %d is %v, want %v", g, k, got, e)
-				bad++
-			}
-		}
-		pb := 2 * g * (TacticUnionPoints + 1)
-		for i, p := range wantP {
-			got := [2]int{int(points[pb+2*i]), int(points[pb+2*i+1])}
-			if got != p && bad < 10 {
-				t.Errorf("KV head %d: point %d is %v, want %v", g, i, got, p)
-				bad++
-			}
-		}
-		require.Zero(t, bad, "KV head %d: union of %d entries", g, len(wantE))
-	}
 }
