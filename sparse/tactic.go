@@ -143,19 +143,32 @@ const selectWave = 256
 // selectionWidth returns the selection's workgroups per query head for
 // about `sampled` clusters to sample a head, with `teams` teams a
 // workgroup, when `sequences` sequences of `heads` query heads share the
-// dispatch: enough for about two clusters a team, and at least a workgroup
-// per SM (half of selectWave in all) where each team still has a cluster;
-// at most selectWave/(sequences·heads), at least one. On the H100 (llama,
-// P 0.9, windows of every 4th cluster) 4 workgroups a head took the step
-// in 44.6 µs at 32 768 tokens against 47.7 with the two that two clusters
-// a team give, and 6 or 8 took 82.3 and 81.5 µs at 131 072 against 85.8
-// with 4: each workgroup ranks all its head's clusters, so two on an SM
-// pay where there is little to sample.
-func selectionWidth(sampled, teams, sequences, heads int) int {
+// dispatch, one workgroup listing its head's clusters in `rounds` rounds
+// (a round takes as many as it has threads): enough for about two
+// clusters a team, and at least a workgroup per SM (half of selectWave in
+// all) where each team still has a cluster, or enough for selectRounds
+// rounds; at most selectWave/(sequences·heads), at least one. On the H100
+// (llama, P 0.9, windows of every 4th cluster) 4 workgroups a head took the
+// step in 44.6 µs at 32 768 tokens against 47.7 with the two that two
+// clusters a team give, and 6 or 8 took 82.3 and 81.5 µs at 131 072
+// against 85.8 with 4: each workgroup ranks all its head's clusters, so
+// two on an SM pay where there is little to sample. Later, with the
+// scores' and attention's faster kernels, the selection's sampling took
+// 14 of its 32 µs at 131 072 tokens, most of it in the rounds that list
+// a workgroup's share (a load of its scores and a barrier each, then its
+// few clusters' passes), not in the rows: 8 workgroups a head (2 rounds)
+// took the step in 76.3–76.6 µs against 77.7–77.9 with the 6 of the rule
+// before (3 rounds), and with the exact part at 1 % in 74.8 against 77.8
+// (4 workgroups, 4 rounds, before).
+func selectionWidth(sampled, teams, sequences, heads, rounds int) int {
 	wave := selectWave / (sequences * heads)
-	perSM := min(ceilDiv(sampled, teams), wave/2)
+	perSM := max(min(ceilDiv(sampled, teams), wave/2), ceilDiv(rounds, selectRounds))
 	return max(1, min(max(ceilDiv(sampled, 2*teams), perSM), wave))
 }
+
+// selectRounds is the rounds in which a selection workgroup lists its
+// share of the clusters, where a wave allows (selectionWidth).
+const selectRounds = 2
 
 // selectShared returns the shared memory tactic_select takes with wg
 // threads for heads of dim dimensions: the query, the bins' offsets and
@@ -172,6 +185,7 @@ type tacticKernels struct {
 	fit   *vk.Pipeline
 	// sampleTeams is the clusters a selection workgroup samples at once.
 	sampleTeams int
+	threads     int // of a selection workgroup
 }
 
 // release destroys the kernels.
@@ -247,6 +261,7 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 		shuffle = int(info.SubgroupSize)%team == 0
 	}
 	k.sampleTeams = int(selectWG) / team
+	k.threads = int(selectWG)
 	k.fit = build("tactic_select", 12, 16, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, 10, subgroups(selectWG), boolWord(shuffle))
 	if b.err != nil {
 		k.release()
@@ -440,7 +455,7 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		push := []uint32{cc, group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3]),
 			uint32(x.First), uint32(end), uint32(n), maxSampleWorkgroups, scale, math.Float32bits(float32(s.p)),
 			uint32(stride)}
-		wgs := selectionWidth(work, k.sampleTeams, s.sequences, h.Query)
+		wgs := selectionWidth(work, k.sampleTeams, s.sequences, h.Query, ceilDiv(x.C, k.threads))
 		if s.workgroups > 0 {
 			wgs = s.workgroups
 		}

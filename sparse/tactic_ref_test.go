@@ -418,22 +418,28 @@ func TestTacticBudgetErrors(t *testing.T) {
 // share the dispatch, never none.
 func TestSelectionWidth(t *testing.T) {
 	const teams = 16 // teams of 32 threads in workgroups of 512
-	for _, c := range []struct{ sampled, sequences, heads, want int }{
-		{228, 1, 32, 8},  // 131 072 tokens: 8 (one wave of 256)
-		{105, 1, 32, 4},  // 32 768 tokens: the clusters decide
-		{57, 1, 32, 4},   // windows of every 4th cluster: half a wave
-		{40, 1, 32, 3},   // fewer clusters than half a wave's teams
-		{180, 1, 32, 6},  // 131 072 tokens, every 4th cluster
-		{460, 1, 32, 8},  // 262 144 tokens: one wave, not 15
-		{228, 2, 32, 4},  // a batch of 2
-		{228, 4, 32, 2},  // of 4
-		{228, 8, 32, 1},  // of 8: one a head
-		{228, 16, 32, 1}, // of 16: still one a head
-		{105, 4, 32, 2},  // 32 768 tokens, a batch of 4
-		{0, 1, 8, 1},     // nothing to sample
-		{40, 5, 8, 3},    // the batch test's shape: half a wave
+	for _, c := range []struct{ sampled, sequences, heads, rounds, want int }{
+		{228, 1, 32, 1, 8},  // 131 072 tokens: 8 (one wave of 256)
+		{105, 1, 32, 1, 4},  // 32 768 tokens: the clusters decide
+		{57, 1, 32, 1, 4},   // windows of every 4th cluster: half a wave
+		{40, 1, 32, 1, 3},   // fewer clusters than half a wave's teams
+		{180, 1, 32, 1, 6},  // 131 072 tokens, every 4th cluster
+		{180, 1, 32, 16, 8}, // and a workgroup's 16 rounds of listing: 2
+		{100, 1, 32, 16, 8}, // the exact part at 1 %: 2 rounds, not 4
+		{57, 1, 32, 4, 4},   // 32 768 tokens: 2 rounds with half a wave
+		{460, 1, 32, 1, 8},  // 262 144 tokens: one wave, not 15
+		{460, 1, 32, 32, 8}, // however many rounds
+		{228, 2, 32, 1, 4},  // a batch of 2
+		{228, 4, 32, 1, 2},  // of 4
+		{228, 8, 32, 1, 1},  // of 8: one a head
+		{228, 8, 32, 16, 1}, // whatever its rounds
+		{228, 16, 32, 1, 1}, // of 16: still one a head
+		{105, 4, 32, 1, 2},  // 32 768 tokens, a batch of 4
+		{0, 1, 8, 1, 1},     // nothing to sample
+		{0, 1, 8, 6, 3},     // nothing to sample, but 6 rounds to list
+		{40, 5, 8, 1, 3},    // the batch test's shape: half a wave
 	} {
-		got := selectionWidth(c.sampled, teams, c.sequences, c.heads)
+		got := selectionWidth(c.sampled, teams, c.sequences, c.heads, c.rounds)
 		require.Equal(t, c.want, got, "%d clusters, %d sequences of %d heads", c.sampled, c.sequences, c.heads)
 		require.True(t, got == 1 || got*c.sequences*c.heads <= selectWave, "%d workgroups a head beyond a wave", got)
 	}
