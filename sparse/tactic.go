@@ -444,7 +444,8 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		// clusters of 16): every workgroup also orders all of the head's
 		// clusters, so fewer, fuller ones are faster (on the H100 at 131 072
 		// tokens, with workgroups of 1 024 threads, one cluster a team took
-		// 52 µs, two 39, three 40 and four 45). At most selectWave
+		// 52 µs, two 39, three 40 and four 45), but enough that each lists
+		// its share of the clusters in selectRounds rounds. At most selectWave
 		// workgroups in all, the batch's sequences counted (at least one a
 		// head): where B sequences share the dispatches, their workgroups
 		// would otherwise make several waves, each ordering all of its
