@@ -440,7 +440,7 @@ func TestSelectionWidth(t *testing.T) {
 		{40, 5, 8, 1, 3},    // the batch test's shape: half a wave
 	} {
 		got := selectionWidth(c.sampled, teams, c.sequences, c.heads, c.rounds)
-		require.Equal(t, c.want, got, "%d clusters, %d sequences of %d heads", c.sampled, c.sequences, c.heads)
+		require.Equal(t, c.want, got, "%d clusters, %d sequences of %d heads, %d rounds", c.sampled, c.sequences, c.heads, c.rounds)
 		require.True(t, got == 1 || got*c.sequences*c.heads <= selectWave, "%d workgroups a head beyond a wave", got)
 	}
 }
