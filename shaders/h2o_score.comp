@@ -4,8 +4,9 @@
 //
 // A workgroup scores ROWS slots of KV head gl_WorkGroupID.y for the up to
 // HB query heads of block gl_WorkGroupID.z, LANES lanes sharing a slot.
-// The query heads attended, over the first N slots (N = state[block], the
-// length of the previous step, 0 before the first: nothing to do; every
+// The query heads attended, over the first N slots (N = state[h0], h0
+// the block's first head: the length of the previous step, 0 before the
+// first: nothing to do; every
 // slot of the layer's pc.n when pc.observe is set), every slot outside
 // the single-token index [first, first + C) and each indexed token c that
 // some query head h of the KV head took, rank[h][c] < cut[h] (the ranks
@@ -37,7 +38,7 @@ layout(std430, binding = 4) writeonly buffer Rows { float row[]; };    // [Hq][R
 layout(std430, binding = 5) coherent buffer Part { vec2 part[]; };     // [Hq][W]
 layout(std430, binding = 6) writeonly buffer MZ { vec2 mz[]; };        // [Hq]
 layout(std430, binding = 7) coherent buffer Arrived { uint arrived[]; }; // [blocks], 0 between steps
-layout(std430, binding = 8) readonly buffer State { uint state[]; };   // [blocks]: the previous step's length
+layout(std430, binding = 8) readonly buffer State { uint state[]; };   // [Hq]: the previous step's length
 
 layout(push_constant) uniform Push {
 	uint C;           // indexed tokens per KV head
@@ -70,7 +71,7 @@ void main() {
 	uint block = g * gl_NumWorkGroups.z + gl_WorkGroupID.z;
 	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
 	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
-	uint N = pc.observe != 0 ? pc.n : state[block];
+	uint N = pc.observe != 0 ? pc.n : state[h0];  // the same for every head of the block
 	if (N == 0) return;  // the whole grid: nothing attended yet
 	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
 	barrier();

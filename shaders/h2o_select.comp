@@ -1,52 +1,61 @@
 #version 450
 // H2O, second stage: accumulate the attention h2o_score scored, then
-// select the heavy hitters.
+// select the heavy hitters, for query head h = gl_WorkGroupID.y.
 //
-// Accumulate: a workgroup takes WG indexed tokens c of KV head
-// gl_WorkGroupID.y for the up to HB query heads of block
-// gl_WorkGroupID.z and adds each head's softmax weight
-// exp(row[h][first + c] − m_h) / z_h ((m, z) = mz[h]) to acc[h][c] where
-// the token was attended (a finite row) within the N slots h2o_score
-// scored (N = state[block], pc.n when pc.observe is set; nothing when 0).
-// With pc.observe set that is all.
+// Accumulate: a workgroup takes WG indexed tokens c and adds the head's
+// softmax weight exp(row[h][first + c] − m) / z ((m, z) = mz[h]) to
+// acc[h][c] where the token was attended (a finite row) within the N
+// slots h2o_score scored (N = state[h], pc.n when pc.observe is set;
+// nothing when 0). With pc.observe set that is all. Otherwise it adds
+// its candidates' (c < S) counts by the top 11 bits of their scores'
+// float bits to hist0[h] (counted in shared memory first).
 //
-// Select: the last workgroup of the block to arrive (an arrival counter)
-// takes its heads one after another. The candidates are the indexed
-// tokens c < S; the others (the recent part) are always taken. It finds
-// the heavy-th greatest accumulated score v among the candidates exactly
-// (a radix select over the float bits, 11 + 11 + 10 bits: the scores are
-// never negative, so their bits order as they do) and takes every
-// candidate above v and, of those equal to v, the lowest ids first, so
-// that exactly heavy candidates are taken (none for heavy = 0). It writes
-// rank[h][c] = 0 for a token taken and 1 for the others, cut[h] = 1,
-// copies the step's queries for the next step's h2o_score, records the
-// step's length in state[block] and resets the counter.
+// Select: the last workgroup of the head to arrive (an arrival counter)
+// takes the candidates c < S; the others (the recent part) are always
+// taken. It finds the heavy-th greatest accumulated score v among the
+// candidates exactly (a radix select over the float bits, 11 + 11 + 10
+// bits: the scores are never negative, so their bits order as they do;
+// the first level from hist0, which it resets; the next two over the
+// candidates of the first level's bin, gathered into shared memory where
+// at most LIST, else over all candidates) and takes every candidate above
+// v and, of those equal to v, the lowest ids first, so that exactly heavy
+// candidates are taken (none for heavy = 0). It writes rank[h][c] = 0 for
+// a token taken and 1 for the others, cut[h] = 1, copies the step's query
+// for the next step's h2o_score, records the step's length in state[h]
+// and resets the counter.
 #extension GL_EXT_control_flow_attributes : enable
+#extension GL_KHR_shader_subgroup_basic : enable
+#extension GL_KHR_shader_subgroup_arithmetic : enable
 
 layout(local_size_x_id = 0) in;
-layout(constant_id = 0) const uint WG = 256;  // threads, a power of two
-layout(constant_id = 1) const uint D = 128;   // head dimension, a multiple of 8
-layout(constant_id = 2) const uint HB = 4;    // query heads per block, 1 to 8
+layout(constant_id = 0) const uint WG = 1024;  // threads, a power of two, at most 1 024
+layout(constant_id = 1) const uint D = 128;    // head dimension, a multiple of 8
+// SUBGROUPS = 1 scans with subgroup arithmetic (the host sets it only
+// where supported, with subgroups of 4 to WG threads); 0 uses a
+// shared-memory tree.
+layout(constant_id = 2) const uint SUBGROUPS = 0;
+layout(constant_id = 3) const uint LIST = 4096;  // candidates gathered in shared memory at most
 
 const uint D4 = D / 4;
 const uint NBINS = 2048;  // bins of the widest radix level
+const uint UN = 8;        // scores a thread loads at once in a pass over the candidates
 const float NEG = -1.0 / 0.0;
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };     // [Hq][D/4], the step's
 layout(std430, binding = 1) writeonly buffer Prev { vec4 prev[]; };    // [Hq][D/4]
 layout(std430, binding = 2) readonly buffer Rows { float row[]; };     // [Hq][R]
 layout(std430, binding = 3) readonly buffer MZ { vec2 mz[]; };         // [Hq]
-// Written by every workgroup of a block, read by the last: coherent.
+// Written by every workgroup of a head, read by the last: coherent.
 layout(std430, binding = 4) coherent buffer Acc { float acc[]; };      // [Hq][C]
 layout(std430, binding = 5) writeonly buffer Rank { uint rank[]; };    // [Hq][C]
 layout(std430, binding = 6) writeonly buffer Cut { uint cut[]; };      // [Hq]
-layout(std430, binding = 7) coherent buffer Arrived { uint arrived[]; }; // [blocks], 0 between steps
-layout(std430, binding = 8) buffer State { uint state[]; };            // [blocks]
+layout(std430, binding = 7) coherent buffer Arrived { uint arrived[]; }; // [Hq], 0 between steps
+layout(std430, binding = 8) buffer State { uint state[]; };            // [Hq]
+layout(std430, binding = 9) coherent buffer Hist0 { uint hist0[]; };   // [Hq][NBINS], 0 between steps
 
 layout(push_constant) uniform Push {
 	uint C;          // indexed tokens per KV head
 	uint first;      // slot of indexed token 0
-	uint groupSize;  // query heads per KV head
 	uint n;          // slots stored: the step's length
 	uint R;          // row stride per query head
 	uint heavy;      // candidates to take, below S
@@ -55,101 +64,197 @@ layout(push_constant) uniform Push {
 } pc;
 
 shared uint hist[NBINS];
-shared uint scan[WG];
-shared uint sPrefix, sNeed;
+shared uint sums[WG];     // scanU's slots
+shared uint lst[LIST];    // the gathered candidates' keys
+shared uint nList, sDigit, sNeed, sTies;
 shared bool last;
+
+// slotOf is the thread's place in subgroup order (that of the scans).
+uint slotOf() {
+	return SUBGROUPS != 0 ? gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID : gl_LocalInvocationID.x;
+}
+
+// scanU returns the exclusive prefix sum of x over the workgroup's slots.
+uint scanU(uint x) {
+	uint slot = slotOf();
+	if (SUBGROUPS != 0) {
+		uint incl = subgroupInclusiveAdd(x);
+		uint all = subgroupAdd(x);
+		if (subgroupElect()) sums[gl_SubgroupID] = all;
+		barrier();
+		for (uint i = 0; i < gl_SubgroupID; i++) incl += sums[i];
+		barrier();
+		return incl - x;
+	}
+	sums[slot] = x;
+	barrier();
+	for (uint d = 1; d < WG; d <<= 1) {
+		uint y = slot >= d ? sums[slot - d] : 0;
+		barrier();
+		sums[slot] += y;
+		barrier();
+	}
+	uint r = sums[slot] - x;
+	barrier();
+	return r;
+}
+
+// findDigit finds, over hist[0, bins), the greatest digit d with
+// Σ_{b ≥ d} hist[b] ≥ need (0 if none) and sets sDigit = d,
+// sNeed = need − Σ_{b > d} hist[b] and sTies = hist[d]: each slot sums
+// bins/WG bins from the top down, the slots' sums are scanned, and the
+// slot whose range holds need walks its bins.
+void findDigit(uint bins, uint need) {
+	uint per = bins / WG, slot = slotOf();
+	uint top = bins - slot * per;  // past this slot's bins
+	uint cnt = 0;
+	for (uint i = 0; i < per; i++) cnt += hist[top - 1 - i];
+	uint ex = scanU(cnt);
+	if ((ex < need && need <= ex + cnt) || (slot == WG - 1 && ex + cnt < need)) {
+		uint left = need - ex, b = top - 1;
+		for (uint i = 1; i < per && hist[b] < left; i++) {
+			left -= hist[b];
+			b--;
+		}
+		sDigit = b;
+		sNeed = left;
+		sTies = hist[b];
+	}
+	barrier();
+}
+
+// clearHist zeroes the shared bins.
+void clearHist() {
+	for (uint i = gl_LocalInvocationID.x; i < NBINS; i += WG) hist[i] = 0;
+	barrier();
+}
 
 void main() {
 	uint tid = gl_LocalInvocationID.x;
-	uint g = gl_WorkGroupID.y;
-	uint block = g * gl_NumWorkGroups.z + gl_WorkGroupID.z;
-	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
-	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
-	uint N = pc.observe != 0 ? pc.n : state[block];
+	uint h = gl_WorkGroupID.y;
+	uint base = h * pc.C;
+	uint N = pc.observe != 0 ? pc.n : state[h];
+	bool rank0 = pc.observe == 0 && pc.heavy > 0;  // this step ranks by the scores
+	if (rank0) clearHist();
 
-	// Accumulate.
+	// Accumulate, and count the candidates by their first digit.
 	uint c = gl_WorkGroupID.x * WG + tid;
-	if (N > 0 && c < pc.C && pc.first + c < N) {
-		for (uint j = 0; j < heads; j++) {
-			uint h = h0 + j;
+	if (c < pc.C) {
+		float a = acc[base + c];
+		if (N > 0 && pc.first + c < N) {
 			float l = row[h * pc.R + pc.first + c];
 			if (l != NEG) {
 				vec2 s = mz[h];
-				acc[h * pc.C + c] += exp(l - s.x) / s.y;
+				a += exp(l - s.x) / s.y;
+				acc[base + c] = a;
 			}
 		}
+		if (rank0 && c < pc.S) atomicAdd(hist[floatBitsToUint(a) >> 21], 1);
 	}
 	if (pc.observe != 0) return;
+	if (rank0) {
+		barrier();
+		for (uint i = tid; i < NBINS; i += WG) {
+			if (hist[i] != 0) atomicAdd(hist0[h * NBINS + i], hist[i]);
+		}
+	}
 
-	// The last workgroup of the block to arrive selects for its heads.
+	// The last workgroup of the head to arrive selects.
 	memoryBarrierBuffer();
 	barrier();
 	if (tid == 0) {
-		last = atomicAdd(arrived[block], 1) == gl_NumWorkGroups.x - 1;
-		if (last) arrived[block] = 0;
+		last = atomicAdd(arrived[h], 1) == gl_NumWorkGroups.x - 1;
+		if (last) arrived[h] = 0;
 	}
 	barrier();
 	if (!last) return;
 	memoryBarrierBuffer();
 
-	for (uint i = tid; i < heads * D4; i += WG) prev[h0 * D4 + i] = q[h0 * D4 + i];
-	if (tid == 0) state[block] = pc.n;
-	uint per = (pc.S + WG - 1) / WG;
-	uint from = min(pc.S, tid * per), to = min(pc.S, from + per);
-	for (uint hl = 0; hl < heads; hl++) {
-		uint h = h0 + hl, base = h * pc.C;
-		// The heavy-th greatest key among the candidates, v = prefix, and
-		// how many of those equal to it to take, need.
-		uint prefix = 0, mask = 0, need = pc.heavy;
-		if (pc.heavy > 0) {
-			[[unroll]] for (int level = 0; level < 3; level++) {
-				uint shift = level == 0 ? 21 : (level == 1 ? 10 : 0);
-				uint bins = level == 2 ? 1024 : 2048;
-				for (uint i = tid; i < NBINS; i += WG) hist[i] = 0;
-				barrier();
-				for (uint x = tid; x < pc.S; x += WG) {
-					uint key = floatBitsToUint(acc[base + x]);
+	for (uint i = tid; i < D4; i += WG) prev[h * D4 + i] = q[h * D4 + i];
+	if (tid == 0) {
+		state[h] = pc.n;
+		cut[h] = 1;
+	}
+	for (uint x = pc.S + tid; x < pc.C; x += WG) rank[base + x] = 0;
+
+	// v = prefix, the heavy-th greatest key, ties of which `need` are
+	// taken.
+	uint prefix = 0, need = 0, ties = 0;
+	if (pc.heavy > 0) {
+		for (uint i = tid; i < NBINS; i += WG) {
+			hist[i] = hist0[h * NBINS + i];
+			hist0[h * NBINS + i] = 0;
+		}
+		barrier();
+		findDigit(NBINS, pc.heavy);
+		prefix = sDigit << 21;
+		need = sNeed;
+		uint mask = 0xffe00000u;
+		bool gathered = sTies <= LIST;
+		if (gathered) {
+			// The first digit's candidates into lst.
+			if (tid == 0) nList = 0;
+			barrier();
+			for (uint x0 = 0; x0 < pc.S; x0 += WG * UN) {
+				uint key[UN];
+				[[unroll]] for (uint u = 0; u < UN; u++) key[u] = floatBitsToUint(acc[base + min(x0 + u * WG + tid, pc.S - 1)]);
+				[[unroll]] for (uint u = 0; u < UN; u++) {
+					if (x0 + u * WG + tid < pc.S && (key[u] & mask) == prefix) lst[atomicAdd(nList, 1)] = key[u];
+				}
+			}
+			barrier();
+		}
+		uint count = nList;
+		[[unroll]] for (uint level = 1; level < 3; level++) {
+			uint shift = level == 1 ? 10 : 0, bins = level == 1 ? 2048 : 1024;
+			clearHist();
+			if (gathered) {
+				for (uint i = tid; i < count; i += WG) {
+					uint key = lst[i];
 					if ((key & mask) == prefix) atomicAdd(hist[(key >> shift) & (bins - 1)], 1);
 				}
-				barrier();
-				if (tid == 0) {
-					uint b = bins - 1, left = need;
-					for (;; b--) {
-						if (hist[b] >= left || b == 0) break;
-						left -= hist[b];
+			} else {
+				for (uint x0 = 0; x0 < pc.S; x0 += WG * UN) {
+					uint key[UN];
+					[[unroll]] for (uint u = 0; u < UN; u++) key[u] = floatBitsToUint(acc[base + min(x0 + u * WG + tid, pc.S - 1)]);
+					[[unroll]] for (uint u = 0; u < UN; u++) {
+						if (x0 + u * WG + tid < pc.S && (key[u] & mask) == prefix) atomicAdd(hist[(key[u] >> shift) & (bins - 1)], 1);
 					}
-					sPrefix = prefix | (b << shift);
-					sNeed = left;
 				}
-				barrier();
-				prefix = sPrefix;
-				need = sNeed;
-				mask |= (bins - 1) << shift;
-				barrier();
+			}
+			barrier();
+			findDigit(bins, need);
+			prefix |= sDigit << shift;
+			need = sNeed;
+			ties = sTies;
+			mask |= (bins - 1) << shift;
+		}
+	}
+
+	if (ties == need) {
+		// Every tie taken (or none, heavy = 0): the keys above v and v.
+		for (uint x0 = 0; x0 < pc.S; x0 += WG * UN) {
+			uint key[UN];
+			[[unroll]] for (uint u = 0; u < UN; u++) key[u] = floatBitsToUint(acc[base + min(x0 + u * WG + tid, pc.S - 1)]);
+			[[unroll]] for (uint u = 0; u < UN; u++) {
+				uint x = x0 + u * WG + tid;
+				if (x < pc.S) rank[base + x] = pc.heavy > 0 && key[u] >= prefix ? 0 : 1;
 			}
 		}
-		// Ties at v: the lowest ids first (each thread a run of candidates).
-		uint eq = 0;
-		for (uint x = from; x < to; x++) {
-			if (floatBitsToUint(acc[base + x]) == prefix) eq++;
-		}
-		scan[tid] = eq;
-		barrier();
-		for (uint s = 1; s < WG; s <<= 1) {
-			uint y = tid >= s ? scan[tid - s] : 0;
-			barrier();
-			scan[tid] += y;
-			barrier();
-		}
-		uint before = scan[tid] - eq;
-		for (uint x = from; x < to; x++) {
-			uint key = floatBitsToUint(acc[base + x]);
-			bool take = pc.heavy > 0 && (key > prefix || (key == prefix && before < need));
-			if (key == prefix) before++;
-			rank[base + x] = take ? 0 : 1;
-		}
-		for (uint x = pc.S + tid; x < pc.C; x += WG) rank[base + x] = 0;
-		if (tid == 0) cut[h] = 1;
-		barrier();  // the next head reuses the scan and the bins
+		return;
+	}
+	// Ties at v: the lowest ids first (each slot a run of candidates).
+	uint per = (pc.S + WG - 1) / WG, slot = slotOf();
+	uint from = min(pc.S, slot * per), to = min(pc.S, from + per);
+	uint eq = 0;
+	for (uint x = from; x < to; x++) {
+		if (floatBitsToUint(acc[base + x]) == prefix) eq++;
+	}
+	uint before = scanU(eq);
+	for (uint x = from; x < to; x++) {
+		uint key = floatBitsToUint(acc[base + x]);
+		bool take = key > prefix || (key == prefix && before < need);
+		if (key == prefix) before++;
+		rank[base + x] = take ? 0 : 1;
 	}
 }

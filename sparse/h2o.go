@@ -40,9 +40,10 @@ type H2OSelector struct {
 	tokens        *kvcache.Clusters
 	owned         *kvcache.Clusters // released with the selector
 	heavy, recent int
-	cands         int // candidates for the heavy part: indexed tokens [0, cands)
-	heads         int // query heads per block
-	wg            uint32
+	cands         int    // candidates for the heavy part: indexed tokens [0, cands)
+	heads         int    // query heads per block of h2o_score
+	wg            uint32 // threads of an h2o_score workgroup
+	shape         h2oSelectShape
 	score, choose *vk.Pipeline
 	scoreBind     *vk.Binding // the previous step's query
 	observeBind   *vk.Binding // Observe's query
@@ -55,8 +56,35 @@ type H2OSelector struct {
 	acc           *vk.Buffer // float32 [Hq][C]
 	rank, cut     *vk.Buffer // uint32 [Hq][C] and [Hq]
 	arrivedScore  *vk.Buffer // uint32 [blocks], 0 between steps
-	arrivedChoose *vk.Buffer
-	state         *vk.Buffer // uint32 [blocks]: the previous step's length, 0 for none
+	arrivedChoose *vk.Buffer // uint32 [Hq], 0 between steps
+	state         *vk.Buffer // uint32 [Hq]: the previous step's length, 0 for none
+	hist0         *vk.Buffer // uint32 [Hq][h2oBins]: the first radix level's counts, 0 between steps
+}
+
+// h2oBins is the bins of h2o_select's first radix level (its NBINS).
+const h2oBins = 2048
+
+// h2oSelectShape is the shape of h2o_select: threads a workgroup (a
+// power of two, at most 1 024) and the most candidates of the first radix
+// level's bin it gathers in shared memory; 0 for the defaults.
+type h2oSelectShape struct{ threads, list int }
+
+// defaults fills the shape's zero fields for a device: workgroups
+// of up to 1 024 threads (the last one of a head passes over all the
+// candidates, so more loads in flight), and as many gathered candidates as
+// the shared memory left holds, at most 4 096.
+func (sh h2oSelectShape) defaults(info vk.Info) h2oSelectShape {
+	if sh.threads == 0 {
+		sh.threads = 1024
+		for sh.threads > 64 && sh.threads > int(info.MaxWorkgroupInvocations) {
+			sh.threads /= 2
+		}
+	}
+	if sh.list == 0 {
+		sh.list = min(4096, (int(info.SharedMemoryBytes)-4*h2oBins-4*sh.threads-64)/4)
+	}
+	sh.list = max(sh.list, 1)
+	return sh
 }
 
 // NewH2OStep prepares H2O steps over layer (in positional order) with a
@@ -67,6 +95,11 @@ type H2OSelector struct {
 // attended. Nothing is accumulated at first: the first step's heavy part
 // is the lowest ids, as H2O's; H2OSelector.Observe adds a prompt phase.
 func NewH2OStep(dense *Dense, layer *kvcache.Layer, budget int) (*Step, error) {
+	return newH2OStep(dense, layer, budget, h2oSelectShape{})
+}
+
+// newH2OStep is NewH2OStep with h2o_select of the given shape.
+func newH2OStep(dense *Dense, layer *kvcache.Layer, budget int, shape h2oSelectShape) (*Step, error) {
 	if budget < 0 {
 		return nil, fmt.Errorf("sparse: H2O budget %d is negative", budget)
 	}
@@ -74,7 +107,7 @@ func NewH2OStep(dense *Dense, layer *kvcache.Layer, budget int) (*Step, error) {
 	if err != nil {
 		return nil, err
 	}
-	sel, err := NewH2OSelector(dense, layer, tokens, budget)
+	sel, err := newH2OSelector(dense, layer, tokens, budget, shape)
 	if err != nil {
 		return nil, errors.Join(err, tokens.Release())
 	}
@@ -86,6 +119,11 @@ func NewH2OStep(dense *Dense, layer *kvcache.Layer, budget int) (*Step, error) {
 // tokens over tokens, a single-token index of layer (kvcache.NewPages of
 // pages of one token), nothing accumulated. The caller keeps tokens.
 func NewH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters, budget int) (*H2OSelector, error) {
+	return newH2OSelector(dense, layer, tokens, budget, h2oSelectShape{})
+}
+
+// newH2OSelector is NewH2OSelector with h2o_select of the given shape.
+func newH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters, budget int, shape h2oSelectShape) (*H2OSelector, error) {
 	h, dev := dense.heads, dense.dev
 	switch {
 	case budget < 0:
@@ -110,6 +148,10 @@ func NewH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 	for s.wg > 8 && s.wg > dev.Info().MaxWorkgroupInvocations {
 		s.wg /= 2
 	}
+	s.shape = shape.defaults(dev.Info())
+	if s.shape.threads&(s.shape.threads-1) != 0 || s.shape.threads > 1024 || s.shape.threads > int(dev.Info().MaxWorkgroupInvocations) {
+		return nil, fmt.Errorf("sparse: H2O's selection in workgroups of %d threads", s.shape.threads)
+	}
 	blocks := h.KV * ceilDiv(h.Group(), s.heads)
 	b := &builder{dev: dev, bufs: &s.bufs}
 	alloc := b.words
@@ -117,14 +159,16 @@ func NewH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 	s.prev, s.obs = alloc(hq*h.Dim), alloc(hq*h.Dim)
 	s.row, s.part, s.mz = alloc(hq*layer.Capacity()), alloc(hq*s.partials()*2), alloc(hq*2)
 	s.acc, s.rank, s.cut = alloc(hq*c), alloc(hq*c), alloc(hq)
-	s.arrivedScore, s.arrivedChoose, s.state = alloc(blocks), alloc(blocks), alloc(blocks)
-	spec := []uint32{s.wg, uint32(h.Dim), uint32(s.heads)}
-	s.score = b.kernel("h2o_score", 9, 9, spec...)
-	s.choose = b.kernel("h2o_select", 9, 8, spec...)
+	s.arrivedScore, s.arrivedChoose, s.state, s.hist0 = alloc(blocks), alloc(hq), alloc(hq), alloc(hq*h2oBins)
+	s.score = b.kernel("h2o_score", 9, 9, s.wg, uint32(h.Dim), uint32(s.heads))
+	info := dev.Info()
+	threads := uint32(s.shape.threads)
+	subgroups := boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= threads)
+	s.choose = b.kernel("h2o_select", 10, 7, threads, uint32(h.Dim), subgroups, uint32(s.shape.list))
 	err := b.err
 	if err == nil {
 		err = dev.Run(func(cmd *vk.Commands) {
-			for _, b := range []*vk.Buffer{s.acc, s.rank, s.cut, s.arrivedScore, s.arrivedChoose, s.state} {
+			for _, b := range []*vk.Buffer{s.acc, s.rank, s.cut, s.arrivedScore, s.arrivedChoose, s.state, s.hist0} {
 				cmd.Fill(b.All(), 0)
 			}
 		})
@@ -159,7 +203,7 @@ func (s *H2OSelector) Selection() Selection {
 // Bind makes the selection copy the step's queries from query for the
 // next step's accumulation.
 func (s *H2OSelector) Bind(query vk.Range) error {
-	b, err := s.choose.Bind(query, s.prev.All(), s.row.All(), s.mz.All(), s.acc.All(), s.rank.All(), s.cut.All(), s.arrivedChoose.All(), s.state.All())
+	b, err := s.choose.Bind(query, s.prev.All(), s.row.All(), s.mz.All(), s.acc.All(), s.rank.All(), s.cut.All(), s.arrivedChoose.All(), s.state.All(), s.hist0.All())
 	if err != nil {
 		return err
 	}
@@ -199,9 +243,9 @@ func (s *H2OSelector) recordScore(c *vk.Commands, bind *vk.Binding, observe bool
 
 func (s *H2OSelector) recordChoose(c *vk.Commands, observe bool) {
 	h, x := s.dense.heads, s.tokens
-	push := []uint32{uint32(x.C), uint32(x.First), uint32(h.Group()), uint32(s.layer.Len()), uint32(s.layer.Capacity()),
+	push := []uint32{uint32(x.C), uint32(x.First), uint32(s.layer.Len()), uint32(s.layer.Capacity()),
 		uint32(s.heavy), uint32(s.cands), boolWord(observe)}
-	c.Dispatch(s.choose, s.chooseBind, push, uint32(ceilDiv(x.C, int(s.wg))), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
+	c.Dispatch(s.choose, s.chooseBind, push, uint32(ceilDiv(x.C, s.shape.threads)), uint32(h.Query), 1)
 }
 
 // Observe adds, for every query head h, its softmax over every token the

@@ -15,7 +15,8 @@ import (
 
 // TestH2OStepMatchesReference runs consecutive H2O steps on the GPU over a
 // generated layer, a different query each step, at a few budgets (with a
-// dense prompt-phase Observe first or not), and checks after every step,
+// dense prompt-phase Observe first or not) and selection shapes, and
+// checks after every step,
 // the scratch buffers and the output poisoned (NaN) before it:
 //   - every head's accumulated attention against float64, accumulated over
 //     the tokens the GPU's earlier steps attended (and the observation);
@@ -60,12 +61,19 @@ func TestH2OStepMatchesReference(t *testing.T) {
 		return qs
 	}
 
+	// The default selection gathers the first radix level's bin in shared
+	// memory within one workgroup a head here; small workgroups with room
+	// for 8 candidates take the passes over all of them, several
+	// workgroups a head and several bins a thread.
+	small := h2oSelectShape{threads: 64, list: 8}
 	for _, c := range []struct {
 		budget, steps int
 		observe       bool
-	}{{120, 5, false}, {121, 4, true}, {0, 2, false}, {m, 2, true}} {
-		what := fmt.Sprintf("budget %d observe %v", c.budget, c.observe)
-		step, err := NewH2OStep(dense, layer, c.budget)
+		shape         h2oSelectShape
+	}{{120, 5, false, h2oSelectShape{}}, {121, 4, true, h2oSelectShape{}}, {0, 2, false, h2oSelectShape{}}, {m, 2, true, h2oSelectShape{}},
+		{121, 3, true, small}, {120, 4, false, small}} {
+		what := fmt.Sprintf("budget %d observe %v shape %+v", c.budget, c.observe, c.shape)
+		step, err := newH2OStep(dense, layer, c.budget, c.shape)
 		require.NoError(t, err)
 		sel := step.Selector().(*H2OSelector)
 		require.Equal(t, m, sel.Tokens().C)
