@@ -2,31 +2,33 @@
 // H2O, first stage: the logits of the attention a step's query heads paid
 // and the softmax normalisers, for the accumulation the next stage adds.
 //
-// A workgroup scores ROWS slots of KV head gl_WorkGroupID.y for the up to
-// HB query heads of block gl_WorkGroupID.z, LANES lanes sharing a slot.
-// The query heads attended, over the first N slots (N = state[h0], h0
-// the block's first head: the length of the previous step, 0 before the
-// first: nothing to do; every
-// slot of the layer's pc.n when pc.observe is set), every slot outside
-// the single-token index [first, first + C) and each indexed token c that
-// some query head h of the KV head took, rank[h][c] < cut[h] (the ranks
-// and cuts the previous step's selection left). For each of those slots
-// it writes row[h][t] = scale · q_h · k_t, −∞ for the others, and each
-// workgroup its heads' partial (max, Σ exp(l − max)) over its slots. The
-// last workgroup of the block to arrive (an arrival counter; no workgroup
-// waits for another) merges the partials into mz[h] = (m, z), the max
-// and the normaliser, and resets the counter.
+// A workgroup takes SPAN consecutive slots of KV head gl_WorkGroupID.y for
+// the up to HB query heads of block gl_WorkGroupID.z. The query heads
+// attended, over the first N slots (N = state[h0], h0 the block's first
+// head: the length of the previous step, 0 before the first: nothing to
+// do; every slot of the layer's pc.n when pc.observe is set), every slot
+// outside the single-token index [first, first + C) and each indexed
+// token c that some query head h of the KV head took, rank[h][c] < cut[h]
+// (the ranks and cuts the previous step's selection left). For each of
+// those slots it writes row[h][t] = scale · q_h · k_t, −∞ for the others,
+// and each workgroup its heads' partial (max, Σ exp(l − max)) over its
+// slots: it lists its attended slots first, then scores them ROWS at a
+// time, LANES lanes sharing a slot. The last workgroup of the block to
+// arrive (an arrival counter; no workgroup waits for another) merges the
+// partials into mz[h] = (m, z), the max and the normaliser, and resets
+// the counter.
 #extension GL_EXT_control_flow_attributes : enable
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 256;  // threads, a power of two, at least 8
 layout(constant_id = 1) const uint D = 128;   // head dimension, a multiple of 8
 layout(constant_id = 2) const uint HB = 4;    // query heads per block, 1 to 8
+layout(constant_id = 3) const uint SPAN = 512;  // slots a workgroup takes, a multiple of WG
 
 const uint D4 = D / 4;
 const uint DV = D / 8;         // uvec4 per fp16 key row
 const uint LANES = 8;          // threads per slot
-const uint ROWS = WG / LANES;  // slots per workgroup
+const uint ROWS = WG / LANES;  // slots scored at once
 const float NEG = -1.0 / 0.0;
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };     // [Hq][D/4]
@@ -53,6 +55,8 @@ layout(push_constant) uniform Push {
 } pc;
 
 shared vec4 qs[HB][D4];
+shared uint lst[SPAN];  // the attended slots
+shared uint nList;
 shared float scratch[HB * WG];
 shared float lg[HB][ROWS];
 shared vec2 red[WG];
@@ -74,57 +78,75 @@ void main() {
 	uint N = pc.observe != 0 ? pc.n : state[h0];  // the same for every head of the block
 	if (N == 0) return;  // the whole grid: nothing attended yet
 	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
+	if (tid == 0) nList = 0;
 	barrier();
 
-	uint r = gl_WorkGroupID.x * ROWS + tid / LANES, lane = tid % LANES;
-	bool att = false;
-	if (r < N) {
-		att = pc.observe != 0 || r < pc.first || r >= pc.first + pc.C;
+	// The span's attended slots listed, −∞ written for the others.
+	uint s0 = gl_WorkGroupID.x * SPAN;
+	for (uint i = 0; i < SPAN / WG; i++) {
+		uint r = s0 + i * WG + tid;
+		if (r >= N) break;
+		bool att = pc.observe != 0 || r < pc.first || r >= pc.first + pc.C;
 		if (!att) {
 			uint c = r - pc.first;
-			for (uint hh = g * pc.groupSize; hh < g * pc.groupSize + pc.groupSize; hh++) {
-				if (rank[hh * pc.C + c] < cut[hh]) {
-					att = true;
-					break;
+			for (uint hh = g * pc.groupSize; hh < g * pc.groupSize + pc.groupSize; hh++) att = att || rank[hh * pc.C + c] < cut[hh];
+		}
+		if (att) lst[atomicAdd(nList, 1)] = r;
+		else {
+			for (uint j = 0; j < heads; j++) row[(h0 + j) * pc.R + r] = NEG;
+		}
+	}
+	barrier();
+	uint count = nList;
+
+	// The listed slots, ROWS at a time; thread j < heads folds head j's
+	// logits into (m, z).
+	uint lane = tid % LANES;
+	vec2 mine = vec2(NEG, 0.0);
+	for (uint p0 = 0; p0 < count; p0 += ROWS) {
+		uint i = p0 + tid / LANES;
+		uint r = i < count ? lst[i] : 0;
+		float acc[HB];
+		[[unroll]] for (uint j = 0; j < HB; j++) acc[j] = 0.0;
+		if (i < count) {
+			uint base = g * pc.headStride + r * DV;
+			uvec4 w[(DV + LANES - 1) / LANES];
+			[[unroll]] for (uint u = 0; u < (DV + LANES - 1) / LANES; u++) w[u] = lane + u * LANES < DV ? k[base + lane + u * LANES] : uvec4(0);
+			[[unroll]] for (uint u = 0; u < (DV + LANES - 1) / LANES; u++) {
+				uint x = lane + u * LANES;
+				if (x < DV) {
+					vec4 a = vec4(unpackHalf2x16(w[u].x), unpackHalf2x16(w[u].y));
+					vec4 b = vec4(unpackHalf2x16(w[u].z), unpackHalf2x16(w[u].w));
+					[[unroll]] for (uint j = 0; j < HB; j++) {
+						if (j < heads) acc[j] += dot(a, qs[j][2 * x]) + dot(b, qs[j][2 * x + 1]);
+					}
 				}
 			}
 		}
-	}
-	float acc[HB];
-	[[unroll]] for (uint j = 0; j < HB; j++) acc[j] = 0.0;
-	if (att) {
-		uint base = g * pc.headStride + r * DV;
-		for (uint i = lane; i < DV; i += LANES) {
-			uvec4 w = k[base + i];
-			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
-			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
-			[[unroll]] for (uint j = 0; j < HB; j++) {
-				if (j < heads) acc[j] += dot(a, qs[j][2 * i]) + dot(b, qs[j][2 * i + 1]);
+		[[unroll]] for (uint j = 0; j < HB; j++) scratch[j * WG + tid] = acc[j];
+		barrier();
+		if (lane < heads) {
+			float l = NEG;
+			if (i < count) {
+				l = 0.0;
+				uint at = lane * WG + (tid / LANES) * LANES;
+				[[unroll]] for (uint j = 0; j < LANES; j++) l += scratch[at + j];
+				row[(h0 + lane) * pc.R + r] = l;
 			}
+			lg[lane][tid / LANES] = l;
+		}
+		barrier();
+		if (tid < heads) {
+			float m = NEG;
+			for (uint j = 0; j < ROWS; j++) m = max(m, lg[tid][j]);
+			float z = 0.0;
+			if (m != NEG) {
+				for (uint j = 0; j < ROWS; j++) z += exp(lg[tid][j] - m);
+			}
+			mine = merge(mine, vec2(m, z));
 		}
 	}
-	[[unroll]] for (uint j = 0; j < HB; j++) scratch[j * WG + tid] = acc[j];
-	barrier();
-	if (lane < heads) {
-		float l = NEG;
-		if (att) {
-			l = 0.0;
-			uint at = lane * WG + (tid / LANES) * LANES;
-			[[unroll]] for (uint j = 0; j < LANES; j++) l += scratch[at + j];
-		}
-		lg[lane][tid / LANES] = l;
-		if (r < N) row[(h0 + lane) * pc.R + r] = l;
-	}
-	barrier();
-	if (tid < heads) {
-		float m = NEG;
-		for (uint j = 0; j < ROWS; j++) m = max(m, lg[tid][j]);
-		float z = 0.0;
-		if (m != NEG) {
-			for (uint j = 0; j < ROWS; j++) z += exp(lg[tid][j] - m);
-		}
-		part[(h0 + tid) * pc.W + gl_WorkGroupID.x] = vec2(m, z);
-	}
+	if (tid < heads) part[(h0 + tid) * pc.W + gl_WorkGroupID.x] = mine;
 
 	// The last workgroup of the block to arrive merges the partials.
 	memoryBarrierBuffer();
@@ -138,9 +160,9 @@ void main() {
 	memoryBarrierBuffer();
 	for (uint hl = 0; hl < heads; hl++) {
 		uint h = h0 + hl;
-		vec2 mine = vec2(NEG, 0.0);
-		for (uint x = tid; x < gl_NumWorkGroups.x; x += WG) mine = merge(mine, part[h * pc.W + x]);
-		red[tid] = mine;
+		vec2 all = vec2(NEG, 0.0);
+		for (uint x = tid; x < gl_NumWorkGroups.x; x += WG) all = merge(all, part[h * pc.W + x]);
+		red[tid] = all;
 		barrier();
 		for (uint s = WG / 2; s > 0; s >>= 1) {
 			if (tid < s) red[tid] = merge(red[tid], red[tid + s]);

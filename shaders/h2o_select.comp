@@ -6,23 +6,27 @@
 // softmax weight exp(row[h][first + c] − m) / z ((m, z) = mz[h]) to
 // acc[h][c] where the token was attended (a finite row) within the N
 // slots h2o_score scored (N = state[h], pc.n when pc.observe is set;
-// nothing when 0). With pc.observe set that is all. Otherwise it adds
-// its candidates' (c < S) counts by the top 11 bits of their scores'
-// float bits to hist0[h] (counted in shared memory first).
+// nothing when 0). With pc.observe set that is all. Otherwise it writes
+// rank[h][c] = 2^31 − bits(acc[h][c]) for a candidate (c < S) and 0 for
+// the others (the recent part, always taken), and adds its candidates'
+// counts by the top 11 bits of their scores' float bits to hist0[h]
+// (counted in shared memory first).
 //
 // Select: the last workgroup of the head to arrive (an arrival counter)
-// takes the candidates c < S; the others (the recent part) are always
-// taken. It finds the heavy-th greatest accumulated score v among the
+// finds the heavy-th greatest accumulated score v among the
 // candidates exactly (a radix select over the float bits, 11 + 11 + 10
 // bits: the scores are never negative, so their bits order as they do;
 // the first level from hist0, which it resets; the next two over the
 // candidates of the first level's bin, gathered into shared memory where
 // at most LIST, else over all candidates) and takes every candidate above
 // v and, of those equal to v, the lowest ids first, so that exactly heavy
-// candidates are taken (none for heavy = 0). It writes rank[h][c] = 0 for
-// a token taken and 1 for the others, cut[h] = 1, copies the step's query
-// for the next step's h2o_score, records the step's length in state[h]
-// and resets the counter.
+// candidates are taken (none for heavy = 0): where all of v's ties are
+// taken (or none for heavy = 0) it writes cut[h] = 2^31 + 1 − bits(v)
+// (1 for heavy = 0), so that the tokens ranked below it are those taken;
+// else it rewrites the candidates' ranks as 0 for a token taken and 1 for
+// the others, with cut[h] = 1. It copies the step's query for the next
+// step's h2o_score, records the step's length in state[h] and resets the
+// counter.
 #extension GL_EXT_control_flow_attributes : enable
 #extension GL_KHR_shader_subgroup_basic : enable
 #extension GL_KHR_shader_subgroup_arithmetic : enable
@@ -38,7 +42,8 @@ layout(constant_id = 3) const uint LIST = 4096;  // candidates gathered in share
 
 const uint D4 = D / 4;
 const uint NBINS = 2048;  // bins of the widest radix level
-const uint UN = 8;        // scores a thread loads at once in a pass over the candidates
+const uint UN = 16;       // scores a thread loads at once in a pass over the candidates
+const uint TOP = 0x80000000u;  // a candidate's rank is TOP − its score's bits
 const float NEG = -1.0 / 0.0;
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };     // [Hq][D/4], the step's
@@ -149,6 +154,7 @@ void main() {
 				acc[base + c] = a;
 			}
 		}
+		if (pc.observe == 0) rank[base + c] = c < pc.S ? TOP - floatBitsToUint(a) : 0;
 		if (rank0 && c < pc.S) atomicAdd(hist[floatBitsToUint(a) >> 21], 1);
 	}
 	if (pc.observe != 0) return;
@@ -171,11 +177,7 @@ void main() {
 	memoryBarrierBuffer();
 
 	for (uint i = tid; i < D4; i += WG) prev[h * D4 + i] = q[h * D4 + i];
-	if (tid == 0) {
-		state[h] = pc.n;
-		cut[h] = 1;
-	}
-	for (uint x = pc.S + tid; x < pc.C; x += WG) rank[base + x] = 0;
+	if (tid == 0) state[h] = pc.n;
 
 	// v = prefix, the heavy-th greatest key, ties of which `need` are
 	// taken.
@@ -232,18 +234,13 @@ void main() {
 	}
 
 	if (ties == need) {
-		// Every tie taken (or none, heavy = 0): the keys above v and v.
-		for (uint x0 = 0; x0 < pc.S; x0 += WG * UN) {
-			uint key[UN];
-			[[unroll]] for (uint u = 0; u < UN; u++) key[u] = floatBitsToUint(acc[base + min(x0 + u * WG + tid, pc.S - 1)]);
-			[[unroll]] for (uint u = 0; u < UN; u++) {
-				uint x = x0 + u * WG + tid;
-				if (x < pc.S) rank[base + x] = pc.heavy > 0 && key[u] >= prefix ? 0 : 1;
-			}
-		}
+		// Every tie taken (or none, heavy = 0): the scores of v and
+		// above, ranked below TOP + 1 − v.
+		if (tid == 0) cut[h] = pc.heavy > 0 ? TOP + 1 - prefix : 1;
 		return;
 	}
 	// Ties at v: the lowest ids first (each slot a run of candidates).
+	if (tid == 0) cut[h] = 1;
 	uint per = (pc.S + WG - 1) / WG, slot = slotOf();
 	uint from = min(pc.S, slot * per), to = min(pc.S, from + per);
 	uint eq = 0;

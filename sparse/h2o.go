@@ -22,8 +22,11 @@ var H2OStages = []string{"accumulate", "select"}
 // greatest accumulated attention among the others, ties to the lower id
 // (an exact radix select over the float32 scores, no bins), with (heavy,
 // recent) = H2OSplit(budget); every indexed token when the budget covers
-// the index. It writes rank 0 for a token taken, 1 for the others, and
-// cut 1.
+// the index. A head takes the tokens it ranks below its cut: the recent
+// part ranks 0, and a candidate 2^31 − its score's float32 bits with the
+// cut just past the heavy-th greatest score's rank, or, where that score
+// has ties beyond the heavy part, 0 for a token taken and 1 for the
+// others with cut 1.
 //
 // A step's weights are accumulated at the next step, before its
 // selection, from the query the selector copied and the ranks and cuts
@@ -160,7 +163,7 @@ func newH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 	s.row, s.part, s.mz = alloc(hq*layer.Capacity()), alloc(hq*s.partials()*2), alloc(hq*2)
 	s.acc, s.rank, s.cut = alloc(hq*c), alloc(hq*c), alloc(hq)
 	s.arrivedScore, s.arrivedChoose, s.state, s.hist0 = alloc(blocks), alloc(hq), alloc(hq), alloc(hq*h2oBins)
-	s.score = b.kernel("h2o_score", 9, 9, s.wg, uint32(h.Dim), uint32(s.heads))
+	s.score = b.kernel("h2o_score", 9, 9, s.wg, uint32(h.Dim), uint32(s.heads), uint32(s.rowsPerScore()))
 	info := dev.Info()
 	threads := uint32(s.shape.threads)
 	subgroups := boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= threads)
@@ -189,13 +192,15 @@ func newH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 	return s, nil
 }
 
-// rowsPerScore is the slots a workgroup of h2o_score takes.
-func (s *H2OSelector) rowsPerScore() int { return int(s.wg) / 8 }
+// rowsPerScore is the slots a workgroup of h2o_score takes: two a thread
+// (on the H100 at 131 072 tokens, 32 a workgroup took the stage 219 µs).
+func (s *H2OSelector) rowsPerScore() int { return 2 * int(s.wg) }
 
 // partials is h2o_score's most workgroups per row of the grid.
 func (s *H2OSelector) partials() int { return ceilDiv(s.layer.Capacity(), s.rowsPerScore()) }
 
-// Selection returns the ranks (0 taken, 1 not) and the cuts (1).
+// Selection returns the ranks and the cuts: a head takes the tokens it
+// ranks below its cut.
 func (s *H2OSelector) Selection() Selection {
 	return Selection{Clusters: s.tokens, Rank: s.rank.All(), Cut: s.cut.All()}
 }
@@ -292,11 +297,11 @@ func (s *H2OSelector) Accumulated() ([]float32, error) {
 	return out, s.acc.ReadFloat32(0, out)
 }
 
-// Ranks returns the last step's rank of every indexed token, [Hq][C]: 0
-// for a token taken, 1 for the others.
+// Ranks returns the last step's rank of every indexed token, [Hq][C]: a
+// head took those below its cut (H2OSelector).
 func (s *H2OSelector) Ranks() ([]int, error) { return readInts(s.rank, s.dense.heads.Query*s.tokens.C) }
 
-// Cuts returns the last step's cut per query head (1).
+// Cuts returns the last step's cut per query head.
 func (s *H2OSelector) Cuts() ([]int, error) { return readInts(s.cut, s.dense.heads.Query) }
 
 // Release frees the kernels, the state and an index the step made.
