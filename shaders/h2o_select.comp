@@ -2,7 +2,7 @@
 // H2O, second stage: accumulate the attention h2o_score scored, then
 // select the heavy hitters, for query head h = gl_WorkGroupID.y.
 //
-// Accumulate: a workgroup takes WG indexed tokens c and adds the head's
+// Accumulate: a workgroup takes WG·PER indexed tokens c and adds the head's
 // softmax weight exp(row[h][first + c] − m) / z ((m, z) = mz[h]) to
 // acc[h][c] where the token was attended (a finite row) within the N
 // slots h2o_score scored (N = state[h], pc.n when pc.observe is set;
@@ -39,6 +39,7 @@ layout(constant_id = 1) const uint D = 128;    // head dimension, a multiple of 
 // shared-memory tree.
 layout(constant_id = 2) const uint SUBGROUPS = 0;
 layout(constant_id = 3) const uint LIST = 4096;  // candidates gathered in shared memory at most
+layout(constant_id = 4) const uint PER = 8;      // tokens a thread accumulates
 
 const uint D4 = D / 4;
 const uint NBINS = 2048;  // bins of the widest radix level
@@ -142,20 +143,25 @@ void main() {
 	bool rank0 = pc.observe == 0 && pc.heavy > 0;  // this step ranks by the scores
 	if (rank0) clearHist();
 
-	// Accumulate, and count the candidates by their first digit.
-	uint c = gl_WorkGroupID.x * WG + tid;
-	if (c < pc.C) {
-		float a = acc[base + c];
-		if (N > 0 && pc.first + c < N) {
-			float l = row[h * pc.R + pc.first + c];
-			if (l != NEG) {
-				vec2 s = mz[h];
-				a += exp(l - s.x) / s.y;
-				acc[base + c] = a;
+	// Accumulate, and count the candidates by their first digit, PER
+	// tokens a thread (WG apart) with their loads in flight together.
+	vec2 s = mz[h];
+	float a[PER], l[PER];
+	[[unroll]] for (uint i = 0; i < PER; i++) {
+		uint c = min((gl_WorkGroupID.x * PER + i) * WG + tid, pc.C - 1);
+		a[i] = acc[base + c];
+		l[i] = N > 0 && pc.first + c < N ? row[h * pc.R + pc.first + c] : NEG;
+	}
+	[[unroll]] for (uint i = 0; i < PER; i++) {
+		uint c = (gl_WorkGroupID.x * PER + i) * WG + tid;
+		if (c < pc.C) {
+			if (l[i] != NEG) {
+				a[i] += exp(l[i] - s.x) / s.y;
+				acc[base + c] = a[i];
 			}
+			if (pc.observe == 0) rank[base + c] = c < pc.S ? TOP - floatBitsToUint(a[i]) : 0;
+			if (rank0 && c < pc.S) atomicAdd(hist[floatBitsToUint(a[i]) >> 21], 1);
 		}
-		if (pc.observe == 0) rank[base + c] = c < pc.S ? TOP - floatBitsToUint(a) : 0;
-		if (rank0 && c < pc.S) atomicAdd(hist[floatBitsToUint(a) >> 21], 1);
 	}
 	if (pc.observe != 0) return;
 	if (rank0) {

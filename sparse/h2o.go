@@ -67,6 +67,10 @@ type H2OSelector struct {
 // h2oBins is the bins of h2o_select's first radix level (its NBINS).
 const h2oBins = 2048
 
+// h2oAccumulated is the tokens each thread of h2o_select accumulates (its
+// PER).
+const h2oAccumulated = 8
+
 // h2oSelectShape is the shape of h2o_select: threads a workgroup (a
 // power of two, at most 1 024) and the most candidates of the first radix
 // level's bin it gathers in shared memory; 0 for the defaults.
@@ -167,7 +171,7 @@ func newH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 	info := dev.Info()
 	threads := uint32(s.shape.threads)
 	subgroups := boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= threads)
-	s.choose = b.kernel("h2o_select", 10, 7, threads, uint32(h.Dim), subgroups, uint32(s.shape.list))
+	s.choose = b.kernel("h2o_select", 10, 7, threads, uint32(h.Dim), subgroups, uint32(s.shape.list), h2oAccumulated)
 	err := b.err
 	if err == nil {
 		err = dev.Run(func(cmd *vk.Commands) {
@@ -250,7 +254,7 @@ func (s *H2OSelector) recordChoose(c *vk.Commands, observe bool) {
 	h, x := s.dense.heads, s.tokens
 	push := []uint32{uint32(x.C), uint32(x.First), uint32(s.layer.Len()), uint32(s.layer.Capacity()),
 		uint32(s.heavy), uint32(s.cands), boolWord(observe)}
-	c.Dispatch(s.choose, s.chooseBind, push, uint32(ceilDiv(x.C, s.shape.threads)), uint32(h.Query), 1)
+	c.Dispatch(s.choose, s.chooseBind, push, uint32(ceilDiv(x.C, s.shape.threads*h2oAccumulated)), uint32(h.Query), 1)
 }
 
 // Observe adds, for every query head h, its softmax over every token the
