@@ -29,7 +29,11 @@
 //     top, times pc.quant, truncated; the bin's mass is that sum / quant ·
 //     exp(−b/u). F, relative to m, is summed in float32.
 // It writes each cluster's score and bin and each head's cut, then resets
-// the counter.
+// the counter. KIND 0 folds the extremes while scoring the rows (every
+// workgroup's into ext[h] with atomic maxima of order-preserving keys,
+// which the last workgroup reads and resets), so that its heads take one
+// pass over their clusters; KIND 1 takes two (the extremes, then the
+// bins). The bins' pass loads BATCH clusters a thread at a time.
 #extension GL_EXT_control_flow_attributes : enable
 
 layout(local_size_x_id = 0) in;
@@ -47,6 +51,7 @@ const uint LANES = 8;          // threads per row
 const uint ROWS = WG / LANES;  // rows per workgroup
 const uint SCRATCH = HB * WG > NB ? HB * WG : NB;
 const float NEG = -1.0 / 0.0;
+const uint BATCH = 8;          // clusters a thread of the last workgroup loads at once (KIND 0)
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };     // [Hq][D/4]
 layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };       // [Hkv][headStride], KIND 1
@@ -60,6 +65,9 @@ layout(std430, binding = 7) readonly buffer Sizes { uint sizes[]; };   // [Hkv][
 layout(std430, binding = 8) writeonly buffer BinOf { uint binOf[]; };  // [Hq][C]
 layout(std430, binding = 9) writeonly buffer Cut { uint cut[]; };      // [Hq]
 layout(std430, binding = 10) coherent buffer Arrived { uint arrived[]; }; // [Hkv][blocks], 0 between steps
+// KIND 0: per head the largest key of its non-empty clusters' scores and
+// of their complements (so both are maxima); 0 between steps.
+layout(std430, binding = 11) coherent buffer Extremes { uvec2 ext[]; };  // [Hq]
 
 layout(push_constant) uniform Push {
 	uint C;           // clusters per KV head
@@ -79,6 +87,7 @@ shared vec4 qs[HB][D4];
 // The rows' lane sums, then a head's bins' counts or fixed-point masses.
 shared uint scratch[SCRATCH];
 shared uint keyMax, keyMin, found;
+shared uint rowMax[HB], rowMin[HB];  // KIND 0: the workgroup's extremes
 shared float part[WG];  // scan of the bins
 shared bool last;
 
@@ -148,11 +157,27 @@ void main() {
 	}
 	[[unroll]] for (uint j = 0; j < HB; j++) scratch[j * WG + tid] = floatBitsToUint(acc[j]);
 	barrier();
+	if (KIND == 0 && tid < HB) {
+		rowMax[tid] = 0;
+		rowMin[tid] = 0;
+	}
+	if (KIND == 0) barrier();
 	if (r < pc.n && lane < heads) {
 		float sum = 0.0;
 		uint at = lane * WG + (tid / LANES) * LANES;
 		[[unroll]] for (uint j = 0; j < LANES; j++) sum += uintBitsToFloat(scratch[at + j]);
 		row[(h0 + lane) * pc.R + r] = sum;
+		if (KIND == 0 && sizes[g * pc.C + r] > 0) {
+			atomicMax(rowMax[lane], key(sum));
+			atomicMax(rowMin[lane], ~key(sum));
+		}
+	}
+	if (KIND == 0) {
+		barrier();
+		if (tid < heads) {
+			atomicMax(ext[h0 + tid].x, rowMax[tid]);
+			atomicMax(ext[h0 + tid].y, rowMin[tid]);
+		}
 	}
 
 	// The last workgroup of the block to arrive cuts its heads.
@@ -176,15 +201,25 @@ void main() {
 		}
 		for (uint i = tid; i < NB; i += WG) scratch[i] = 0;
 		barrier();
-		// Scores.
-		for (uint c = tid; c < pc.C; c += WG) {
-			uint size = sizes[g * pc.C + c];
-			float l = size > 0 ? clusterScore(h, g, c, size) : NEG;
-			if (size > 0) {
-				atomicMax(keyMax, key(l));
-				atomicMax(keyMin, ~key(l));
+		if (KIND == 0) {
+			// The extremes the rows folded.
+			if (tid == 0) {
+				uvec2 e = ext[h];
+				keyMax = e.x;
+				keyMin = e.y;
+				ext[h] = uvec2(0);
 			}
-			score[h * pc.C + c] = l;
+		} else {
+			// Scores.
+			for (uint c = tid; c < pc.C; c += WG) {
+				uint size = sizes[g * pc.C + c];
+				float l = size > 0 ? clusterScore(h, g, c, size) : NEG;
+				if (size > 0) {
+					atomicMax(keyMax, key(l));
+					atomicMax(keyMin, ~key(l));
+				}
+				score[h * pc.C + c] = l;
+			}
 		}
 		barrier();
 		float m = unkey(keyMax), m0 = unkey(~keyMin);
@@ -194,17 +229,32 @@ void main() {
 			frexp(m - m0, ex);
 			u = ldexp(1.0, LOG2NB - ex);
 		}
-		for (uint c = tid; c < pc.C; c += WG) {
-			uint size = sizes[g * pc.C + c];
-			uint b = NB;
-			if (size > 0) {
-				float l = clusterScore(h, g, c, size);  // again: Scores is write-only
-				b = min(NB - 1, uint(floor((m - l) * u)));
-				uint add = 1;
-				if (TOPP != 0) add = uint(min(exp(l - (m - float(b) / u)), 1.0) * pc.quant);
-				atomicAdd(scratch[b], add);
+		// The bins, BATCH clusters a thread at a time (KIND 0 writes the
+		// scores here).
+		for (uint c0 = tid; c0 < pc.C; c0 += WG * BATCH) {
+			float lv[BATCH];
+			uint zv[BATCH];
+			[[unroll]] for (uint i = 0; i < BATCH; i++) {
+				uint c = min(c0 + i * WG, pc.C - 1);
+				zv[i] = sizes[g * pc.C + c];
+				if (KIND == 0) lv[i] = row[h * pc.R + c];
 			}
-			binOf[h * pc.C + c] = b;
+			[[unroll]] for (uint i = 0; i < BATCH; i++) {
+				uint c = c0 + i * WG;
+				if (c < pc.C) {
+					uint b = NB;
+					float l = NEG;
+					if (zv[i] > 0) {
+						l = KIND == 0 ? lv[i] : clusterScore(h, g, c, zv[i]);  // KIND 1 again: Scores is write-only
+						b = min(NB - 1, uint(floor((m - l) * u)));
+						uint add = 1;
+						if (TOPP != 0) add = uint(min(exp(l - (m - float(b) / u)), 1.0) * pc.quant);
+						atomicAdd(scratch[b], add);
+					}
+					if (KIND == 0) score[h * pc.C + c] = l;
+					binOf[h * pc.C + c] = b;
+				}
+			}
 		}
 		barrier();
 

@@ -63,11 +63,17 @@ func (f *baselineFixture) kv(g int) (keys, values []float64) {
 	return f.k[g*w : (g+1)*w], f.v[g*w : (g+1)*w]
 }
 
-// run attends once, poisons the outputs (NaN), and attends again: the
-// second step is the one checked (the first proves the counters reset).
+// run attends once for another query (−2 times the checked one, so its
+// scores and their order differ), poisons the outputs (NaN), and attends
+// again: the second step is the one checked (the first proves that
+// counters and extremes carried between steps are reset).
 func (f *baselineFixture) run(t *testing.T, step *Step, poison ...*vk.Buffer) []float32 {
 	t.Helper()
-	_, err := step.Attend(f.q)
+	other := make([]float32, len(f.q))
+	for i, x := range f.q {
+		other[i] = -2 * x
+	}
+	_, err := step.Attend(other)
 	require.NoError(t, err)
 	nan := math.Float32bits(float32(math.NaN()))
 	require.NoError(t, f.dev.Run(func(c *vk.Commands) {

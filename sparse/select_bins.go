@@ -51,6 +51,7 @@ type binSelector struct {
 	score       *vk.Buffer // float32 [Hq][C]
 	binOf, cut  *vk.Buffer // uint32 [Hq][C] and [Hq]
 	arrived     *vk.Buffer // uint32 [Hkv][blocks], 0 between steps
+	extremes    *vk.Buffer // uint32 [Hq][2]: scoreBounds' extremes, 0 between steps
 }
 
 // newBinSelector builds the selection kernel over clusters of layer (in
@@ -86,17 +87,20 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 	hq, c := h.Query, clusters.C
 	s.row, s.score = alloc(hq*s.rowStride()), alloc(hq*c)
 	s.binOf, s.cut = alloc(hq*c), alloc(hq)
-	s.arrived = alloc(h.KV * ceilDiv(h.Group(), s.heads))
+	s.arrived, s.extremes = alloc(h.KV*ceilDiv(h.Group(), s.heads)), alloc(2*hq)
 	if kind == scoreBounds {
 		s.lo, s.hi = alloc(h.KV*c*h.Dim), alloc(h.KV*c*h.Dim)
 	}
-	s.pipe = b.kernel("select_bins", 11, 11, wg, uint32(h.Dim), uint32(s.heads), TacticBins, 10, uint32(kind), boolWord(topP))
+	s.pipe = b.kernel("select_bins", 12, 11, wg, uint32(h.Dim), uint32(s.heads), TacticBins, 10, uint32(kind), boolWord(topP))
 	err := b.err
 	if err == nil && kind == scoreBounds {
 		err = s.computeBounds()
 	}
 	if err == nil {
-		err = dev.Run(func(c *vk.Commands) { c.Fill(s.arrived.All(), 0) })
+		err = dev.Run(func(c *vk.Commands) {
+			c.Fill(s.arrived.All(), 0)
+			c.Fill(s.extremes.All(), 0)
+		})
 	}
 	if err != nil {
 		return nil, errors.Join(err, s.release())
@@ -145,7 +149,7 @@ func (s *binSelector) bindQuery(query vk.Range) error {
 	if s.lo != nil {
 		lo, hi = s.lo.All(), s.hi.All()
 	}
-	b, err := s.pipe.Bind(query, s.layer.Keys().All(), lo, hi, s.row.All(), s.score.All(), x.Starts.All(), x.Counts.All(), s.binOf.All(), s.cut.All(), s.arrived.All())
+	b, err := s.pipe.Bind(query, s.layer.Keys().All(), lo, hi, s.row.All(), s.score.All(), x.Starts.All(), x.Counts.All(), s.binOf.All(), s.cut.All(), s.arrived.All(), s.extremes.All())
 	if err != nil {
 		return err
 	}
