@@ -129,6 +129,12 @@ void findDigit(uint bins, uint need) {
 	barrier();
 }
 
+// loadKeys loads the float bits of the candidate scores at base + x0 +
+// u·WG + tid, u < UN, all in flight together (past S: the last one again).
+void loadKeys(uint base, uint x0, out uint key[UN]) {
+	[[unroll]] for (uint u = 0; u < UN; u++) key[u] = floatBitsToUint(acc[base + min(x0 + u * WG + gl_LocalInvocationID.x, pc.S - 1)]);
+}
+
 // clearHist zeroes the shared bins.
 void clearHist() {
 	for (uint i = gl_LocalInvocationID.x; i < NBINS; i += WG) hist[i] = 0;
@@ -205,7 +211,7 @@ void main() {
 			barrier();
 			for (uint x0 = 0; x0 < pc.S; x0 += WG * UN) {
 				uint key[UN];
-				[[unroll]] for (uint u = 0; u < UN; u++) key[u] = floatBitsToUint(acc[base + min(x0 + u * WG + tid, pc.S - 1)]);
+				loadKeys(base, x0, key);
 				[[unroll]] for (uint u = 0; u < UN; u++) {
 					if (x0 + u * WG + tid < pc.S && (key[u] & mask) == prefix) lst[atomicAdd(nList, 1)] = key[u];
 				}
@@ -224,7 +230,7 @@ void main() {
 			} else {
 				for (uint x0 = 0; x0 < pc.S; x0 += WG * UN) {
 					uint key[UN];
-					[[unroll]] for (uint u = 0; u < UN; u++) key[u] = floatBitsToUint(acc[base + min(x0 + u * WG + tid, pc.S - 1)]);
+					loadKeys(base, x0, key);
 					[[unroll]] for (uint u = 0; u < UN; u++) {
 						if (x0 + u * WG + tid < pc.S && (key[u] & mask) == prefix) atomicAdd(hist[(key[u] >> shift) & (bins - 1)], 1);
 					}

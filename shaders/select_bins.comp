@@ -51,7 +51,7 @@ const uint LANES = 8;          // threads per row
 const uint ROWS = WG / LANES;  // rows per workgroup
 const uint SCRATCH = HB * WG > NB ? HB * WG : NB;
 const float NEG = -1.0 / 0.0;
-const uint BATCH = 8;          // clusters a thread of the last workgroup loads at once (KIND 0)
+const uint BATCH = 8;          // clusters a thread of the last workgroup loads at once
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };     // [Hq][D/4]
 layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };       // [Hkv][headStride], KIND 1
@@ -128,6 +128,10 @@ void main() {
 	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
 	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
 	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
+	if (KIND == 0 && tid < HB) {
+		rowMax[tid] = 0;
+		rowMin[tid] = 0;
+	}
 	barrier();
 
 	// Rows.
@@ -157,11 +161,6 @@ void main() {
 	}
 	[[unroll]] for (uint j = 0; j < HB; j++) scratch[j * WG + tid] = floatBitsToUint(acc[j]);
 	barrier();
-	if (KIND == 0 && tid < HB) {
-		rowMax[tid] = 0;
-		rowMin[tid] = 0;
-	}
-	if (KIND == 0) barrier();
 	if (r < pc.n && lane < heads) {
 		float sum = 0.0;
 		uint at = lane * WG + (tid / LANES) * LANES;
