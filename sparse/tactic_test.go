@@ -101,6 +101,14 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	thin := wide
 	thin.WindowStride = 3
 	runs := []run{{dense, 0.9, DefaultTacticFit(), 0, 0}, {tree, 0.8, DefaultTacticFit(), 3, 3}, {dense, 0.9, wide, 1, 1}, {dense, 0.8, thin, 2, 0}}
+	if many {
+		// Windows of a quarter of the tokens, every cluster scored, with 4
+		// workgroups a head: each lists more clusters than the last
+		// workgroup gives a list threads at once.
+		full := wide
+		full.WindowStride = 1
+		runs = append(runs, run{dense, 0.9, full, 4, 0})
+	}
 	if all {
 		runs = append(runs, run{dense, 0.5, DefaultTacticFit(), 0, 0}, run{dense, 1, DefaultTacticFit(), 0, 0}, run{single, 0.9, DefaultTacticFit(), 0, 0},
 			run{dense, 0.7, capped, 0, 5}, run{dense, 0.9, DefaultTacticFit(), 5, 0}, run{tree, 0.9, thin, 0, 0})
@@ -140,6 +148,8 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 		}
 		lists, err := step.Tokens(members)
 		require.NoError(t, err)
+		plan := make([]uint32, h.Query*16)
+		require.NoError(t, step.planBuf.ReadUint32(0, plan))
 		require.NoError(t, step.Release())
 		t.Logf("P %v, %d threads per row: cuts %v, union sizes %d and %d of %d", p, r.dense.tpr, cuts, len(lists[0]), len(lists[1]), n)
 
@@ -166,6 +176,11 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 				budget, cut, err := TacticBinnedBudgetRef(qh, scale, keys, index[g], hs, fixed, p, r.fit)
 				require.NoError(t, err)
 				requireCut(t, budget, hs, cut, cuts[hh], p, fmt.Sprintf("P %v: cut of head %d", p, hh))
+				// The fit's estimated total S(n), which every listed sum enters,
+				// in the units of the GPU's shift (its best centroid score).
+				total := float64(math.Float32frombits(plan[hh*16+14]))
+				want := budget.Total * math.Exp(budget.Shift-float64(math.Float32frombits(plan[hh*16])))
+				require.InDelta(t, want, total, 1e-3*want, "P %v: estimated total of head %d", p, hh)
 				m, u := TacticBinScale(hs)
 				for c, x := range hs {
 					if TacticBin(m, u, x) < cuts[hh] {
