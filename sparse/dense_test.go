@@ -101,14 +101,14 @@ func TestDenseMatchesReference(t *testing.T) {
 		{Heads{4, 4, 64}, 1, 1, 0, nil},
 		{Heads{8, 2, 64}, 1000, 1, 0, nil},
 		{Heads{8, 1, 128}, 777, 3, 64, nil},
-		{Heads{16, 2, 128}, 4099, 1, 0, nil},
+		{Heads{16, 2, 128}, 4099, 1, 0, []DenseOptions{{Group: 8}}},
 		{Heads{4, 1, 128}, 3001, 40, 0, nil}, // logits in the hundreds
 		{Heads{3, 3, 72}, 513, 1, 100, nil},
 		{Heads{2, 1, 256}, 300, 1, 0, nil},
 		{Heads{12, 1, 8}, 257, 2, 0, nil},
-		{Heads{32, 2, 16}, 90, 1, 0, nil},       // 16 query heads per KV head: two blocks of 8
-		{Heads{8, 2, 64}, 5000, 2, 2000, nil},   // chunks of several tiles
-		{Heads{4, 1, 128}, 3001, 40, 3001, nil}, // one chunk of many tiles, huge logits
+		{Heads{32, 2, 16}, 90, 1, 0, []DenseOptions{{Group: 8}}}, // 16 query heads per KV head: four blocks of 4, or two of 8
+		{Heads{8, 2, 64}, 5000, 2, 2000, nil},                    // chunks of several tiles
+		{Heads{4, 1, 128}, 3001, 40, 3001, nil},                  // one chunk of many tiles, huge logits
 		// Head blocks of 8 × 34 vec4 of output: the merge takes them in
 		// two passes of 256 threads, or five of 64, the last ones partial.
 		{Heads{8, 1, 136}, 1500, 1, 64, []DenseOptions{{Workgroup: 64}}},
@@ -324,7 +324,7 @@ func TestDensePlanRepeats(t *testing.T) {
 	}
 
 	t.Run("batch", func(t *testing.T) {
-		// Two head blocks of 8 query heads per KV head; chunks of 64
+		// Four head blocks of 4 query heads per KV head; chunks of 64
 		// tokens, so that the longest sequence takes 33 of them.
 		h := Heads{32, 2, 16}
 		dense, err := NewDense(dev, h)
@@ -381,4 +381,12 @@ func TestDensePlanRepeats(t *testing.T) {
 		plan, k, v, lists := clusterPlan(t, dev, rng, c)
 		requireRepeats(t, dev, plan, queries(c.heads.Query*c.heads.Dim), func(q []float32) []float64 { return listsRef(t, c.heads, q, k, v, c.n, lists) })
 	})
+}
+
+// TestDefaultGroup checks the head blocks chosen for GQA groups: the
+// largest divisor up to 4, else up to 8.
+func TestDefaultGroup(t *testing.T) {
+	for n, want := range map[int]int{1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 3, 7: 7, 8: 4, 9: 3, 11: 1, 12: 4, 14: 2, 16: 4} {
+		require.Equal(t, want, defaultGroup(n), "groups of %d", n)
+	}
 }

@@ -42,7 +42,7 @@ func attn(args []string) error {
 	dim := fs.Int("dim", 128, "head dimension")
 	batches := fs.String("batch", "1", "batch sizes (comma-separated)")
 	chunks := fs.String("chunk", "0", "tokens per chunk to try (comma-separated; 0 = automatic)")
-	variants := fs.String("variants", "", "kernel variants to compare, ';'-separated, each a ','-separated list of tpr=N, tree=0|1, wg=N, tile=N, unroll=N, rpt=N (empty: chosen for the device)")
+	variants := fs.String("variants", "", "kernel variants to compare, ';'-separated, each a ','-separated list of tpr=N, tree=0|1, wg=N, tile=N, unroll=N, rpt=N, group=N (query heads a workgroup attends for) (empty: chosen for the device)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	warmup := fs.Int("warmup", 10, "untimed runs before timing")
 	check := fs.Bool("check", true, "compare the first sequence with the float64 reference")
@@ -325,6 +325,8 @@ func parseVariants(s string) ([]sparse.DenseOptions, error) {
 				o.Unroll = n
 			case "rpt":
 				o.RowsPerThread = n
+			case "group":
+				o.Group = n
 			default:
 				return nil, fmt.Errorf("unknown key %q", key)
 			}
@@ -340,5 +342,9 @@ func variantName(o sparse.DenseOptions) string {
 	if o.TreeReduce {
 		r = "tree"
 	}
-	return fmt.Sprintf("tpr%d/rpt%d/wg%d/tile%d/u%d/%s", o.ThreadsPerRow, o.RowsPerThread, o.Workgroup, o.Tile, o.Unroll, r)
+	name := fmt.Sprintf("tpr%d/rpt%d/wg%d/tile%d/u%d/%s", o.ThreadsPerRow, o.RowsPerThread, o.Workgroup, o.Tile, o.Unroll, r)
+	if o.Group > 0 {
+		name += fmt.Sprintf("/g%d", o.Group)
+	}
+	return name
 }
