@@ -163,7 +163,7 @@ func TestClusterPlanTakesNoClusterForAHeadBlock(t *testing.T) {
 	for _, c := range []clusterCase{
 		// Two head blocks of 8 per KV head; KV head 1 takes nothing, its
 		// fixed tokens spread over several tiles of 64.
-		{heads: Heads{32, 2, 16}, n: 2000, capacity: 2000, first: 5, tail: 200, clusters: 100, opts: DenseOptions{Tile: 64, ClusterChunk: 8}, none: []int{1}},
+		{heads: Heads{32, 2, 16}, n: 2000, capacity: 2000, first: 5, tail: 200, clusters: 100, opts: DenseOptions{Tile: 64, ClusterChunk: 8, Group: 8}, none: []int{1}},
 		{heads: Heads{8, 2, 64}, n: 1500, capacity: 1600, first: 0, tail: 1, clusters: 60, opts: DenseOptions{ClusterChunk: 4}, none: []int{0, 1}},
 	} {
 		name := fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_none%v", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, c.none)

@@ -111,7 +111,7 @@ func TestDenseMatchesReference(t *testing.T) {
 		{Heads{4, 1, 128}, 3001, 40, 3001, nil},                  // one chunk of many tiles, huge logits
 		// Head blocks of 8 × 34 vec4 of output: the merge takes them in
 		// two passes of 256 threads, or five of 64, the last ones partial.
-		{Heads{8, 1, 136}, 1500, 1, 64, []DenseOptions{{Workgroup: 64}}},
+		{Heads{8, 1, 136}, 1500, 1, 64, []DenseOptions{{Group: 8}, {Group: 8, Workgroup: 64}}},
 		// Workgroups of 2 or 1 of a group's 4 query heads.
 		{Heads{8, 2, 64}, 1500, 1, 0, []DenseOptions{{Group: 2}, {Group: 1, Tile: 256}}},
 	}
