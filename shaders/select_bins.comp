@@ -138,6 +138,8 @@ void main() {
 	uint r = gl_WorkGroupID.x * ROWS + tid / LANES, lane = tid % LANES;
 	float acc[HB];
 	[[unroll]] for (uint j = 0; j < HB; j++) acc[j] = 0.0;
+	// KIND 0: the page's size, loaded with its bounds (empty pages fold no extreme).
+	uint size = KIND == 0 && r < pc.n && lane < heads ? sizes[g * pc.C + r] : 0;
 	if (r < pc.n) {
 		if (KIND == 0) {
 			uint base = (g * pc.C + r) * D4;
@@ -166,7 +168,7 @@ void main() {
 		uint at = lane * WG + (tid / LANES) * LANES;
 		[[unroll]] for (uint j = 0; j < LANES; j++) sum += uintBitsToFloat(scratch[at + j]);
 		row[(h0 + lane) * pc.R + r] = sum;
-		if (KIND == 0 && sizes[g * pc.C + r] > 0) {
+		if (KIND == 0 && size > 0) {
 			atomicMax(rowMax[lane], key(sum));
 			atomicMax(rowMin[lane], ~key(sum));
 		}
