@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"sort"
+	"strings"
 
 	"github.com/vksparse/vksparse/shaders"
 	"github.com/vksparse/vksparse/vk"
@@ -25,9 +26,14 @@ func probe(args []string) error {
 	groups := fs.Int("groups", 4096, "workgroups of 256 threads")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	chain := fs.String("chain", "", "instead: time chains of this many small dependent dispatches (comma-separated), the cost a pipeline stage pays before its work")
+	step := fs.String("step", "", "instead: time skeleton steps, dependent dispatches that only stream the given MB each; cases NAME=MB,MB,... separated by ';'")
+	stepGroups := fs.String("step-groups", "264,528,1056,2112,4224", "workgroups of 256 threads tried for every -step case (the fastest is reported)")
 	fs.Parse(args)
 	if *chain != "" {
 		return probeChain(*chain, *reps, *groups, *jsonPath)
+	}
+	if *step != "" {
+		return probeStep(*step, *stepGroups, *reps, *jsonPath, "probe "+strings.Join(args, " "))
 	}
 	mibs, err := ints(*sizes)
 	if err != nil {
