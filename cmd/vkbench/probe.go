@@ -39,15 +39,11 @@ func probe(args []string) error {
 	if err != nil {
 		return fmt.Errorf("-mib: %v", err)
 	}
-	dev, err := openDevice()
+	dev, pipe, err := openReadProbe()
 	if err != nil {
 		return err
 	}
 	defer dev.Release()
-	pipe, err := newReadProbe(dev)
-	if err != nil {
-		return err
-	}
 	defer pipe.Release()
 	dst, err := dev.NewBuffer(uint64(*groups)*256*4, vk.DeviceLocal)
 	if err != nil {
@@ -130,15 +126,11 @@ func probeChain(list string, reps, groups int, jsonPath string) error {
 	if err != nil {
 		return fmt.Errorf("-chain: %v", err)
 	}
-	dev, err := openDevice()
+	dev, pipe, err := openReadProbe()
 	if err != nil {
 		return err
 	}
 	defer dev.Release()
-	pipe, err := newReadProbe(dev)
-	if err != nil {
-		return err
-	}
 	defer pipe.Release()
 	const bytes = 1 << 20
 	src, err := dev.NewBuffer(bytes, vk.DeviceLocal)
@@ -212,11 +204,22 @@ func probeChain(list string, reps, groups int, jsonPath string) error {
 	return nil
 }
 
-// newReadProbe builds the read-bandwidth kernel on workgroups of 256.
-func newReadProbe(dev *vk.Device) (*vk.Pipeline, error) {
+// openReadProbe opens the device the environment picks and builds the
+// read-bandwidth kernel on it, on workgroups of 256.
+func openReadProbe() (*vk.Device, *vk.Pipeline, error) {
+	dev, err := openDevice()
+	if err != nil {
+		return nil, nil, err
+	}
 	code, err := shaders.SPIRV("read_probe")
 	if err != nil {
-		return nil, err
+		dev.Release()
+		return nil, nil, err
 	}
-	return dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{256}})
+	pipe, err := dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{256}})
+	if err != nil {
+		dev.Release()
+		return nil, nil, err
+	}
+	return dev, pipe, nil
 }

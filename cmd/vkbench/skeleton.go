@@ -79,15 +79,11 @@ func probeStep(spec, groupList string, reps int, jsonPath, command string) error
 	if err != nil {
 		return fmt.Errorf("-step-groups: %v", err)
 	}
-	dev, err := openDevice()
+	dev, pipe, err := openReadProbe()
 	if err != nil {
 		return err
 	}
 	defer dev.Release()
-	pipe, err := newReadProbe(dev)
-	if err != nil {
-		return err
-	}
 	defer pipe.Release()
 	most := 0
 	for _, g := range groups {
