@@ -1,29 +1,37 @@
 // Package decode holds a whole model's decode state on the GPU: the KV
 // caches of L layers for B sequence slots, and the attention of a layer's
-// queries for every active sequence at once, dense or with Tactic.
+// queries for every active sequence at once, each layer under its own
+// policy.
 //
 // A Model is built for a geometry (sparse.Heads), a number of layers,
-// slots and tokens per sequence, and a Policy: Dense, or Tactic at a
-// target mass P with its options (sparse.TacticDecoderOptions: sinks,
-// recluster interval, K-means options, fit). A slot is idle until each of
-// its layers is prefilled (Prefill; with Tactic each layer is then
-// clustered past its sinks and stored in cluster order, as
-// sparse.NewTacticDecoder does); it is then active: Append or AppendAll
-// add a token's keys and values (with Tactic, every Recluster appended
-// tokens are clustered and join the layer's index), and Attend, or
-// SetQuery and Record into the caller's command buffer, attend a layer's
-// queries for all active slots, in ascending slot order (Active). Free
-// makes the slot idle again, ready for another sequence's prefill.
+// slots and tokens per sequence, and a policy per layer (Config.Policy
+// for every layer, or Config.Layout, one per layer): Dense, Tactic,
+// DoubleP, Quest, StreamingLLM, H2O, or the oracles for measurement, each
+// with its options; a mixed layout (dense layers 0–1, Double-P after, say)
+// is one Config. A slot is idle until each of its layers is prefilled
+// (Prefill; under a clustered policy each layer is then clustered past its
+// sinks and stored in cluster order, as sparse.NewTacticDecoder does); it
+// is then active: Append or AppendAll add a token's keys and values (under
+// a clustered policy every Recluster appended tokens are clustered and
+// join the layer's index), and Attend, or SetQuery and Record into the
+// caller's command buffer, attend a layer's queries for all active slots,
+// in ascending slot order (Active). Free makes the slot idle again, ready
+// for another sequence's prefill; Slot tells what a slot holds, partly
+// prefilled ones included.
 //
 // # Batches
 //
 // A layer's attention is one batch over the active slots: Tactic runs one
-// sparse.TacticBatch per layer (each stage dispatched for every sequence,
-// then one barrier for the whole batch), dense attention one
-// sparse.DensePlan per layer. The batches are built at a layer's first
+// sparse.TacticBatch per layer (its selection kernels shared), every other
+// sparse policy one sparse.Batch of its steps, and dense attention one
+// sparse.DensePlan; each stage is dispatched for every sequence, then one
+// barrier for the whole batch. The batches are built at a layer's first
 // SetQuery (or Attend) and rebuilt after the set of active slots changes
-// (a slot becomes active or is freed); between such changes appends only
-// move a Tactic step onto its layer's new index when a tail joins it.
+// (a slot becomes active or is freed), after a clustered layer's index
+// grows under a policy other than Tactic (whose steps move onto the new
+// index), and after a positional policy's sequence gathers Recluster
+// tokens past the index its batch built. Attended reports the rows each
+// sequence's last step read.
 //
 // # Concurrency
 //

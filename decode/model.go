@@ -12,48 +12,24 @@ import (
 	"github.com/vksparse/vksparse/vk"
 )
 
-// Policy chooses how a Model attends: Dense, or Tactic. The zero Policy
-// is Dense.
-type Policy struct {
-	tactic bool
-	p      float64
-	opts   sparse.TacticDecoderOptions
-}
-
-// Dense attends every stored token.
-func Dense() Policy { return Policy{} }
-
-// Tactic attends, for each query head, the fewest clusters of keys whose
-// attention mass reaches p (0 < p ≤ 1), with the sinks and the
-// unclustered tail; opts' zero values take sparse's defaults.
-func Tactic(p float64, opts sparse.TacticDecoderOptions) Policy {
-	return Policy{tactic: true, p: p, opts: opts}
-}
-
-// IsTactic reports whether the policy is Tactic.
-func (p Policy) IsTactic() bool { return p.tactic }
-
-// P returns Tactic's target mass (0 for Dense).
-func (p Policy) P() float64 { return p.p }
-
-// Options returns Tactic's options as given.
-func (p Policy) Options() sparse.TacticDecoderOptions { return p.opts }
-
-// String names the policy.
-func (p Policy) String() string {
-	if !p.tactic {
-		return "dense"
-	}
-	return fmt.Sprintf("Tactic P = %g", p.p)
-}
-
 // Config is what a Model holds.
 type Config struct {
 	Heads    sparse.Heads // every layer's geometry
 	Layers   int          // L
 	Slots    int          // B: sequences held (and attended) at once
 	Capacity int          // most tokens of one sequence, prefill and appends
-	Policy   Policy
+	// Policy is every layer's policy, unless Layout gives each layer its
+	// own: Layout, when set, has one policy per layer.
+	Policy Policy
+	Layout []Policy
+}
+
+// LayerPolicy returns the policy of layer l as the config gives it.
+func (cfg Config) LayerPolicy(l int) Policy {
+	if cfg.Layout != nil {
+		return cfg.Layout[l]
+	}
+	return cfg.Policy
 }
 
 // Model is a model's decode state: L layers × B sequence slots of KV
@@ -63,9 +39,9 @@ type Model struct {
 	mu     sync.Mutex
 	dev    *vk.Device // nil once released
 	cfg    Config
-	opts   sparse.TacticDecoderOptions // resolved (Tactic)
+	policy []Policy // each layer's, resolved
 	dense  *sparse.Dense
-	km     *sparse.KMeans // Tactic
+	km     *sparse.KMeans // where some layer is clustered
 	cmd    *vk.Commands   // Attend's
 	slots  []slot
 	layers []layerBatch
@@ -83,56 +59,90 @@ type slot struct {
 type seqLayer struct {
 	cache    *kvcache.Layer
 	filled   bool
-	clusters *kvcache.Clusters // Tactic: the index of [Sinks, end)
+	clusters *kvcache.Clusters // clustered policies: the index of [Sinks, end)
 	// pending is a tail clustered and stored in cluster order whose join
 	// failed; the next append joins it.
 	pending *kvcache.Clusters
 }
 
-// layerBatch is the attention of one layer over the active slots.
+// layerBatch is the attention of one layer over the active slots: one
+// of plan, tactic and steps, by the layer's policy.
 type layerBatch struct {
-	batch   *sparse.TacticBatch // Tactic
-	plan    *sparse.DensePlan   // Dense
-	out     *vk.Buffer          // Tactic: float32 [Slots][Hq][D], the steps' outputs copied together
-	queried bool                // queries uploaded to this batch
+	plan   *sparse.DensePlan   // Dense
+	tactic *sparse.TacticBatch // Tactic: shared selection kernels
+	steps  *sparse.Batch       // every other policy
+	out    *vk.Buffer          // sparse policies: float32 [Slots][Hq][D], the steps' outputs copied together
+	// built is each active slot's length when the batch was built
+	// (positional policies build their index then).
+	built   []int
+	queried bool // queries uploaded to this batch
 }
 
-// validate reports why cfg cannot be used, and Tactic's resolved options.
-func (cfg Config) validate() (sparse.TacticDecoderOptions, error) {
+// built reports whether the layer has a batch.
+func (b *layerBatch) exists() bool { return b.plan != nil || b.tactic != nil || b.steps != nil }
+
+// step returns sequence i's step of a sparse batch.
+func (b *layerBatch) step(i int) *sparse.Step {
+	if b.tactic != nil {
+		return b.tactic.Step(i).Step
+	}
+	return b.steps.Step(i)
+}
+
+// release frees the batch (not the output buffer).
+func (b *layerBatch) release() error {
+	var errs []error
+	if b.tactic != nil {
+		errs = append(errs, b.tactic.Release())
+	}
+	if b.steps != nil {
+		errs = append(errs, b.steps.Release())
+	}
+	if b.plan != nil {
+		errs = append(errs, b.plan.Release())
+	}
+	b.plan, b.tactic, b.steps, b.built, b.queried = nil, nil, nil, nil, false
+	return errors.Join(errs...)
+}
+
+// validate reports why cfg cannot be used, and each layer's resolved
+// policy.
+func (cfg Config) validate() ([]Policy, error) {
 	if err := cfg.Heads.Validate(); err != nil {
-		return sparse.TacticDecoderOptions{}, err
+		return nil, err
 	}
 	if cfg.Layers <= 0 || cfg.Slots <= 0 || cfg.Capacity <= 0 {
-		return sparse.TacticDecoderOptions{}, fmt.Errorf("decode: %d layers, %d slots and a capacity of %d tokens must be positive", cfg.Layers, cfg.Slots, cfg.Capacity)
+		return nil, fmt.Errorf("decode: %d layers, %d slots and a capacity of %d tokens must be positive", cfg.Layers, cfg.Slots, cfg.Capacity)
 	}
-	if !cfg.Policy.tactic {
-		return sparse.TacticDecoderOptions{}, nil
+	if cfg.Layout != nil && len(cfg.Layout) != cfg.Layers {
+		return nil, fmt.Errorf("decode: a layout of %d policies for %d layers", len(cfg.Layout), cfg.Layers)
 	}
-	if p := cfg.Policy.p; !(p > 0 && p <= 1) {
-		return sparse.TacticDecoderOptions{}, fmt.Errorf("decode: target mass P = %v outside (0, 1]", p)
+	policies := make([]Policy, cfg.Layers)
+	for l := range policies {
+		p, err := cfg.LayerPolicy(l).resolve(cfg.Capacity)
+		if err != nil {
+			return nil, fmt.Errorf("decode: layer %d: %w", l, err)
+		}
+		policies[l] = p
 	}
-	opts, err := cfg.Policy.opts.Resolve()
-	if err != nil {
-		return opts, err
-	}
-	if opts.Sinks >= cfg.Capacity {
-		return opts, fmt.Errorf("decode: %d sinks leave no token to cluster in a capacity of %d", opts.Sinks, cfg.Capacity)
-	}
-	return opts, nil
+	return policies, nil
 }
 
 // New allocates the caches of cfg.Layers × cfg.Slots sequences of
 // cfg.Capacity tokens and compiles the kernels. The Model uses dev but
 // does not own it.
 func New(dev *vk.Device, cfg Config) (*Model, error) {
-	opts, err := cfg.validate()
+	policies, err := cfg.validate()
 	if err != nil {
 		return nil, err
 	}
-	m := &Model{dev: dev, cfg: cfg, opts: opts, slots: make([]slot, cfg.Slots), layers: make([]layerBatch, cfg.Layers)}
+	if cfg.Layout != nil {
+		cfg.Layout = slices.Clone(cfg.Layout)
+	}
+	m := &Model{dev: dev, cfg: cfg, policy: policies, slots: make([]slot, cfg.Slots), layers: make([]layerBatch, cfg.Layers)}
 	h := cfg.Heads
 	m.dense, err = sparse.NewDense(dev, h)
-	if err == nil && cfg.Policy.tactic {
+	if err == nil && slices.ContainsFunc(policies, Policy.Clustered) {
 		m.km, err = sparse.NewKMeans(dev, h.KV, h.Dim)
 	}
 	if err == nil {
@@ -147,7 +157,7 @@ func New(dev *vk.Device, cfg Config) (*Model, error) {
 		}
 	}
 	for l := range m.layers {
-		if err == nil && cfg.Policy.tactic {
+		if err == nil && !policies[l].IsDense() {
 			m.layers[l].out, err = dev.NewBuffer(uint64(cfg.Slots*h.Query*h.Dim)*4, vk.DeviceLocal)
 		}
 	}
@@ -210,8 +220,9 @@ func finiteHalves(what string, x []uint16) error {
 
 // Prefill stores the first n tokens of the sequence in slot's layer: k and
 // v hold fp16 bit patterns, [KVHeads][n][Dim]. Every layer of a slot is
-// prefilled with the same n; once all are, the slot is active. With Tactic
-// the tokens past the sinks are clustered and stored in cluster order. A
+// prefilled with the same n; once all are, the slot is active. Under a
+// clustered policy the tokens past the sinks are clustered and stored in
+// cluster order. A
 // slot's layer is prefilled once per sequence: Free the slot to start
 // another.
 func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
@@ -232,8 +243,8 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 		return fmt.Errorf("decode: slot %d layer %d already holds a sequence: Free the slot before another prefill", slot, layer)
 	case n <= 0 || n > m.cfg.Capacity:
 		return fmt.Errorf("decode: prefill of %d tokens into a capacity of %d", n, m.cfg.Capacity)
-	case m.cfg.Policy.tactic && n <= m.opts.Sinks:
-		return fmt.Errorf("decode: prefill of %d tokens leaves none to cluster past the %d sinks", n, m.opts.Sinks)
+	case n < m.policy[layer].minPrefill():
+		return fmt.Errorf("decode: layer %d (%s) needs a prefill of at least %d tokens, got %d", layer, m.policy[layer], m.policy[layer].minPrefill(), n)
 	case s.filled > 0 && n != s.n:
 		return fmt.Errorf("decode: slot %d layer %d: prefill of %d tokens where the slot's other layers hold %d", slot, layer, n, s.n)
 	case len(k) != want || len(v) != want:
@@ -245,8 +256,8 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 	if err := sl.cache.Prefill(k, v, n); err != nil {
 		return fmt.Errorf("decode: slot %d layer %d: %w", slot, layer, err)
 	}
-	if m.cfg.Policy.tactic {
-		x, err := m.km.Cluster(sl.cache, m.opts.Sinks, n-m.opts.Sinks, m.opts.KMeans)
+	if pol := m.policy[layer]; pol.Clustered() {
+		x, err := m.km.Cluster(sl.cache, pol.opts.Sinks, n-pol.opts.Sinks, pol.opts.KMeans)
 		if err == nil {
 			if err = sl.cache.Reorder(x); err != nil {
 				x.Release()
@@ -272,14 +283,7 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 func (m *Model) invalidate() error {
 	var errs []error
 	for l := range m.layers {
-		b := &m.layers[l]
-		if b.batch != nil {
-			errs = append(errs, b.batch.Release())
-		}
-		if b.plan != nil {
-			errs = append(errs, b.plan.Release())
-		}
-		b.batch, b.plan, b.queried = nil, nil, false
+		errs = append(errs, m.layers[l].release())
 	}
 	return errors.Join(errs...)
 }
@@ -301,9 +305,9 @@ func (m *Model) checkToken(s, l int, k, v []uint16) error {
 }
 
 // Append stores one token's keys and values (fp16 bit patterns,
-// [KVHeads][Dim] each) in an active slot's layer. With Tactic, once
-// Recluster tokens have gathered past the layer's index they are
-// clustered, stored in cluster order and join the index.
+// [KVHeads][Dim] each) in an active slot's layer. Under a clustered
+// policy, once Recluster tokens have gathered past the layer's index they
+// are clustered, stored in cluster order and join the index.
 func (m *Model) Append(slot, layer int, k, v []uint16) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -362,9 +366,12 @@ func (m *Model) AppendAll(slot int, k, v []uint16) error {
 }
 
 // clusterTail clusters the layer's tail, Recluster tokens at a time, while
-// it holds that many, and joins each to the index (Tactic).
+// it holds that many, and joins each to the index (clustered policies):
+// Tactic's step moves onto the new index, another policy's batch is built
+// again at the layer's next SetQuery.
 func (m *Model) clusterTail(slot, layer int) error {
-	if !m.cfg.Policy.tactic {
+	pol := m.policy[layer]
+	if !pol.Clustered() {
 		return nil
 	}
 	sl := &m.slots[slot].seq[layer]
@@ -374,10 +381,10 @@ func (m *Model) clusterTail(slot, layer int) error {
 	for {
 		end := sl.clusters.First + sl.clusters.Count
 		if sl.pending == nil {
-			if sl.cache.Len()-end < m.opts.Recluster {
+			if sl.cache.Len()-end < pol.opts.Recluster {
 				return nil
 			}
-			x, err := m.km.Cluster(sl.cache, end, m.opts.Recluster, m.opts.KMeans)
+			x, err := m.km.Cluster(sl.cache, end, pol.opts.Recluster, pol.opts.KMeans)
 			if err != nil {
 				return fail(err)
 			}
@@ -391,12 +398,15 @@ func (m *Model) clusterTail(slot, layer int) error {
 		if err != nil {
 			return fail(err)
 		}
-		if b := m.layers[layer].batch; b != nil {
+		if b := m.layers[layer].tactic; b != nil {
 			i, _ := slices.BinarySearch(m.active, slot)
 			if err := b.Step(i).SetClusters(joined); err != nil {
 				joined.Release()
 				return fail(err)
 			}
+		} else if err := m.layers[layer].release(); err != nil {
+			joined.Release()
+			return fail(err)
 		}
 		err = errors.Join(sl.pending.Release(), sl.clusters.Release())
 		sl.pending, sl.clusters = nil, joined
@@ -470,6 +480,62 @@ func (m *Model) Idle() []int {
 	return idle
 }
 
+// SlotState is what a slot holds: how many of its layers are prefilled
+// (0: idle; every layer: active) and each layer's tokens.
+type SlotState struct {
+	Prefilled int
+	Active    bool
+	Tokens    []int // per layer, 0 where not prefilled
+}
+
+// Slot returns what slot holds, or why it cannot say (a slot out of range,
+// a released model).
+func (m *Model) Slot(slot int) (SlotState, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := errors.Join(m.live(), m.checkSlot(slot)); err != nil {
+		return SlotState{}, err
+	}
+	s := &m.slots[slot]
+	st := SlotState{Prefilled: s.filled, Active: s.filled == m.cfg.Layers, Tokens: make([]int, m.cfg.Layers)}
+	for l := range s.seq {
+		if s.seq[l].filled {
+			st.Tokens[l] = s.seq[l].cache.Len()
+		}
+	}
+	return st, nil
+}
+
+// Attended returns, for each active slot (Active order), the rows the
+// layer's last attention that ran read for a KV head, mean over KV heads:
+// every stored token under Dense, else the members of the clusters or
+// pages its heads took, the pseudo-tokens, and the tokens outside the
+// index (sparse.Step.Attended). Ask after the step has run and before
+// appending.
+func (m *Model) Attended(layer int) ([]float64, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := errors.Join(m.live(), m.checkLayer(layer)); err != nil {
+		return nil, err
+	}
+	b := &m.layers[layer]
+	if !b.queried {
+		return nil, fmt.Errorf("decode: layer %d has attended nothing since the active slots changed", layer)
+	}
+	out := make([]float64, len(m.active))
+	for i, s := range m.active {
+		if b.plan != nil {
+			out[i] = float64(m.slots[s].seq[layer].cache.Len())
+			continue
+		}
+		var err error
+		if out[i], err = b.step(i).Attended(); err != nil {
+			return nil, fmt.Errorf("decode: layer %d: %w", layer, err)
+		}
+	}
+	return out, nil
+}
+
 // Len returns the tokens stored in slot's layer: 0 when that layer is not
 // prefilled, or slot or layer are out of range.
 func (m *Model) Len(slot, layer int) int {
@@ -500,23 +566,65 @@ func (m *Model) checkQuery(q []float32) error {
 	return nil
 }
 
-// build makes the layer's batch over the active slots, if it has none.
+// stale reports whether a positional policy's batch should index its
+// layer again: some sequence gathered Recluster tokens past it.
+func (m *Model) stale(layer int) bool {
+	b, pol := &m.layers[layer], m.policy[layer]
+	if !b.exists() || !pol.rebuildsIndex() {
+		return false
+	}
+	for i, s := range m.active {
+		if m.slots[s].seq[layer].cache.Len()-b.built[i] >= pol.opts.Recluster {
+			return true
+		}
+	}
+	return false
+}
+
+// build makes the layer's batch over the active slots, if it has none
+// (or a stale one).
 func (m *Model) build(layer int) error {
 	b := &m.layers[layer]
-	if b.batch != nil || b.plan != nil {
+	if m.stale(layer) {
+		if err := b.release(); err != nil {
+			return fmt.Errorf("decode: layer %d: %w", layer, err)
+		}
+	}
+	if b.exists() {
 		return nil
 	}
 	caches := make([]*kvcache.Layer, len(m.active))
 	indexes := make([]*kvcache.Clusters, len(m.active))
+	built := make([]int, len(m.active))
 	for i, s := range m.active {
-		caches[i], indexes[i] = m.slots[s].seq[layer].cache, m.slots[s].seq[layer].clusters
+		sl := &m.slots[s].seq[layer]
+		caches[i], indexes[i], built[i] = sl.cache, sl.clusters, sl.cache.Len()
 	}
 	var err error
-	if m.cfg.Policy.tactic {
-		b.batch, err = sparse.NewTacticBatch(m.dense, caches, indexes, m.cfg.Policy.p, m.opts.Fit)
-	} else {
+	switch pol := m.policy[layer]; {
+	case pol.IsDense():
 		b.plan, err = m.dense.Plan(caches)
+	case pol.IsTactic():
+		b.tactic, err = sparse.NewTacticBatch(m.dense, caches, indexes, pol.p, pol.opts.Fit)
+	default:
+		steps := make([]*sparse.Step, 0, len(caches))
+		for i := range caches {
+			var st *sparse.Step
+			if st, err = pol.newStep(m.dense, caches[i], indexes[i]); err != nil {
+				err = fmt.Errorf("slot %d: %w", m.active[i], err)
+				break
+			}
+			steps = append(steps, st)
+		}
+		if err == nil {
+			b.steps, err = sparse.NewBatch(m.dense, steps)
+		} else {
+			for _, st := range steps {
+				err = errors.Join(err, st.Release())
+			}
+		}
 	}
+	b.built = built
 	if err != nil {
 		return fmt.Errorf("decode: layer %d: %w", layer, err)
 	}
@@ -524,9 +632,9 @@ func (m *Model) build(layer int) error {
 }
 
 // SetQuery uploads a layer's queries for the active slots, [B][Hq][D]
-// float32 in Active order, for the Record that follows; with Tactic it
-// also divides the layer's attention among workgroups by what each head
-// attended in the layer's last step.
+// float32 in Active order, for the Record that follows; under a sparse
+// policy it also divides the layer's attention among workgroups by what
+// each head attended in the layer's last step.
 func (m *Model) SetQuery(layer int, q []float32) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -548,14 +656,19 @@ func (m *Model) setQuery(layer int, q []float32) error {
 	}
 	b := &m.layers[layer]
 	var err error
-	if b.batch != nil {
+	switch {
+	case b.plan != nil:
+		err = b.plan.SetQuery(q)
+	case b.tactic != nil:
 		// The last step of this batch has run (as the package says it
 		// must have): its unions divide the next one's attention.
-		if err = b.batch.SetQuery(q); err == nil {
-			err = b.batch.Rebalance()
+		if err = b.tactic.SetQuery(q); err == nil {
+			err = b.tactic.Rebalance()
 		}
-	} else {
-		err = b.plan.SetQuery(q)
+	default:
+		if err = b.steps.SetQuery(q); err == nil {
+			err = b.steps.Rebalance()
+		}
 	}
 	if err != nil {
 		return fmt.Errorf("decode: layer %d: %w", layer, err)
@@ -593,13 +706,19 @@ func (m *Model) record(layer int, c *vk.Commands) error {
 	if b.plan != nil {
 		return b.plan.Record(c)
 	}
-	if err := b.batch.Record(c); err != nil {
+	var err error
+	if b.tactic != nil {
+		err = b.tactic.Record(c)
+	} else {
+		err = b.steps.Record(c)
+	}
+	if err != nil {
 		return err
 	}
 	c.Barrier()
 	per := uint64(m.cfg.Heads.Query*m.cfg.Heads.Dim) * 4
-	for i := range b.batch.Len() {
-		c.Copy(b.batch.Step(i).Output().All(), b.out.Slice(uint64(i)*per, per))
+	for i := range b.built {
+		c.Copy(b.step(i).Output().All(), b.out.Slice(uint64(i)*per, per))
 	}
 	return nil
 }
@@ -628,7 +747,7 @@ func (m *Model) output(layer int) (vk.Range, error) {
 		return b.plan.Output().All(), nil
 	}
 	per := uint64(m.cfg.Heads.Query*m.cfg.Heads.Dim) * 4
-	return b.out.Slice(0, uint64(b.batch.Len())*per), nil
+	return b.out.Slice(0, uint64(len(b.built))*per), nil
 }
 
 // ReadOutput reads the layer's output (Output) back to the host, once the

@@ -168,7 +168,7 @@ func (f *fixture) check(t *testing.T, m *Model, layer int, q, out []float32, wha
 		name := fmt.Sprintf("%s, layer %d, slot %d (%d tokens)", what, layer, s, n)
 		qi, got := q[i*per:(i+1)*per], out[i*per:(i+1)*per]
 		stored += h.KV * n
-		if !m.cfg.Policy.IsTactic() {
+		if !m.policy[layer].IsTactic() {
 			requireClose(t, subsetRef(t, h, d, qi, n, nil), got, h.Dim, 1e-3, name)
 			attended += h.KV * n
 			continue
@@ -180,7 +180,7 @@ func (f *fixture) check(t *testing.T, m *Model, layer int, q, out []float32, wha
 			require.NoError(t, err)
 			members[g] = hc.Members
 		}
-		step := m.layers[layer].batch.Step(i)
+		step := m.layers[layer].tactic.Step(i)
 		lists, err := step.Tokens(members)
 		require.NoError(t, err)
 		for _, l := range lists {
@@ -190,7 +190,7 @@ func (f *fixture) check(t *testing.T, m *Model, layer int, q, out []float32, wha
 
 		cuts, err := step.Cuts()
 		require.NoError(t, err)
-		alone, err := sparse.NewTacticStep(m.dense, m.slots[s].seq[layer].cache, x, m.cfg.Policy.P(), m.opts.Fit)
+		alone, err := sparse.NewTacticStep(m.dense, m.slots[s].seq[layer].cache, x, m.policy[layer].P(), m.policy[layer].opts.Fit)
 		require.NoError(t, err)
 		_, err = alone.Attend(qi)
 		require.NoError(t, err)

@@ -314,3 +314,23 @@ func halfCentroids(x *kvcache.Clusters, dst *vk.Buffer) error {
 	}
 	return dst.WriteUint16(0, halves)
 }
+
+// Attended returns the rows the last step that ran attended for a KV head,
+// mean over KV heads: the members of the clusters its query heads took
+// (their union), the pseudo-tokens, and every token outside the index, at
+// the layer's current length (ask before appending).
+func (s *Step) Attended() (float64, error) {
+	if s.plan == nil {
+		return 0, vk.ErrReleased
+	}
+	taken, err := s.plan.Taken()
+	if err != nil {
+		return 0, err
+	}
+	sum := 0.0
+	for _, t := range taken {
+		sum += float64(t)
+	}
+	x := s.plan.clusters
+	return sum/float64(len(taken)) + float64(s.layer.Len()-x.Count), nil
+}
