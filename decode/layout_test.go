@@ -138,6 +138,12 @@ func TestModelLayoutMatchesSteps(t *testing.T) {
 			require.Equal(t, builtAt[l], m.layers[l].built[0], "layer %d (%s): the batch keeps its state", l, pol)
 		}
 	}
+	for l, pol := range layout {
+		d, err := m.Time(l, 1, 3)
+		require.NoError(t, err, "layer %d (%s)", l, pol)
+		require.Len(t, d, 3)
+		require.Positive(t, d[0], "layer %d (%s): timed", l, pol)
+	}
 }
 
 // TestLayoutRejectsBadPolicies checks that a layout of the wrong length

@@ -6,6 +6,7 @@ import (
 	"math"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/sparse"
@@ -791,6 +792,29 @@ func (m *Model) Attend(layer int, q []float32) ([]float32, error) {
 		return nil, err
 	}
 	return m.readOutput(layer)
+}
+
+// Time runs the layer's attention for the queries of its last SetQuery
+// warmup+reps times back to back in one submission, a timestamp around
+// each, and returns the timed runs' GPU times, sorted. It changes what
+// Output holds no more than Record does; H2O's state accumulates each run.
+func (m *Model) Time(layer, warmup, reps int) ([]time.Duration, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := errors.Join(m.live(), m.checkLayer(layer)); err != nil {
+		return nil, err
+	}
+	b := &m.layers[layer]
+	if !b.queried {
+		return nil, fmt.Errorf("decode: Time of layer %d before its SetQuery", layer)
+	}
+	switch {
+	case b.plan != nil:
+		return b.plan.Time(warmup, reps)
+	case b.tactic != nil:
+		return b.tactic.Time(warmup, reps)
+	}
+	return b.steps.Time(warmup, reps)
 }
 
 // Release frees everything the Model holds: batches, indexes, caches and
