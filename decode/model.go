@@ -43,6 +43,7 @@ type Model struct {
 	policy []Policy // each layer's, resolved
 	dense  *sparse.Dense
 	km     *sparse.KMeans // where some layer is clustered
+	ws     *sparse.Workspace // the partials of every layer's attention, a region per active slot
 	cmd    *vk.Commands   // Attend's
 	slots  []slot
 	layers []layerBatch
@@ -88,6 +89,19 @@ func (b *layerBatch) step(i int) *sparse.Step {
 		return b.tactic.Step(i).Step
 	}
 	return b.steps.Step(i)
+}
+
+// share moves the batch's partials into the model's workspace.
+func (b *layerBatch) share(ws *sparse.Workspace) error {
+	switch {
+	case b.plan != nil:
+		return b.plan.Share(ws, 0)
+	case b.tactic != nil:
+		return b.tactic.Share(ws)
+	case b.steps != nil:
+		return b.steps.Share(ws)
+	}
+	return nil
 }
 
 // release frees the batch (not the output buffer).
@@ -140,7 +154,7 @@ func New(dev *vk.Device, cfg Config) (*Model, error) {
 	if cfg.Layout != nil {
 		cfg.Layout = slices.Clone(cfg.Layout)
 	}
-	m := &Model{dev: dev, cfg: cfg, policy: policies, slots: make([]slot, cfg.Slots), layers: make([]layerBatch, cfg.Layers)}
+	m := &Model{dev: dev, cfg: cfg, policy: policies, slots: make([]slot, cfg.Slots), layers: make([]layerBatch, cfg.Layers), ws: sparse.NewWorkspace(dev)}
 	h := cfg.Heads
 	m.dense, err = sparse.NewDense(dev, h)
 	if err == nil && slices.ContainsFunc(policies, Policy.Clustered) {
@@ -245,7 +259,7 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 	case n <= 0 || n > m.cfg.Capacity:
 		return fmt.Errorf("decode: prefill of %d tokens into a capacity of %d", n, m.cfg.Capacity)
 	case n < m.policy[layer].minPrefill():
-		return fmt.Errorf("decode: layer %d (%s) needs a prefill of at least %d tokens, got %d", layer, m.policy[layer], m.policy[layer].minPrefill(), n)
+		return fmt.Errorf("decode: layer %d (%s) needs a prefill of at least %d tokens (%s), got %d", layer, m.policy[layer], m.policy[layer].minPrefill(), m.policy[layer].prefillReason(), n)
 	case s.filled > 0 && n != s.n:
 		return fmt.Errorf("decode: slot %d layer %d: prefill of %d tokens where the slot's other layers hold %d", slot, layer, n, s.n)
 	case len(k) != want || len(v) != want:
@@ -404,6 +418,9 @@ func (m *Model) clusterTail(slot, layer int) error {
 			if err := b.Step(i).SetClusters(joined); err != nil {
 				joined.Release()
 				return fail(err)
+			}
+			if err := b.Share(m.ws); err != nil {
+				return errors.Join(fail(err), m.layers[layer].release())
 			}
 		} else if err := m.layers[layer].release(); err != nil {
 			joined.Release()
@@ -626,6 +643,9 @@ func (m *Model) build(layer int) error {
 		}
 	}
 	b.built = built
+	if err == nil {
+		err = b.share(m.ws)
+	}
 	if err != nil {
 		return fmt.Errorf("decode: layer %d: %w", layer, err)
 	}
@@ -704,6 +724,9 @@ func (m *Model) record(layer int, c *vk.Commands) error {
 	if !b.queried {
 		return fmt.Errorf("decode: Record of layer %d before its SetQuery (queries are set again after the active slots change)", layer)
 	}
+	// Every layer's partials lie in the one workspace: order this layer's
+	// attention after whatever c recorded before.
+	c.ComputeBarrier()
 	if b.plan != nil {
 		return b.plan.Record(c)
 	}
@@ -794,6 +817,51 @@ func (m *Model) Attend(layer int, q []float32) ([]float32, error) {
 	return m.readOutput(layer)
 }
 
+// Memory is the device memory a Model holds.
+type Memory struct {
+	// Caches is the keys and values of every layer and slot at capacity.
+	Caches uint64 `json:"caches"`
+	// Other is everything else: the tokens' positions, the indexes, the
+	// batches (plans with their partials, selections), the outputs and
+	// the K-means scratch.
+	Other uint64 `json:"other"`
+}
+
+// Memory returns the device memory the model holds now (batches are made
+// at a layer's first SetQuery after the active slots change).
+func (m *Model) Memory() (Memory, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := m.live(); err != nil {
+		return Memory{}, err
+	}
+	var mem Memory
+	for s := range m.slots {
+		for l := range m.slots[s].seq {
+			sl := &m.slots[s].seq[l]
+			mem.Caches += sl.cache.CacheBytes()
+			mem.Other += sl.cache.Bytes() - sl.cache.CacheBytes() + sl.clusters.Bytes() + sl.pending.Bytes()
+		}
+	}
+	for l := range m.layers {
+		b := &m.layers[l]
+		mem.Other += vk.Held(b.out)
+		switch {
+		case b.plan != nil:
+			mem.Other += b.plan.Bytes()
+		case b.tactic != nil:
+			mem.Other += b.tactic.Bytes()
+		case b.steps != nil:
+			mem.Other += b.steps.Bytes()
+		}
+	}
+	if m.km != nil {
+		mem.Other += m.km.Bytes()
+	}
+	mem.Other += m.ws.Bytes()
+	return mem, nil
+}
+
 // Time runs the layer's attention for the queries of its last SetQuery
 // warmup+reps times back to back in one submission, a timestamp around
 // each, and returns the timed runs' GPU times, sorted. It changes what
@@ -852,10 +920,13 @@ func (m *Model) release() error {
 	if m.km != nil {
 		errs = append(errs, m.km.Release())
 	}
+	if m.ws != nil {
+		errs = append(errs, m.ws.Release())
+	}
 	if m.dense != nil {
 		errs = append(errs, m.dense.Release())
 	}
-	m.cmd, m.km, m.dense, m.dev = nil, nil, nil, nil
+	m.cmd, m.km, m.ws, m.dense, m.dev = nil, nil, nil, nil, nil
 	m.slots, m.layers, m.active = nil, nil, nil
 	return errors.Join(errs...)
 }

@@ -183,6 +183,17 @@ func (p Policy) minPrefill() int {
 	return sparse.BaselineSinks + sparse.BaselineWindow + 1
 }
 
+// prefillReason says why a prefill needs minPrefill tokens.
+func (p Policy) prefillReason() string {
+	switch {
+	case p.Clustered():
+		return fmt.Sprintf("one past its %d sinks to cluster", p.opts.Sinks)
+	case p.kind == kindDense:
+		return "one to attend"
+	}
+	return fmt.Sprintf("one past the %d sinks and the window of %d to index", sparse.BaselineSinks, sparse.BaselineWindow)
+}
+
 // newStep makes one sequence's step over cache, indexed by index
 // (clustered policies; nil otherwise).
 func (p Policy) newStep(dense *sparse.Dense, cache *kvcache.Layer, index *kvcache.Clusters) (*sparse.Step, error) {

@@ -31,6 +31,12 @@ type Clusters struct {
 
 // NewClusters allocates an index of c clusters over count tokens from first.
 func NewClusters(dev *vk.Device, kvHeads, headDim, c, first, count int) (*Clusters, error) {
+	return newClusters(dev, kvHeads, headDim, c, first, count, true)
+}
+
+// newClusters is NewClusters, without Centroids and Norms unless
+// summaries.
+func newClusters(dev *vk.Device, kvHeads, headDim, c, first, count int, summaries bool) (*Clusters, error) {
 	if c <= 0 || count <= 0 || c > count || first < 0 {
 		return nil, fmt.Errorf("kvcache: %d clusters of tokens [%d, %d+%d)", c, first, first, count)
 	}
@@ -45,8 +51,10 @@ func NewClusters(dev *vk.Device, kvHeads, headDim, c, first, count int) (*Cluste
 		b, err = dev.NewBuffer(bytes, vk.DeviceLocal)
 		return b
 	}
-	x.Centroids = alloc(h * uint64(c*headDim) * 4)
-	x.Norms = alloc(h * uint64(c) * 4)
+	if summaries {
+		x.Centroids = alloc(h * uint64(c*headDim) * 4)
+		x.Norms = alloc(h * uint64(c) * 4)
+	}
 	x.Counts = alloc(h * uint64(c) * 4)
 	x.Starts = alloc(h * uint64(c) * 4)
 	x.Members = alloc(h * uint64(count) * 4)
@@ -87,8 +95,14 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 	members := make([]uint32, x.Count)
 	assign := make([]uint32, x.Count)
 	c4, n4 := uint64(x.C)*4, uint64(x.Count)*4
+	readCentroids := func() error {
+		if x.Centroids == nil {
+			return nil // a page index: no key summaries, zero centroids
+		}
+		return x.Centroids.ReadFloat32(uint64(g)*c4*uint64(x.HeadDim), cent)
+	}
 	for _, err := range []error{
-		x.Centroids.ReadFloat32(uint64(g)*c4*uint64(x.HeadDim), cent),
+		readCentroids(),
 		x.Counts.ReadUint32(uint64(g)*c4, counts),
 		x.Starts.ReadUint32(uint64(g)*c4, starts),
 		x.Members.ReadUint32(uint64(g)*n4, members),
@@ -122,6 +136,9 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 	if next.KVHeads != x.KVHeads || next.HeadDim != x.HeadDim || next.First != x.First+x.Count {
 		return nil, fmt.Errorf("kvcache: joining an index of tokens [%d, %d) (%d heads of %d) after one of [%d, %d) (%d heads of %d)",
 			next.First, next.First+next.Count, next.KVHeads, next.HeadDim, x.First, x.First+x.Count, x.KVHeads, x.HeadDim)
+	}
+	if x.Centroids == nil || next.Centroids == nil {
+		return nil, fmt.Errorf("kvcache: joining a page index (no centroids): make pages over the whole range instead")
 	}
 	j, err := NewClusters(dev, x.KVHeads, x.HeadDim, x.C+next.C, x.First, x.Count+next.Count)
 	if err != nil {
@@ -176,4 +193,12 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 		return nil, fmt.Errorf("kvcache: joining cluster indexes: %w", err)
 	}
 	return j, nil
+}
+
+// Bytes returns the device memory the index holds (0 for nil).
+func (x *Clusters) Bytes() uint64 {
+	if x == nil {
+		return 0
+	}
+	return vk.Held(x.Centroids, x.Norms, x.Counts, x.Starts, x.Members, x.Assign)
 }

@@ -257,6 +257,43 @@ func (l *Layer) Append(k, v []uint16) error {
 	return nil
 }
 
+// Extend appends count tokens: k and v hold [KVHeads][count][HeadDim] fp16
+// bit patterns. Every check comes before the first write; a refused call
+// leaves the cache as it was, and one the device fails part way leaves
+// Len as it was (the slots past it are written again by later appends).
+func (l *Layer) Extend(k, v []uint16, count int) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.keys == nil {
+		return vk.ErrReleased
+	}
+	if count <= 0 || l.n+count > l.capacity {
+		return fmt.Errorf("kvcache: Extend by %d tokens past the %d stored, capacity %d", count, l.n, l.capacity)
+	}
+	if want := l.kvHeads * count * l.headDim; len(k) != want || len(v) != want {
+		return fmt.Errorf("kvcache: Extend by %d tokens needs %d keys and values, got %d and %d", count, want, len(k), len(v))
+	}
+	if err := errors.Join(checkHalves("k", k), checkHalves("v", v)); err != nil {
+		return err
+	}
+	rows := count * l.headDim
+	ids := make([]uint32, count)
+	for i := range ids {
+		ids[i] = uint32(l.n + i)
+	}
+	for h := 0; h < l.kvHeads; h++ {
+		off := uint64(h)*l.HeadBytes() + uint64(l.n*l.headDim*2)
+		if err := errors.Join(
+			l.keys.WriteUint16(off, k[h*rows:(h+1)*rows]),
+			l.values.WriteUint16(off, v[h*rows:(h+1)*rows]),
+			l.positions.WriteUint32(uint64(h*l.capacity+l.n)*4, ids)); err != nil {
+			return err
+		}
+	}
+	l.n += count
+	return nil
+}
+
 // Truncate drops the tokens from n on (0 ≤ n ≤ Len); their slots are
 // written again by later appends.
 func (l *Layer) Truncate(n int) error {
@@ -332,3 +369,11 @@ func ToHalves(x []float32) ([]uint16, error) {
 	}
 	return out, nil
 }
+
+// CacheBytes returns the device memory of the layer's keys and values at
+// capacity.
+func (l *Layer) CacheBytes() uint64 { return vk.Held(l.keys, l.values) }
+
+// Bytes returns the device memory the layer holds: keys, values and
+// positions.
+func (l *Layer) Bytes() uint64 { return vk.Held(l.keys, l.values, l.positions) }

@@ -205,3 +205,62 @@ func TestConcurrentAppends(t *testing.T) {
 	}
 	require.Len(t, seen, workers*each)
 }
+
+// TestExtendAppendsTokens extends a layer by blocks of odd sizes up to its
+// capacity and checks what Read returns, then that bad blocks (too many
+// tokens, the wrong length, NaN) are refused and leave it as it was.
+func TestExtendAppendsTokens(t *testing.T) {
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(rand.Int63()))
+	const heads, dim, capacity = 3, 16, 50
+	l, err := NewLayer(dev, heads, dim, capacity)
+	require.NoError(t, err)
+	defer l.Release()
+	wantK := make([][]uint16, heads)
+	wantV := make([][]uint16, heads)
+	for _, count := range []int{1, 13, 29, 7} {
+		k, v := randomHalves(rng, heads*count*dim), randomHalves(rng, heads*count*dim)
+		require.NoError(t, l.Extend(k, v, count))
+		for h := 0; h < heads; h++ {
+			wantK[h] = append(wantK[h], k[h*count*dim:(h+1)*count*dim]...)
+			wantV[h] = append(wantV[h], v[h*count*dim:(h+1)*count*dim]...)
+		}
+	}
+	require.Equal(t, capacity, l.Len())
+	check := func() {
+		gotK, gotV, err := l.Read()
+		require.NoError(t, err)
+		for h := 0; h < heads; h++ {
+			rows := capacity * dim
+			require.Equal(t, wantK[h], gotK[h*rows:(h+1)*rows], "keys of head %d", h)
+			require.Equal(t, wantV[h], gotV[h*rows:(h+1)*rows], "values of head %d", h)
+		}
+	}
+	check()
+	require.NoError(t, l.Truncate(40))
+	nanK := randomHalves(rng, heads*5*dim)
+	nanK[17] = 0x7e00
+	for _, bad := range []struct {
+		k, v  []uint16
+		count int
+	}{
+		{randomHalves(rng, heads*11*dim), randomHalves(rng, heads*11*dim), 11},
+		{randomHalves(rng, heads*5*dim), randomHalves(rng, heads*4*dim), 5},
+		{nanK, randomHalves(rng, heads*5*dim), 5},
+		{nil, nil, 0},
+	} {
+		require.Error(t, l.Extend(bad.k, bad.v, bad.count))
+		require.Equal(t, 40, l.Len())
+	}
+	require.NoError(t, l.Extend(flatten(wantK, 40, 50, dim), flatten(wantV, 40, 50, dim), 10))
+	check()
+}
+
+// flatten returns rows [from, to) of every head, [heads][to−from][dim].
+func flatten(perHead [][]uint16, from, to, dim int) []uint16 {
+	var out []uint16
+	for _, h := range perHead {
+		out = append(out, h[from*dim:to*dim]...)
+	}
+	return out
+}

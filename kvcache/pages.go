@@ -17,15 +17,16 @@ import (
 // reordered (do not Reorder a layer by it: that would be the identity).
 // pageSize 1 makes every token its own cluster.
 //
-// Centroids and Norms stay zero: a page index carries no key summaries;
-// the policies that need them (Quest's per-channel bounds) compute their
-// own from the layer. The buffers are filled from the host once.
+// Centroids and Norms are nil: a page index carries no key summaries (for
+// pages of one token they would copy the keys twice over); the policies
+// that need them (Quest's per-channel bounds) compute their own from the
+// layer. The buffers are filled from the host once.
 func NewPages(dev *vk.Device, kvHeads, headDim, first, count, pageSize int) (*Clusters, error) {
 	if pageSize <= 0 || count <= 0 || first < 0 || kvHeads <= 0 || headDim <= 0 {
 		return nil, fmt.Errorf("kvcache: pages of %d over tokens [%d, %d+%d) of %d heads of %d", pageSize, first, first, count, kvHeads, headDim)
 	}
 	c := (count + pageSize - 1) / pageSize
-	x, err := NewClusters(dev, kvHeads, headDim, c, first, count)
+	x, err := newClusters(dev, kvHeads, headDim, c, first, count, false)
 	if err != nil {
 		return nil, err
 	}
@@ -46,11 +47,7 @@ func NewPages(dev *vk.Device, kvHeads, headDim, first, count, pageSize int) (*Cl
 		x.Counts.WriteUint32(0, counts),
 		x.Starts.WriteUint32(0, starts),
 		x.Members.WriteUint32(0, members),
-		x.Assign.WriteUint32(0, assign),
-		dev.Run(func(cmd *vk.Commands) {
-			cmd.Fill(x.Centroids.All(), 0)
-			cmd.Fill(x.Norms.All(), 0)
-		}))
+		x.Assign.WriteUint32(0, assign))
 	if err != nil {
 		x.Release()
 		return nil, fmt.Errorf("kvcache: page index: %w", err)

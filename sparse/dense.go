@@ -334,6 +334,10 @@ type DensePlan struct {
 	query     *vk.Buffer
 	partO     *vk.Buffer // per chunk: unnormalised output, [B][Hq][maxChunks][D] float32
 	partML    *vk.Buffer // per chunk: max and sum, [B][Hq][maxChunks][2] float32
+	// parts is where the partials lie: partO and partML, or a workspace's
+	// regions (Share; the plan's own buffers are then released).
+	parts [2]vk.Range
+	ws    *Workspace
 	// arrivals counts, per sequence and head block of group query heads
 	// ([B][Hq/group][2] uint32), the workgroups that have written their
 	// partials and the rows their runs attended (Taken); the last one
@@ -405,6 +409,9 @@ func (p *DensePlan) allocate() error {
 	p.query = alloc(b * uint64(h.Query*h.Dim) * 4)
 	p.partO = alloc(slots * uint64(h.Dim) * 4)
 	p.partML = alloc(slots * 8)
+	if err == nil {
+		p.parts = [2]vk.Range{p.partO.All(), p.partML.All()}
+	}
 	p.arrivals = alloc(b * uint64(h.Query/d.group) * 8)
 	p.out = alloc(b * uint64(h.Query*h.Dim) * 4)
 	if err == nil {
@@ -421,6 +428,19 @@ func (p *DensePlan) allocate() error {
 	if err != nil {
 		return err
 	}
+	return p.bind()
+}
+
+// partBytes returns the bytes of the partials of one sequence: output,
+// then maximum and sum.
+func (p *DensePlan) partBytes() (o, ml uint64) {
+	slots := uint64(p.d.heads.Query) * uint64(p.maxChunks)
+	return slots * uint64(p.d.heads.Dim) * 4, slots * 8
+}
+
+// bind makes the bindings of every sequence's KV head ranges.
+func (p *DensePlan) bind() error {
+	d, h, dev := p.d, p.d.heads, p.d.dev
 	maxRange := dev.Info().MaxStorageBufferRange
 	for _, s := range p.seqs {
 		headBytes := s.HeadBytes()
@@ -445,7 +465,7 @@ func (p *DensePlan) allocate() error {
 					pipe, pseudo = d.approx, []vk.Range{a.Logits, a.Keep, a.Means}
 				}
 			}
-			ranges := append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.partO.All(), p.partML.All(), lists, counts}, index...)
+			ranges := append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.parts[0], p.parts[1], lists, counts}, index...)
 			ranges = append(ranges, p.arrivals.All(), p.out.All())
 			ranges = append(append(ranges, pseudo...), p.taken.All())
 			bind, err := pipe.Bind(ranges...)
@@ -461,17 +481,26 @@ func (p *DensePlan) allocate() error {
 
 // Release frees the plan's buffers and bindings.
 func (p *DensePlan) Release() error {
+	p.unbind()
+	if p.ws != nil {
+		delete(p.ws.plans, p)
+		p.ws = nil
+	}
+	p.clock.release()
+	for _, r := range []interface{ Release() error }{p.query, p.partO, p.partML, p.arrivals, p.taken, p.out, p.tokens, p.tokCounts} {
+		r.Release() // each tolerates a nil receiver
+	}
+	return nil
+}
+
+// unbind releases the plan's bindings.
+func (p *DensePlan) unbind() {
 	for _, segs := range p.segments {
 		for _, s := range segs {
 			s.bind.Release()
 		}
 	}
 	p.segments = nil
-	p.clock.release()
-	for _, r := range []interface{ Release() error }{p.query, p.partO, p.partML, p.arrivals, p.taken, p.out, p.tokens, p.tokCounts} {
-		r.Release() // each tolerates a nil receiver
-	}
-	return nil
 }
 
 // chunkFor picks tokens per chunk for a sequence of n tokens: about 512

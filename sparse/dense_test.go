@@ -390,3 +390,63 @@ func TestDefaultGroup(t *testing.T) {
 		require.Equal(t, want, defaultGroup(n), "groups of %d", n)
 	}
 }
+
+// TestDenseLogSumExpMatchesReference runs plans over sequences of odd and
+// edge lengths (one token, one past a chunk, thousands), one cache
+// repeated in the batch, and checks each sequence's and head's LogSumExp
+// against LogSumExpRef; the partials are poisoned before the run so that
+// an unwritten chunk fails.
+func TestDenseLogSumExpMatchesReference(t *testing.T) {
+	dev := vktest.Open(t)
+	h := Heads{Query: 8, KV: 2, Dim: 64}
+	d, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer d.Release()
+	rng := rand.New(rand.NewSource(21))
+	for _, lengths := range [][]int{{1}, {513, 7, 2047}, {300, 300, 300}} {
+		var seqs []*kvcache.Layer
+		var keys [][]float64
+		for i, n := range lengths {
+			if i > 0 && n == lengths[0] {
+				seqs, keys = append(seqs, seqs[0]), append(keys, keys[0]) // the same cache again
+				continue
+			}
+			layer, k, _ := randomLayer(t, dev, rng, h, n, n+5, 1.5)
+			seqs, keys = append(seqs, layer), append(keys, k)
+		}
+		plan, err := d.Plan(seqs)
+		require.NoError(t, err)
+		q := randomQueries(rng, len(seqs)*h.Query*h.Dim, 1)
+		require.NoError(t, plan.SetQuery(q))
+		nan := math.Float32bits(float32(math.NaN()))
+		require.NoError(t, dev.Run(func(c *vk.Commands) {
+			c.Fill(plan.parts[0], nan)
+			c.Fill(plan.parts[1], nan)
+		}))
+		require.NoError(t, plan.run())
+		lse, err := plan.LogSumExp()
+		require.NoError(t, err)
+		require.Len(t, lse, len(seqs)*h.Query)
+		bad := 0
+		for b, n := range lengths {
+			for hh := 0; hh < h.Query; hh++ {
+				g := hh / h.Group()
+				qh := make([]float64, h.Dim)
+				for i := range qh {
+					qh[i] = float64(q[(b*h.Query+hh)*h.Dim+i])
+				}
+				want, err := LogSumExpRef(qh, keys[b][g*n*h.Dim:(g+1)*n*h.Dim], 1/math.Sqrt(float64(h.Dim)))
+				require.NoError(t, err)
+				got := float64(lse[b*h.Query+hh])
+				if !(math.Abs(got-want) <= 1e-4*math.Max(1, math.Abs(want))) {
+					if bad < 5 {
+						t.Errorf("lengths %v, sequence %d, head %d: LogSumExp %v, reference %v", lengths, b, hh, got, want)
+					}
+					bad++
+				}
+			}
+		}
+		require.Zero(t, bad, "mismatches")
+		require.NoError(t, plan.Release())
+	}
+}

@@ -23,6 +23,7 @@ type Buffer struct {
 	buffer vk.Buffer
 	memory vk.DeviceMemory
 	size   uint64
+	held   uint64 // bytes of the allocation
 	kind   Memory
 	mapped unsafe.Pointer
 }
@@ -86,7 +87,7 @@ func (d *Device) NewBuffer(size uint64, kind Memory) (*Buffer, error) {
 		vk.DestroyBuffer(d.device, buf, nil)
 		return nil, err
 	}
-	b := &Buffer{dev: d, buffer: buf, memory: mem, size: size, kind: kind}
+	b := &Buffer{dev: d, buffer: buf, memory: mem, size: size, held: uint64(req.Size), kind: kind}
 	if kind == HostVisible {
 		var p unsafe.Pointer
 		if err := check("vkMapMemory", vk.MapMemory(d.device, mem, 0, vk.DeviceSize(size), 0, &p)); err != nil {
@@ -97,6 +98,9 @@ func (d *Device) NewBuffer(size uint64, kind Memory) (*Buffer, error) {
 		b.mapped = p
 	}
 	d.track(b, fmt.Sprintf("buffer(%d bytes)", size))
+	d.mu.Lock()
+	d.allocated += b.held
+	d.mu.Unlock()
 	return b, nil
 }
 
@@ -133,6 +137,9 @@ func (b *Buffer) Release() error {
 	vk.FreeMemory(b.dev.device, b.memory, nil)
 	b.buffer = nil
 	b.dev.untrack(b)
+	b.dev.mu.Lock()
+	b.dev.allocated -= b.held
+	b.dev.mu.Unlock()
 	return nil
 }
 
@@ -237,3 +244,15 @@ func (b *Buffer) WriteInt32(offset uint64, v []int32) error { return b.Write(off
 
 // ReadInt32 fills out from the buffer at byte offset.
 func (b *Buffer) ReadInt32(offset uint64, out []int32) error { return b.Read(offset, bytesOf(out)) }
+
+// Held returns the bytes of device memory the buffers hold (0 for a nil or
+// released one).
+func Held(bufs ...*Buffer) uint64 {
+	var n uint64
+	for _, b := range bufs {
+		if b != nil && b.buffer != nil {
+			n += b.held
+		}
+	}
+	return n
+}

@@ -370,8 +370,9 @@ type Device struct {
 	firstMsg uint64 // messages recorded before this device opened
 	firstErr uint64 // errors recorded before this device opened
 
-	mu   sync.Mutex
-	live map[any]string // objects not yet released, with a description
+	mu        sync.Mutex
+	live      map[any]string // objects not yet released, with a description
+	allocated uint64         // bytes of device memory held by live buffers
 
 	queueMu sync.Mutex // serializes use of queue
 }
@@ -490,6 +491,15 @@ func (d *Device) untrack(obj any) {
 	d.mu.Lock()
 	delete(d.live, obj)
 	d.mu.Unlock()
+}
+
+// Allocated returns the bytes of device memory that the buffers made on
+// the device and not yet released hold (their allocations' sizes, which
+// the driver may round up from the sizes asked).
+func (d *Device) Allocated() uint64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.allocated
 }
 
 // WaitIdle waits until the device has finished all work.

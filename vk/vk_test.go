@@ -281,3 +281,20 @@ func TestPipelineStatistics(t *testing.T) {
 		})
 	}
 }
+
+// TestAllocatedCountsLiveBuffers checks that Allocated grows by at least
+// each buffer's size while it lives and falls back once it is released.
+func TestAllocatedCountsLiveBuffers(t *testing.T) {
+	dev := vktest.Open(t)
+	before := dev.Allocated()
+	a, err := dev.NewBuffer(1<<20, vk.DeviceLocal)
+	require.NoError(t, err)
+	b, err := dev.NewBuffer(4099, vk.HostVisible)
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, dev.Allocated(), before+1<<20+4099)
+	require.NoError(t, a.Release())
+	require.GreaterOrEqual(t, dev.Allocated(), before+4099)
+	require.Less(t, dev.Allocated(), before+1<<20)
+	require.NoError(t, b.Release())
+	require.Equal(t, before, dev.Allocated())
+}
