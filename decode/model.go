@@ -42,9 +42,9 @@ type Model struct {
 	cfg    Config
 	policy []Policy // each layer's, resolved
 	dense  *sparse.Dense
-	km     *sparse.KMeans // where some layer is clustered
+	km     *sparse.KMeans    // where some layer is clustered
 	ws     *sparse.Workspace // the partials of every layer's attention, a region per active slot
-	cmd    *vk.Commands   // Attend's
+	cmd    *vk.Commands      // Attend's
 	slots  []slot
 	layers []layerBatch
 	active []int // slots whose every layer is prefilled, ascending: the batches' order
@@ -274,7 +274,8 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 	if pol := m.policy[layer]; pol.Clustered() {
 		x, err := m.km.Cluster(sl.cache, pol.opts.Sinks, n-pol.opts.Sinks, pol.opts.KMeans)
 		if err == nil {
-			if err = sl.cache.Reorder(x); err != nil {
+			// The index keeps its centroids in fp16, as the selection reads them.
+			if err = errors.Join(sl.cache.Reorder(x), x.Halve(m.dev)); err != nil {
 				x.Release()
 			}
 		}
@@ -409,6 +410,9 @@ func (m *Model) clusterTail(slot, layer int) error {
 			}
 			sl.pending = x
 		}
+		if err := sl.pending.Halve(m.dev); err != nil {
+			return fail(err)
+		}
 		joined, err := sl.clusters.Join(m.dev, sl.pending)
 		if err != nil {
 			return fail(err)
@@ -420,7 +424,7 @@ func (m *Model) clusterTail(slot, layer int) error {
 				return fail(err)
 			}
 			if err := b.Share(m.ws); err != nil {
-				return errors.Join(fail(err), m.layers[layer].release())
+				return errors.Join(fail(err), m.layers[layer].release(), joined.Release())
 			}
 		} else if err := m.layers[layer].release(); err != nil {
 			joined.Release()

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/x448/float16"
+
 	"github.com/vksparse/vksparse/vk"
 )
 
@@ -21,8 +23,12 @@ type Clusters struct {
 	// hold cluster c's members, in Members order.
 	Contiguous bool
 
-	Centroids *vk.Buffer // float32 [KVHeads][C][HeadDim]
-	Norms     *vk.Buffer // float32 [KVHeads][C], |centroid|²
+	Centroids *vk.Buffer // float32 [KVHeads][C][HeadDim]; nil once halved
+	// Halves holds the centroids rounded to fp16, [KVHeads][C][HeadDim],
+	// in place of Centroids once Halve ran (what the selection kernels
+	// read, in half the memory); nil before.
+	Halves *vk.Buffer
+	Norms  *vk.Buffer // float32 [KVHeads][C], |centroid|²
 	Counts    *vk.Buffer // uint32 [KVHeads][C], cluster sizes
 	Starts    *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
 	Members   *vk.Buffer // uint32 [KVHeads][Count], token ids in cluster order
@@ -68,12 +74,12 @@ func newClusters(dev *vk.Device, kvHeads, headDim, c, first, count int, summarie
 
 // Release frees the index's buffers.
 func (x *Clusters) Release() error {
-	for _, b := range []*vk.Buffer{x.Centroids, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
+	for _, b := range []*vk.Buffer{x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
 		if b != nil {
 			b.Release()
 		}
 	}
-	x.Centroids, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil
+	x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil, nil
 	return nil
 }
 
@@ -96,10 +102,19 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 	assign := make([]uint32, x.Count)
 	c4, n4 := uint64(x.C)*4, uint64(x.Count)*4
 	readCentroids := func() error {
-		if x.Centroids == nil {
-			return nil // a page index: no key summaries, zero centroids
+		switch {
+		case x.Halves != nil:
+			h := make([]uint16, len(cent))
+			if err := x.Halves.ReadUint16(uint64(g)*c4/2*uint64(x.HeadDim), h); err != nil {
+				return err
+			}
+			for i, v := range h {
+				cent[i] = float16.Frombits(v).Float32()
+			}
+		case x.Centroids != nil:
+			return x.Centroids.ReadFloat32(uint64(g)*c4*uint64(x.HeadDim), cent)
 		}
-		return x.Centroids.ReadFloat32(uint64(g)*c4*uint64(x.HeadDim), cent)
+		return nil // a page index: no key summaries, zero centroids
 	}
 	for _, err := range []error{
 		readCentroids(),
@@ -137,10 +152,23 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 		return nil, fmt.Errorf("kvcache: joining an index of tokens [%d, %d) (%d heads of %d) after one of [%d, %d) (%d heads of %d)",
 			next.First, next.First+next.Count, next.KVHeads, next.HeadDim, x.First, x.First+x.Count, x.KVHeads, x.HeadDim)
 	}
-	if x.Centroids == nil || next.Centroids == nil {
+	halved := x.Halves != nil
+	switch {
+	case (x.Centroids == nil && !halved) || (next.Centroids == nil && next.Halves == nil):
 		return nil, fmt.Errorf("kvcache: joining a page index (no centroids): make pages over the whole range instead")
+	case halved != (next.Halves != nil):
+		return nil, fmt.Errorf("kvcache: joining an index with fp16 centroids and one with float32 (Halve both)")
 	}
-	j, err := NewClusters(dev, x.KVHeads, x.HeadDim, x.C+next.C, x.First, x.Count+next.Count)
+	j, err := newClusters(dev, x.KVHeads, x.HeadDim, x.C+next.C, x.First, x.Count+next.Count, !halved)
+	if err == nil && halved {
+		j.Norms, err = dev.NewBuffer(uint64(x.KVHeads*j.C)*4, vk.DeviceLocal)
+		if err == nil {
+			j.Halves, err = dev.NewBuffer(uint64(x.KVHeads*j.C*x.HeadDim)*2, vk.DeviceLocal)
+		}
+		if err != nil {
+			err = errors.Join(err, j.Release())
+		}
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -172,7 +200,11 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 					c.Copy(b.Slice(uint64(g)*wb, wb), dst.Slice(uint64(g)*(wa+wb)+wa, wb))
 				}
 			}
-			join(j.Centroids, x.Centroids, next.Centroids, x.C, next.C, x.HeadDim)
+			if halved {
+				join(j.Halves, x.Halves, next.Halves, x.C, next.C, x.HeadDim/2)
+			} else {
+				join(j.Centroids, x.Centroids, next.Centroids, x.C, next.C, x.HeadDim)
+			}
 			join(j.Norms, x.Norms, next.Norms, x.C, next.C, 1)
 			join(j.Counts, x.Counts, next.Counts, x.C, next.C, 1)
 			join(j.Starts, x.Starts, nil, x.C, next.C, 1)
@@ -200,5 +232,36 @@ func (x *Clusters) Bytes() uint64 {
 	if x == nil {
 		return 0
 	}
-	return vk.Held(x.Centroids, x.Norms, x.Counts, x.Starts, x.Members, x.Assign)
+	return vk.Held(x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign)
+}
+
+// Halve rounds the centroids to fp16 into Halves and releases the float32
+// ones: the selection kernels read fp16 centroids, and an index kept for
+// decoding takes half the memory so. An index already halved is left as
+// it is; on error it is left as it was.
+func (x *Clusters) Halve(dev *vk.Device) error {
+	if x.Halves != nil {
+		return nil
+	}
+	if x.Centroids == nil {
+		return fmt.Errorf("kvcache: Halve of an index without centroids")
+	}
+	f := make([]float32, x.KVHeads*x.C*x.HeadDim)
+	if err := x.Centroids.ReadFloat32(0, f); err != nil {
+		return err
+	}
+	h, err := ToHalves(f)
+	if err != nil {
+		return fmt.Errorf("kvcache: centroids in fp16: %w", err)
+	}
+	halves, err := dev.NewBuffer(uint64(len(h))*2, vk.DeviceLocal)
+	if err != nil {
+		return err
+	}
+	if err := halves.WriteUint16(0, h); err != nil {
+		return errors.Join(err, halves.Release())
+	}
+	err = x.Centroids.Release()
+	x.Centroids, x.Halves = nil, halves
+	return err
 }

@@ -1,8 +1,11 @@
 package lm
 
 import (
+	"errors"
 	"fmt"
 	"math"
+	"runtime"
+	"sync"
 
 	"github.com/x448/float16"
 	"gonum.org/v1/gonum/blas"
@@ -19,6 +22,29 @@ func matmulT(y, x []float32, rows, in int, w []float32, out int) {
 		blas32.General{Rows: rows, Cols: in, Stride: in, Data: x[:rows*in]},
 		blas32.General{Rows: out, Cols: in, Stride: in, Data: w[:out*in]},
 		0, blas32.General{Rows: rows, Cols: out, Stride: out, Data: y[:rows*out]})
+}
+
+// rows calls fn(r) for r in [0, n), the rows spread over GOMAXPROCS
+// goroutines (in place when there are few).
+func rows(n int, fn func(r int)) {
+	workers := min(n/8, runtime.GOMAXPROCS(0))
+	if workers <= 1 {
+		for r := 0; r < n; r++ {
+			fn(r)
+		}
+		return
+	}
+	var wg sync.WaitGroup
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			for r := w * n / workers; r < (w+1)*n/workers; r++ {
+				fn(r)
+			}
+		}(w)
+	}
+	wg.Wait()
 }
 
 // rmsnorm sets dst = x / sqrt(mean(x²) + eps) ⊙ w for one row (the mean
@@ -107,24 +133,34 @@ func (w *Weights) embed(s *work, tokens []byte) {
 func (w *Weights) qkv(l int, s *work, pos []int) error {
 	c, ly := w.Config, &w.Layers[l]
 	d, kv, n := c.Dim, c.KVHeads*c.HeadDim, s.rows
-	for r := 0; r < n; r++ {
-		rmsnorm(s.h[r*d:(r+1)*d], s.x[r*d:(r+1)*d], ly.N1, c.Eps)
-	}
+	rows(n, func(r int) { rmsnorm(s.h[r*d:(r+1)*d], s.x[r*d:(r+1)*d], ly.N1, c.Eps) })
 	matmulT(s.q, s.h, n, d, ly.Wq, c.Heads*c.HeadDim)
 	matmulT(s.k, s.h, n, d, ly.Wk, kv)
 	matmulT(s.v, s.h, n, d, ly.Wv, kv)
-	for r := 0; r < n; r++ {
+	rows(n, func(r int) {
 		rope(s.q[r*c.Heads*c.HeadDim:(r+1)*c.Heads*c.HeadDim], c.Heads, c.HeadDim, pos[r], c.RopeTheta)
 		rope(s.k[r*kv:(r+1)*kv], c.KVHeads, c.HeadDim, pos[r], c.RopeTheta)
+	})
+	if cap(s.kh) < n*kv {
+		s.kh, s.vh = make([]uint16, n*kv), make([]uint16, n*kv)
 	}
-	var err error
-	if s.kh, err = kvcache.ToHalves(s.k[:n*kv]); err != nil {
-		return fmt.Errorf("lm: layer %d keys: %w", l, err)
-	}
-	if s.vh, err = kvcache.ToHalves(s.v[:n*kv]); err != nil {
-		return fmt.Errorf("lm: layer %d values: %w", l, err)
-	}
-	return nil
+	s.kh, s.vh = s.kh[:n*kv], s.vh[:n*kv]
+	errs := make([]error, n)
+	rows(n, func(r int) {
+		k, err := kvcache.ToHalves(s.k[r*kv : (r+1)*kv])
+		if err != nil {
+			errs[r] = fmt.Errorf("lm: layer %d keys at row %d: %w", l, r, err)
+			return
+		}
+		v, err := kvcache.ToHalves(s.v[r*kv : (r+1)*kv])
+		if err != nil {
+			errs[r] = fmt.Errorf("lm: layer %d values at row %d: %w", l, r, err)
+			return
+		}
+		copy(s.kh[r*kv:], k)
+		copy(s.vh[r*kv:], v)
+	})
+	return errors.Join(errs...)
 }
 
 // finish completes layer l once s.a holds the attention output:
@@ -133,30 +169,34 @@ func (w *Weights) finish(l int, s *work) {
 	c, ly := w.Config, &w.Layers[l]
 	d, n, hd := c.Dim, s.rows, c.Hidden
 	matmulT(s.o, s.a, n, c.Heads*c.HeadDim, ly.Wo, d)
-	for i, v := range s.o[:n*d] {
-		s.x[i] += v
-	}
-	for r := 0; r < n; r++ {
-		rmsnorm(s.h[r*d:(r+1)*d], s.x[r*d:(r+1)*d], ly.N2, c.Eps)
-	}
+	rows(n, func(r int) {
+		x := s.x[r*d : (r+1)*d]
+		for i, v := range s.o[r*d : (r+1)*d] {
+			x[i] += v
+		}
+		rmsnorm(s.h[r*d:(r+1)*d], x, ly.N2, c.Eps)
+	})
 	matmulT(s.g1, s.h, n, d, ly.W1, hd)
 	matmulT(s.g3, s.h, n, d, ly.W3, hd)
-	g3 := s.g3[:n*hd]
-	for i, v := range s.g1[:n*hd] {
-		g3[i] *= silu(v)
-	}
-	matmulT(s.o, g3, n, hd, ly.W2, d)
-	for i, v := range s.o[:n*d] {
-		s.x[i] += v
-	}
+	rows(n, func(r int) {
+		g3 := s.g3[r*hd : (r+1)*hd]
+		for i, v := range s.g1[r*hd : (r+1)*hd] {
+			g3[i] *= silu(v)
+		}
+	})
+	matmulT(s.o, s.g3[:n*hd], n, hd, ly.W2, d)
+	rows(n, func(r int) {
+		x := s.x[r*d : (r+1)*d]
+		for i, v := range s.o[r*d : (r+1)*d] {
+			x[i] += v
+		}
+	})
 }
 
 // head sets s.logits = rmsnorm(x, Nf) Headᵀ for the rows.
 func (w *Weights) head(s *work) {
 	c, d, n := w.Config, w.Config.Dim, s.rows
-	for r := 0; r < n; r++ {
-		rmsnorm(s.h[r*d:(r+1)*d], s.x[r*d:(r+1)*d], w.Nf, c.Eps)
-	}
+	rows(n, func(r int) { rmsnorm(s.h[r*d:(r+1)*d], s.x[r*d:(r+1)*d], w.Nf, c.Eps) })
 	matmulT(s.logits, s.h, n, d, w.Head, c.Vocab)
 }
 
@@ -267,13 +307,13 @@ func (w *Weights) forward(tokens []byte, first int, attend attendFunc) (logits [
 			if err := w.qkv(l, s, pos); err != nil {
 				return nil, nil, nil, err
 			}
-			for i := 0; i < s.rows; i++ {
+			rows(s.rows, func(i int) {
 				for g := 0; g < c.KVHeads; g++ {
 					at, from := (g*n+t0+i)*hd, (i*c.KVHeads+g)*hd
 					halvesToFloat32(keys[l][at:at+hd], s.kh[from:from+hd])
 					halvesToFloat32(values[l][at:at+hd], s.vh[from:from+hd])
 				}
-			}
+			})
 			if err := attend(l, s, t0, keys[l], values[l]); err != nil {
 				return nil, nil, nil, err
 			}

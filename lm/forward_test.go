@@ -129,7 +129,7 @@ func TestMatmulT(t *testing.T) {
 // BenchmarkMatmulT measures y = x Wᵀ at the prefill's shapes (a chunk of
 // rows) and a decode step's.
 func BenchmarkMatmulT(b *testing.B) {
-	for _, s := range [][3]int{{chunkRows, 512, 1408}, {chunkRows, 1408, 512}, {chunkRows, 512, 512}, {2, 512, 1408}} {
+	for _, s := range [][3]int{{chunkRows, 512, 1408}, {512, 512, 1408}, {chunkRows, 1408, 512}, {chunkRows, 512, 512}, {2, 512, 1408}} {
 		rows, in, out := s[0], s[1], s[2]
 		b.Run(fmt.Sprintf("%dx%dx%d", rows, in, out), func(b *testing.B) {
 			rng := rand.New(rand.NewSource(1))

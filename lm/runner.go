@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/vksparse/vksparse/decode"
 	"github.com/vksparse/vksparse/kvcache"
@@ -14,38 +15,36 @@ import (
 
 // chunkRows is how many positions a prefill computes at once: it bounds
 // the activations a prefill holds, whatever the prompt's length.
-const chunkRows = 128
+const chunkRows = 512
 
 // Options tunes a Runner.
 type Options struct {
 	// CPUPrefill makes Prefill attend on the CPU (exact, float32, over
-	// the same fp16 keys and values) instead of on the GPU through the
-	// Runner's own dense decode.Model, one position at a time. The GPU
-	// way runs len(prompt) × Layers attention dispatches, each over its
-	// whole prefix: on software renderers (SwiftShader, lavapipe) a
-	// prompt of thousands of bytes takes minutes that way and seconds on
-	// the CPU.
+	// the same fp16 keys and values) instead of on the GPU: for checks,
+	// and for devices whose memory cannot hold the GPU prefill's scratch
+	// caches.
 	CPUPrefill bool
 }
 
 // Runner runs the model with the matrix products on the CPU (float32) and
-// every layer's attention on the GPU through a decode.Model, which holds
-// the sequences' keys (after RoPE) and values in fp16. Its methods are
-// safe for concurrent use (they are serialized); use the decode.Model
-// only through the Runner while it runs.
+// every layer's attention on the GPU: decoding through a decode.Model,
+// which holds the sequences' keys (after RoPE) and values in fp16, and
+// prefilling through its own dense attention (blockAttention). Its
+// methods are safe for concurrent use (they are serialized); use the
+// decode.Model only through the Runner while it runs.
 type Runner struct {
 	mu       sync.Mutex
 	w        *Weights
-	m        *decode.Model // the caller's
-	scratch  *decode.Model // dense, one slot: Prefill's attention on the GPU
+	m        *decode.Model   // the caller's
+	block    *blockAttention // Prefill's attention on the GPU; nil with CPUPrefill
 	released bool
 }
 
 // NewRunner returns a Runner of the weights w over m, whose geometry must
 // be the model's (Heads, KVHeads, HeadDim, Layers); m may attend densely
 // or sparsely, and stays the caller's to release. Unless opts.CPUPrefill,
-// the Runner allocates a dense decode.Model of one slot of m's capacity on
-// dev for Prefill's attention: Release frees it.
+// the Runner allocates on dev a scratch cache of m's capacity per layer
+// and the plans that attend it, for Prefill: Release frees them.
 func NewRunner(dev *vk.Device, w *Weights, m *decode.Model, opts Options) (*Runner, error) {
 	if w == nil || m == nil {
 		return nil, fmt.Errorf("lm: NewRunner needs weights and a decode.Model")
@@ -61,16 +60,15 @@ func NewRunner(dev *vk.Device, w *Weights, m *decode.Model, opts Options) (*Runn
 	r := &Runner{w: w, m: m}
 	if !opts.CPUPrefill {
 		var err error
-		r.scratch, err = decode.New(dev, decode.Config{Heads: want, Layers: c.Layers, Slots: 1, Capacity: mc.Capacity})
-		if err != nil {
+		if r.block, err = newBlockAttention(dev, c, mc.Capacity); err != nil {
 			return nil, fmt.Errorf("lm: the prefill's attention: %w", err)
 		}
 	}
 	return r, nil
 }
 
-// Release frees the Runner's own decode.Model (not the caller's); the
-// Runner is then unusable.
+// Release frees the Runner's scratch caches and plans (not the caller's
+// decode.Model); the Runner is then unusable.
 func (r *Runner) Release() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -78,23 +76,134 @@ func (r *Runner) Release() error {
 		return vk.ErrReleased
 	}
 	r.released = true
-	if r.scratch == nil {
+	if r.block == nil {
 		return nil
 	}
-	err := r.scratch.Release()
-	r.scratch = nil
+	err := r.block.release()
+	r.block = nil
 	return err
+}
+
+// LastPrefillTimes returns where the last Encode or Prefill's time went
+// (zero with CPUPrefill).
+func (r *Runner) LastPrefillTimes() PrefillTimes {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.block == nil {
+		return PrefillTimes{}
+	}
+	return r.block.times
+}
+
+// Prompt is a prompt run through the model with dense attention: its
+// logits at every position and every layer's keys and values, which Store
+// puts in a slot, of this Runner's decode.Model or of another Runner's of
+// the same weights.
+type Prompt struct {
+	n            int
+	logits       []float32  // [n][Vocab]
+	keys, values [][]uint16 // per layer, [KVHeads][n][HeadDim] fp16
+}
+
+// Len returns the prompt's length in bytes.
+func (p *Prompt) Len() int { return p.n }
+
+// Logits returns the logits at every position, [Len][Vocab]: logits[t]
+// predicts byte t+1.
+func (p *Prompt) Logits() []float32 { return p.logits }
+
+// Encode runs prompt through the model with dense attention (on the GPU
+// unless the Runner was made with CPUPrefill) and returns it with every
+// layer's keys and values. The prompt must fit the decode.Model's
+// capacity.
+func (r *Runner) Encode(prompt []byte) (*Prompt, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.released {
+		return nil, fmt.Errorf("lm: Encode: %w", vk.ErrReleased)
+	}
+	return r.encode(prompt)
+}
+
+func (r *Runner) encode(prompt []byte) (*Prompt, error) {
+	n := len(prompt)
+	switch mc := r.m.Config(); {
+	case n == 0:
+		return nil, fmt.Errorf("lm: a prefill of an empty prompt")
+	case n > mc.Capacity:
+		return nil, fmt.Errorf("lm: prompt of %d bytes beyond the decode.Model's capacity of %d tokens", n, mc.Capacity)
+	}
+	attend := r.w.cpuAttend(n)
+	if r.block != nil {
+		if err := r.block.reset(); err != nil {
+			return nil, err
+		}
+		attend = r.block.attend(r.w.Config, n)
+	}
+	start := time.Now()
+	logits, keys, values, err := r.w.forward(prompt, chunkRows, attend)
+	if err != nil {
+		return nil, err
+	}
+	if r.block != nil {
+		r.block.times.Total = time.Since(start)
+	}
+	p := &Prompt{n: n, logits: logits, keys: make([][]uint16, len(keys)), values: make([][]uint16, len(keys))}
+	for l := range keys {
+		// The values came from fp16: converting them back is exact.
+		if p.keys[l], err = kvcache.ToHalves(keys[l]); err == nil {
+			p.values[l], err = kvcache.ToHalves(values[l])
+		}
+		if err != nil {
+			return nil, fmt.Errorf("lm: layer %d: %w", l, err)
+		}
+		keys[l], values[l] = nil, nil
+	}
+	return p, nil
+}
+
+// Store puts an encoded prompt's keys and values of every layer in slot of
+// the Runner's decode.Model (decode.Model.Prefill), which makes the slot
+// active for Step. The slot must be idle; a prompt too short for a
+// layer's policy is refused (decode.Model.Prefill says why), leaving the
+// slot idle.
+func (r *Runner) Store(slot int, p *Prompt) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.released {
+		return fmt.Errorf("lm: Store: %w", vk.ErrReleased)
+	}
+	return r.store(slot, p)
+}
+
+func (r *Runner) store(slot int, p *Prompt) error {
+	mc := r.m.Config()
+	switch {
+	case p == nil || len(p.keys) != mc.Layers:
+		return fmt.Errorf("lm: Store of a prompt not encoded for %d layers", mc.Layers)
+	case p.Len() > mc.Capacity:
+		return fmt.Errorf("lm: prompt of %d bytes beyond the decode.Model's capacity of %d tokens", p.Len(), mc.Capacity)
+	case slot < 0 || slot >= mc.Slots:
+		return fmt.Errorf("lm: slot %d outside [0, %d)", slot, mc.Slots)
+	case !slices.Contains(r.m.Idle(), slot):
+		return fmt.Errorf("lm: slot %d already holds a sequence: Free it first", slot)
+	}
+	for l := range p.keys {
+		if err := r.m.Prefill(slot, l, p.keys[l], p.values[l], p.Len()); err != nil {
+			if l > 0 {
+				err = errors.Join(err, r.m.Free(slot))
+			}
+			return fmt.Errorf("lm: storing the prompt's layer %d (nothing stored): %w", l, err)
+		}
+	}
+	return nil
 }
 
 // Prefill runs prompt through the model with dense attention and returns
 // the logits at every position, [len(prompt)][Vocab]: logits[t] predicts
-// prompt[t+1]. It then stores the prompt's keys and values of every layer
-// in slot of the caller's decode.Model (decode.Model.Prefill), which makes
-// the slot active for Step. The slot must be idle and the prompt no
-// longer than the model's capacity; a prompt too short for a layer's
-// policy (decode.Model.Prefill says) is refused after the forward pass,
-// leaving the slot idle. Its memory grows linearly with the prompt:
-// chunkRows positions' activations and every layer's keys and values.
+// prompt[t+1]; it then stores the prompt's keys and values in slot (Encode
+// then Store). The slot must be idle and the prompt no longer than the
+// model's capacity; both are checked first.
 func (r *Runner) Prefill(slot int, prompt []byte) ([]float32, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -102,83 +211,17 @@ func (r *Runner) Prefill(slot int, prompt []byte) ([]float32, error) {
 		return nil, fmt.Errorf("lm: Prefill: %w", vk.ErrReleased)
 	}
 	mc := r.m.Config()
-	n := len(prompt)
 	switch {
-	case n == 0:
-		return nil, fmt.Errorf("lm: Prefill of an empty prompt")
-	case n > mc.Capacity:
-		return nil, fmt.Errorf("lm: prompt of %d bytes beyond the decode.Model's capacity of %d tokens", n, mc.Capacity)
 	case slot < 0 || slot >= mc.Slots:
 		return nil, fmt.Errorf("lm: slot %d outside [0, %d)", slot, mc.Slots)
 	case !slices.Contains(r.m.Idle(), slot):
 		return nil, fmt.Errorf("lm: slot %d already holds a sequence: Free it first", slot)
 	}
-	var (
-		logits       []float32
-		keys, values [][]float32
-		err          error
-	)
-	if r.scratch == nil {
-		logits, keys, values, err = r.w.forward(prompt, chunkRows, r.w.cpuAttend(n))
-	} else {
-		logits, keys, values, err = r.gpuPrefill(prompt)
-	}
+	p, err := r.encode(prompt)
 	if err != nil {
 		return nil, err
 	}
-	for l := range keys {
-		// The values came from fp16: converting them back is exact.
-		k, err := kvcache.ToHalves(keys[l])
-		var v []uint16
-		if err == nil {
-			v, err = kvcache.ToHalves(values[l])
-		}
-		keys[l], values[l] = nil, nil
-		if err == nil {
-			err = r.m.Prefill(slot, l, k, v, n)
-		}
-		if err != nil {
-			if l > 0 {
-				err = errors.Join(err, r.m.Free(slot))
-			}
-			return nil, fmt.Errorf("lm: storing the prompt's layer %d (nothing stored): %w", l, err)
-		}
-	}
-	return logits, nil
-}
-
-// gpuPrefill is forward attending through the scratch model: position 0
-// alone first, whose attention over one token is its value, prefilled
-// into every layer; then each position's keys and values appended and its
-// queries attended. The scratch slot is freed when it returns.
-func (r *Runner) gpuPrefill(prompt []byte) (logits []float32, keys, values [][]float32, err error) {
-	defer func() {
-		if !slices.Contains(r.scratch.Idle(), 0) {
-			err = errors.Join(err, r.scratch.Free(0))
-		}
-	}()
-	c := r.w.Config
-	kv, qh := c.KVHeads*c.HeadDim, c.Heads*c.HeadDim
-	cpu := r.w.cpuAttend(len(prompt))
-	return r.w.forward(prompt, 1, func(l int, s *work, t0 int, keys, values []float32) error {
-		if t0 == 0 {
-			if err := r.scratch.Prefill(0, l, s.kh[:kv], s.vh[:kv], 1); err != nil {
-				return fmt.Errorf("lm: prefill attention: %w", err)
-			}
-			return cpu(l, s, t0, keys, values)
-		}
-		for i := 0; i < s.rows; i++ {
-			if err := r.scratch.Append(0, l, s.kh[i*kv:(i+1)*kv], s.vh[i*kv:(i+1)*kv]); err != nil {
-				return fmt.Errorf("lm: prefill attention at position %d: %w", t0+i, err)
-			}
-			a, err := r.scratch.Attend(l, s.q[i*qh:(i+1)*qh])
-			if err != nil {
-				return fmt.Errorf("lm: prefill attention at position %d: %w", t0+i, err)
-			}
-			copy(s.a[i*qh:(i+1)*qh], a)
-		}
-		return nil
-	})
+	return p.logits, r.store(slot, p)
 }
 
 // Step runs one token of each active sequence of the caller's

@@ -111,8 +111,9 @@ func checkGolden(t *testing.T, g *golden, logits []float32) {
 	// boundary: without the rounding this forward and PyTorch's agree to
 	// 3e-5; with it, two float32 forwards that differ only in the last
 	// bit of RoPE's rotation differ by up to 5.3e-3 over these 2 048
-	// positions, most logits by less than 1e-4.
-	require.Less(t, worst, 1e-2, report)
+	// positions, most logits by less than 1e-4. The forward computes
+	// RoPE's angles as PyTorch does, and must stay within 5e-3.
+	require.Less(t, worst, 5e-3, report)
 	require.Less(t, mean, 3e-4)
 	var nats float64
 	for _, v := range g.nll[:n-1] {
@@ -126,10 +127,10 @@ func checkGolden(t *testing.T, g *golden, logits []float32) {
 
 // TestRunnerMatchesGolden runs the first 2 048 bytes of the test document
 // through the model and compares the logits at every position, and the
-// bits per byte, with PyTorch's: the first 2 032 bytes prefilled
-// (attention on the CPU), the last 16 stepped one at a time with dense
-// attention through the decode.Model on the GPU over their 2 032 to
-// 2 047 tokens.
+// bits per byte, with PyTorch's: the first 2 032 bytes prefilled with
+// attention on the GPU (blockAttention), the last 16 stepped one at a time
+// with dense attention through the decode.Model on the GPU over their
+// 2 032 to 2 047 tokens.
 func TestRunnerMatchesGolden(t *testing.T) {
 	dev := vktest.Open(t)
 	g := readGolden(t)
@@ -137,13 +138,13 @@ func TestRunnerMatchesGolden(t *testing.T) {
 	require.Equal(t, g.input[:2048], text)
 	const prompt = 2032
 	m := newModel(t, dev, 1, 2048)
-	r := newRunner(t, dev, m, Options{CPUPrefill: true})
+	r := newRunner(t, dev, m, Options{})
 
 	start := time.Now()
 	logits, err := r.Prefill(0, text[:prompt])
 	require.NoError(t, err)
 	elapsed := time.Since(start)
-	t.Logf("prefill of %d bytes (attention on the CPU): %v, %.0f tokens/s", prompt, elapsed.Round(time.Millisecond), prompt/elapsed.Seconds())
+	t.Logf("prefill of %d bytes (attention on the GPU): %v, %.0f tokens/s", prompt, elapsed.Round(time.Millisecond), prompt/elapsed.Seconds())
 	require.Len(t, logits, prompt*256)
 	require.Equal(t, []int{0}, m.Active())
 	start = time.Now()
@@ -159,19 +160,13 @@ func TestRunnerMatchesGolden(t *testing.T) {
 	checkGolden(t, g, logits)
 }
 
-// TestRunnerGPUPrefillMatchesGolden prefills the start of the test
-// document with the attention of every position on the GPU through the
-// Runner's own decode.Model and compares with PyTorch's logits, and with
-// a prefill attending on the CPU: 192 bytes, or all 2 048 with
-// VKSPARSE_LM_FULL set (4 minutes on lavapipe on two cores, about
-// 20 on SwiftShader).
-func TestRunnerGPUPrefillMatchesGolden(t *testing.T) {
+// TestRunnerGPUPrefillMatchesCPU prefills 300 bytes of the test document
+// (three chunks, the last one short) with attention on the GPU and
+// compares with PyTorch's logits and with a prefill attending on the CPU.
+func TestRunnerGPUPrefillMatchesCPU(t *testing.T) {
 	dev := vktest.Open(t)
 	g := readGolden(t)
-	n := 192
-	if os.Getenv("VKSPARSE_LM_FULL") != "" {
-		n = 2048
-	}
+	n := 300
 	text := g.input[:n]
 	m := newModel(t, dev, 2, n)
 	r := newRunner(t, dev, m, Options{})

@@ -374,18 +374,27 @@ type segment struct {
 
 // Plan prepares attention over the sequences (one query per sequence).
 func (d *Dense) Plan(seqs []*kvcache.Layer) (*DensePlan, error) {
+	return d.PlanChunks(seqs, defaultMaxChunk)
+}
+
+// PlanChunks is Plan with at most maxChunks chunks per sequence and head
+// (Plan takes 512): fewer chunks, longer each, for batches of many
+// sequences that fill the device without splitting them finely, whose
+// partials then take less memory.
+func (d *Dense) PlanChunks(seqs []*kvcache.Layer, maxChunks int) (*DensePlan, error) {
 	if len(seqs) == 0 {
 		return nil, fmt.Errorf("sparse: Plan of an empty batch")
 	}
+	if maxChunks <= 0 || maxChunks > defaultMaxChunk {
+		return nil, fmt.Errorf("sparse: %d chunks per sequence outside [1, %d]", maxChunks, defaultMaxChunk)
+	}
 	h := d.heads
-	maxCap := 0
 	for i, s := range seqs {
 		if s.KVHeads() != h.KV || s.HeadDim() != h.Dim {
 			return nil, fmt.Errorf("sparse: sequence %d has %d KV heads of %d, kernels want %d of %d", i, s.KVHeads(), s.HeadDim(), h.KV, h.Dim)
 		}
-		maxCap = max(maxCap, s.Capacity())
 	}
-	p := &DensePlan{d: d, seqs: seqs, maxChunks: defaultMaxChunk}
+	p := &DensePlan{d: d, seqs: seqs, maxChunks: maxChunks}
 	if err := p.allocate(); err != nil {
 		p.Release()
 		return nil, err

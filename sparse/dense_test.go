@@ -393,7 +393,7 @@ func TestDefaultGroup(t *testing.T) {
 
 // TestDenseLogSumExpMatchesReference runs plans over sequences of odd and
 // edge lengths (one token, one past a chunk, thousands), one cache
-// repeated in the batch, and checks each sequence's and head's LogSumExp
+// repeated in the batch, with 512, 3 and 16 chunks at most (PlanChunks), and checks each sequence's and head's LogSumExp
 // against LogSumExpRef; the partials are poisoned before the run so that
 // an unwritten chunk fails.
 func TestDenseLogSumExpMatchesReference(t *testing.T) {
@@ -403,7 +403,7 @@ func TestDenseLogSumExpMatchesReference(t *testing.T) {
 	require.NoError(t, err)
 	defer d.Release()
 	rng := rand.New(rand.NewSource(21))
-	for _, lengths := range [][]int{{1}, {513, 7, 2047}, {300, 300, 300}} {
+	for li, lengths := range [][]int{{1}, {513, 7, 2047}, {300, 300, 300}} {
 		var seqs []*kvcache.Layer
 		var keys [][]float64
 		for i, n := range lengths {
@@ -414,7 +414,7 @@ func TestDenseLogSumExpMatchesReference(t *testing.T) {
 			layer, k, _ := randomLayer(t, dev, rng, h, n, n+5, 1.5)
 			seqs, keys = append(seqs, layer), append(keys, k)
 		}
-		plan, err := d.Plan(seqs)
+		plan, err := d.PlanChunks(seqs, []int{512, 3, 16}[li])
 		require.NoError(t, err)
 		q := randomQueries(rng, len(seqs)*h.Query*h.Dim, 1)
 		require.NoError(t, plan.SetQuery(q))

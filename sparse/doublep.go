@@ -75,11 +75,14 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 	s.logits, s.binOf, s.exact, s.keep = b.words(hq*c), b.words(hq*c), b.words(hq), b.words(hq)
 	s.means = b.words(h.KV * c * h.Dim)
 	s.extremes = b.words(2 * hq)
-	s.centroids = b.words(h.KV * c * h.Dim / 2)
+	s.centroids = clusters.Halves // a halved index's own, or a copy
+	if s.centroids == nil {
+		s.centroids = b.words(h.KV * c * h.Dim / 2)
+	}
 	s.score = centroidScores(b, dense, true)
 	s.cut = doublePCut(b)
 	err := b.err
-	if err == nil {
+	if err == nil && clusters.Halves == nil {
 		err = halfCentroids(clusters, s.centroids)
 	}
 	if err == nil {

@@ -304,6 +304,9 @@ func (s centroidScorer) record(cmd *vk.Commands, bind *vk.Binding, c, sequences,
 // halfCentroids writes the centroids of x rounded to fp16 into dst (the
 // selection kernels read half the bytes), through the host, once per index.
 func halfCentroids(x *kvcache.Clusters, dst *vk.Buffer) error {
+	if x.Halves != nil {
+		return fmt.Errorf("sparse: the index is halved: bind its Halves")
+	}
 	f := make([]float32, x.KVHeads*x.C*x.HeadDim)
 	if err := x.Centroids.ReadFloat32(0, f); err != nil {
 		return err

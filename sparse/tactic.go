@@ -327,10 +327,13 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
 	x.planBuf, x.cut = alloc(hq*16), alloc(hq)
 	x.extremes, x.fitArrived = alloc(2*hq), alloc(hq)
-	x.centroids = alloc(h.KV * c * h.Dim / 2)
+	x.centroids = clusters.Halves // a halved index's own, or a copy
+	if x.centroids == nil {
+		x.centroids = alloc(h.KV * c * h.Dim / 2)
+	}
 	x.sampled, x.fixedE = alloc(2*hq*(c+maxSampleWorkgroups)), alloc(4*hq*maxSampleWorkgroups)
 	err := b.err
-	if err == nil {
+	if err == nil && clusters.Halves == nil {
 		err = halfCentroids(clusters, x.centroids)
 	}
 	if err == nil {

@@ -24,8 +24,11 @@ type Buffer struct {
 	memory vk.DeviceMemory
 	size   uint64
 	held   uint64 // bytes of the allocation
-	kind   Memory
-	mapped unsafe.Pointer
+	// staging marks the device's own staging buffer, which Allocated
+	// does not count.
+	staging bool
+	kind    Memory
+	mapped  unsafe.Pointer
 }
 
 // Range is a byte range of a buffer, as bound to a kernel.
@@ -65,6 +68,13 @@ func (d *Device) NewBuffer(size uint64, kind Memory) (*Buffer, error) {
 		want = vk.MemoryPropertyHostVisibleBit | vk.MemoryPropertyHostCoherentBit
 	}
 	typ, ok := d.memoryType(req.MemoryTypeBits, vk.MemoryPropertyFlags(want))
+	if kind == HostVisible {
+		// Cached host memory where there is some: the host reads it back
+		// (staging, counters), and uncached reads crawl.
+		if cached, found := d.memoryType(req.MemoryTypeBits, vk.MemoryPropertyFlags(want|vk.MemoryPropertyHostCachedBit)); found {
+			typ, ok = cached, true
+		}
+	}
 	if !ok && kind == DeviceLocal {
 		typ, ok = d.memoryType(req.MemoryTypeBits, 0)
 	}
@@ -137,9 +147,11 @@ func (b *Buffer) Release() error {
 	vk.FreeMemory(b.dev.device, b.memory, nil)
 	b.buffer = nil
 	b.dev.untrack(b)
-	b.dev.mu.Lock()
-	b.dev.allocated -= b.held
-	b.dev.mu.Unlock()
+	if !b.staging {
+		b.dev.mu.Lock()
+		b.dev.allocated -= b.held
+		b.dev.mu.Unlock()
+	}
 	return nil
 }
 
@@ -197,20 +209,51 @@ func (b *Buffer) inRange(op string, offset, n uint64) error {
 	return nil
 }
 
-// staged runs fn with a host-visible staging buffer of up to 64 MiB and a
-// command buffer, both released afterwards.
+// staged runs fn with the device's host-visible staging buffer, of at
+// least min(n, 64 MiB) bytes, and its command buffer, one call at a time:
+// both are kept from one call to the next (allocating host-visible memory
+// and a command pool for every transfer costs milliseconds on some
+// drivers) and grown as needed; Release frees them.
 func (d *Device) staged(fn func(stage *Buffer, cmd *Commands) error, n uint64) error {
-	stage, err := d.NewBuffer(min(n, stagingChunk), HostVisible)
-	if err != nil {
-		return err
+	d.stageMu.Lock()
+	defer d.stageMu.Unlock()
+	if want := min(n, stagingChunk); d.stage == nil || d.stage.size < want {
+		if d.stage != nil {
+			d.stage.Release()
+			d.stage = nil
+		}
+		// At least 1 MiB, so that small transfers never regrow it.
+		stage, err := d.NewBuffer(max(want, 1<<20), HostVisible)
+		if err != nil {
+			return err
+		}
+		d.mu.Lock()
+		d.allocated -= stage.held
+		d.mu.Unlock()
+		stage.staging = true
+		d.stage = stage
 	}
-	defer stage.Release()
-	cmd, err := d.NewCommands()
-	if err != nil {
-		return err
+	if d.stageCmd == nil {
+		cmd, err := d.NewCommands()
+		if err != nil {
+			return err
+		}
+		d.stageCmd = cmd
 	}
-	defer cmd.Release()
-	return fn(stage, cmd)
+	return fn(d.stage, d.stageCmd)
+}
+
+// releaseStaging frees the staging buffer and its command buffer.
+func (d *Device) releaseStaging() {
+	d.stageMu.Lock()
+	defer d.stageMu.Unlock()
+	if d.stage != nil {
+		d.stage.Release()
+	}
+	if d.stageCmd != nil {
+		d.stageCmd.Release()
+	}
+	d.stage, d.stageCmd = nil, nil
 }
 
 // bytesOf views a slice of plain values as bytes.

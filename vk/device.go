@@ -375,6 +375,10 @@ type Device struct {
 	allocated uint64         // bytes of device memory held by live buffers
 
 	queueMu sync.Mutex // serializes use of queue
+
+	stageMu  sync.Mutex // serializes transfers through stage
+	stage    *Buffer    // host-visible staging of Buffer.Read and Write, kept
+	stageCmd *Commands  // their command buffer
 }
 
 // Open creates a device as opts say, on the process's instance for
@@ -520,6 +524,7 @@ func (d *Device) Release() error {
 	if err := d.WaitIdle(); err != nil {
 		errs = append(errs, err.Error())
 	}
+	d.releaseStaging()
 	d.mu.Lock()
 	var leaked []string
 	for _, what := range d.live {

@@ -8,6 +8,7 @@
 //	vkbench fidelity [flags]        Tactic's selection by the float64 reference (CPU)
 //	vkbench compare [flags]         every policy: GPU step times, then fidelity at matched budgets
 //	vkbench kernels [flags]         the compiler's statistics of every step kernel (registers, memory)
+//	vkbench generate [flags]        the project's model decoding through the library: what each policy layout costs its output
 //
 // The global flag -progress=auto|always|never (before the command) says
 // whether to draw progress lines on stderr; auto, the default, draws them
@@ -41,6 +42,11 @@ commands:
   kernels   the driver's compiler statistics of every decode-step kernel
             (registers, shared and local memory), where the driver
             reports them ("vkbench kernels -h" for flags)
+  generate  the project's byte-level model decoding a document through the
+            library: per policy layout, bits per byte, KL against dense,
+            top-1 agreement, speculative acceptance, tokens attended and
+            attention time; -whole prefills the whole document, -prompt
+            generates text greedily ("vkbench generate -h" for flags)
 
 global flags:
   -progress auto|always|never
@@ -79,6 +85,8 @@ func main() {
 		err = compare(args[1:])
 	case "kernels":
 		err = kernels(args[1:])
+	case "generate":
+		err = generate(args[1:])
 	case "help":
 		fmt.Print(usage)
 		return

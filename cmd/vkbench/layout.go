@@ -1,0 +1,190 @@
+package main
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/vksparse/vksparse/decode"
+	"github.com/vksparse/vksparse/sparse"
+)
+
+// layoutSpec is one layout of vkbench generate: a policy for some layers,
+// dense attention for the others. A fixed-budget policy's budget is given,
+// or matched per layer to the tokens another layout attended (budgetFrom).
+type layoutSpec struct {
+	Name       string `json:"name"`
+	Policy     string `json:"policy"` // dense, tactic, doublep, oracle, cluster-oracle, quest, streaming, h2o
+	P          float64
+	Targets    sparse.DoubleP
+	Budget     int    `json:"budget,omitempty"`
+	BudgetFrom string `json:"budget_from,omitempty"` // tactic or doublep: matched to that layout over the same layers
+	Layers     []bool `json:"-"`
+	LayerSpec  string `json:"layers"`
+}
+
+// parseLayouts reads layouts separated by ";", each POLICY[:ARGS][@LAYERS]:
+// dense, tactic:P, doublep:P1/P2, oracle:P (tokens), cluster-oracle:P,
+// quest:B, streaming:B, h2o:B with B a budget of middle tokens or tactic
+// or doublep (that layout's tokens over the same layers); LAYERS is all
+// (the default), a range a-b or a list a,b,c of layers in [0, layers).
+func parseLayouts(s string, layers int) ([]layoutSpec, error) {
+	var out []layoutSpec
+	for _, item := range strings.Split(s, ";") {
+		item = strings.TrimSpace(item)
+		if item == "" {
+			continue
+		}
+		l, err := parseLayout(item, layers)
+		if err != nil {
+			return nil, fmt.Errorf("layout %q: %w", item, err)
+		}
+		out = append(out, l)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("no layout in %q", s)
+	}
+	return out, nil
+}
+
+func parseLayout(item string, layers int) (layoutSpec, error) {
+	l := layoutSpec{Name: item, LayerSpec: "all"}
+	pol, where, hasLayers := strings.Cut(item, "@")
+	if hasLayers {
+		l.LayerSpec = where
+	}
+	var err error
+	if l.Layers, err = parseLayers(l.LayerSpec, layers); err != nil {
+		return l, err
+	}
+	name, args, _ := strings.Cut(pol, ":")
+	l.Policy = name
+	prob := func() (float64, error) {
+		p, err := strconv.ParseFloat(args, 64)
+		if err != nil {
+			return 0, fmt.Errorf("%s needs a target mass, not %q", name, args)
+		}
+		return p, sparse.CheckP(p)
+	}
+	switch name {
+	case "dense":
+		if args != "" {
+			return l, fmt.Errorf("dense takes no argument")
+		}
+	case "tactic", "oracle", "cluster-oracle":
+		l.P, err = prob()
+	case "doublep":
+		a, b, ok := strings.Cut(args, "/")
+		if args == "" {
+			a, b, ok = "0.95", "0.7", true
+		}
+		if !ok {
+			return l, fmt.Errorf("doublep needs P1/P2, not %q", args)
+		}
+		var errA, errB error
+		l.Targets.P1, errA = strconv.ParseFloat(a, 64)
+		l.Targets.P2, errB = strconv.ParseFloat(b, 64)
+		if errA != nil || errB != nil || sparse.CheckP(l.Targets.P1) != nil || sparse.CheckP(l.Targets.P2) != nil {
+			return l, fmt.Errorf("doublep targets %q: each in (0, 1]", args)
+		}
+	case "quest", "streaming", "h2o":
+		switch args {
+		case "tactic", "doublep":
+			l.BudgetFrom = args
+		default:
+			l.Budget, err = strconv.Atoi(args)
+			if err == nil && l.Budget <= 0 {
+				err = fmt.Errorf("the budget %d must be positive", l.Budget)
+			} else if err != nil {
+				err = fmt.Errorf("%s needs a budget or tactic or doublep, not %q", name, args)
+			}
+		}
+	default:
+		return l, fmt.Errorf("unknown policy %q", name)
+	}
+	return l, err
+}
+
+// parseLayers reads all, a-b or a,b,c into a mask of layers.
+func parseLayers(s string, layers int) ([]bool, error) {
+	mask := make([]bool, layers)
+	if s == "all" {
+		for i := range mask {
+			mask[i] = true
+		}
+		return mask, nil
+	}
+	set := func(i int) error {
+		if i < 0 || i >= layers {
+			return fmt.Errorf("layer %d outside [0, %d)", i, layers)
+		}
+		mask[i] = true
+		return nil
+	}
+	if a, b, ok := strings.Cut(s, "-"); ok {
+		lo, errA := strconv.Atoi(a)
+		hi, errB := strconv.Atoi(b)
+		if errA != nil || errB != nil || lo > hi {
+			return nil, fmt.Errorf("layers %q: a range a-b with a ≤ b", s)
+		}
+		for i := lo; i <= hi; i++ {
+			if err := set(i); err != nil {
+				return nil, err
+			}
+		}
+		return mask, nil
+	}
+	for _, f := range strings.Split(s, ",") {
+		i, err := strconv.Atoi(f)
+		if err != nil {
+			return nil, fmt.Errorf("layers %q: all, a-b or a,b,c", s)
+		}
+		if err := set(i); err != nil {
+			return nil, err
+		}
+	}
+	return mask, nil
+}
+
+// policies returns the layout's decode policies, budgets[l] standing in
+// for a matched budget at layer l.
+func (l layoutSpec) policies(budgets []int) []decode.Policy {
+	out := make([]decode.Policy, len(l.Layers))
+	for i, on := range l.Layers {
+		if !on {
+			continue
+		}
+		b := l.Budget
+		if l.BudgetFrom != "" {
+			b = max(budgets[i], 16)
+		}
+		switch l.Policy {
+		case "tactic":
+			out[i] = decode.Tactic(l.P, sparse.TacticDecoderOptions{})
+		case "doublep":
+			out[i] = decode.DoubleP(l.Targets, sparse.TacticDecoderOptions{})
+		case "oracle":
+			out[i] = decode.TokenOracle(l.P)
+		case "cluster-oracle":
+			out[i] = decode.ClusterOracle(l.P, sparse.TacticDecoderOptions{})
+		case "quest":
+			out[i] = decode.Quest(b)
+		case "streaming":
+			out[i] = decode.StreamingLLM(b)
+		case "h2o":
+			out[i] = decode.H2O(b)
+		}
+	}
+	return out
+}
+
+// sparseLayers counts the layers the layout attends sparsely.
+func (l layoutSpec) sparseLayers() int {
+	n := 0
+	for _, on := range l.Layers {
+		if on && l.Policy != "dense" {
+			n++
+		}
+	}
+	return n
+}
