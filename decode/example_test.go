@@ -11,11 +11,11 @@ import (
 	"github.com/vksparse/vksparse/vk"
 )
 
-// A decode loop over two layers and two sequences with Tactic at P = 0.9:
-// each sequence's layers are prefilled, then every step appends each
-// sequence's new token to a layer and attends that layer's queries for
-// both sequences in one batch. Every 64 appended tokens of a layer are
-// clustered and join its index. The values are all 0.5, so every output
+// A decode loop over two layers and two sequences, layer 0 dense and
+// layer 1 with Tactic at P = 0.9: each sequence's layers are prefilled,
+// then every step appends each sequence's new token to a layer and
+// attends that layer's queries for both sequences in one batch. Every 64
+// appended tokens of the Tactic layer are clustered and join its index. The values are all 0.5, so every output
 // element is 0.5 whatever tokens a step selects. Sequence 0 then ends and
 // its slot takes a new one.
 func ExampleModel() {
@@ -29,7 +29,12 @@ func ExampleModel() {
 	const layers, slots = 2, 2
 	model, err := decode.New(dev, decode.Config{
 		Heads: heads, Layers: layers, Slots: slots, Capacity: 1100,
-		Policy: decode.Tactic(0.9, sparse.TacticDecoderOptions{Recluster: 64}),
+		// A policy per layer: dense first, Tactic after (Config.Policy
+		// gives every layer the same one).
+		Layout: []decode.Policy{
+			decode.Dense(),
+			decode.Tactic(0.9, sparse.TacticDecoderOptions{Recluster: 64}),
+		},
 	})
 	if err != nil {
 		fmt.Println(err)

@@ -93,7 +93,11 @@ func generate(args []string) error {
 		return err
 	}
 	if *whole {
-		return wholeDocument(dev, w, doc)
+		res, err := wholeDocument(dev, w, doc)
+		if err == nil && *jsonPath != "" {
+			err = writeJSON(*jsonPath, "vkbench generate "+strings.Join(args, " "), dev.Info(), res)
+		}
+		return err
 	}
 	switch {
 	case *prefill <= 0 || *positions <= 0 || *prefill+*positions > len(doc):
@@ -129,23 +133,31 @@ func modelConfig(w *lm.Weights, capacity int, layout []decode.Policy) decode.Con
 	return decode.Config{Heads: sparse.Heads{Query: c.Heads, KV: c.KVHeads, Dim: c.HeadDim}, Layers: c.Layers, Slots: 1, Capacity: capacity, Layout: layout}
 }
 
+// wholeResult is what -whole measures.
+type wholeResult struct {
+	Bytes       int             `json:"bytes"`
+	BitsPerByte float64         `json:"bits_per_byte"`
+	PrefillS    float64         `json:"prefill_seconds"`
+	Times       lm.PrefillTimes `json:"prefill_parts_ns"`
+}
+
 // wholeDocument prefills the whole document densely and prints its bits
 // per byte and the prefill's wall time.
-func wholeDocument(dev *vk.Device, w *lm.Weights, doc []byte) error {
+func wholeDocument(dev *vk.Device, w *lm.Weights, doc []byte) (*wholeResult, error) {
 	m, err := decode.New(dev, modelConfig(w, len(doc), nil))
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer m.Release()
 	r, err := lm.NewRunner(dev, w, m, lm.Options{})
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer r.Release()
 	start := time.Now()
 	logits, err := r.Prefill(0, doc)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	took := time.Since(start)
 	next := make([]int, len(doc))
@@ -157,12 +169,12 @@ func wholeDocument(dev *vk.Device, w *lm.Weights, doc []byte) error {
 	}
 	bpb, err := lm.BitsPerByte(logits, w.Config.Vocab, next)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	pt := r.LastPrefillTimes()
 	fmt.Printf("whole document: %d bytes, bits per byte %.6f (dense attention), prefill %.2f s (%.0f bytes/s): GPU attention %.2f s, causal blocks %.2f s, scratch writes %.2f s, the rest (projections, MLP, head) %.2f s\n",
 		len(doc), bpb, took.Seconds(), float64(len(doc))/took.Seconds(), pt.GPU.Seconds(), pt.Block.Seconds(), pt.Store.Seconds(), (pt.Total - pt.GPU - pt.Block - pt.Store).Seconds())
-	return nil
+	return &wholeResult{Bytes: len(doc), BitsPerByte: bpb, PrefillS: took.Seconds(), Times: pt}, nil
 }
 
 // greedy prefills prompt and prints the n bytes the model picks greedily
