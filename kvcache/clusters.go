@@ -27,12 +27,12 @@ type Clusters struct {
 	// Halves holds the centroids rounded to fp16, [KVHeads][C][HeadDim],
 	// in place of Centroids once Halve ran (what the selection kernels
 	// read, in half the memory); nil before.
-	Halves *vk.Buffer
-	Norms  *vk.Buffer // float32 [KVHeads][C], |centroid|²
-	Counts    *vk.Buffer // uint32 [KVHeads][C], cluster sizes
-	Starts    *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
-	Members   *vk.Buffer // uint32 [KVHeads][Count], token ids in cluster order
-	Assign    *vk.Buffer // uint32 [KVHeads][Count], cluster of token First+r
+	Halves  *vk.Buffer
+	Norms   *vk.Buffer // float32 [KVHeads][C], |centroid|²
+	Counts  *vk.Buffer // uint32 [KVHeads][C], cluster sizes
+	Starts  *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
+	Members *vk.Buffer // uint32 [KVHeads][Count], token ids in cluster order
+	Assign  *vk.Buffer // uint32 [KVHeads][Count], cluster of token First+r
 }
 
 // NewClusters allocates an index of c clusters over count tokens from first.
