@@ -14,6 +14,16 @@ import (
 	"github.com/vksparse/vksparse/kvcache"
 )
 
+// productFunc sets y = x wᵀ (x [rows][in], w one of the model's weight
+// matrices [out][in], y [rows][out]): matmulT, or on the GPU.
+type productFunc func(y, x []float32, rows, in int, w []float32, out int) error
+
+// cpuProducts is a productFunc on the CPU.
+func cpuProducts(y, x []float32, rows, in int, w []float32, out int) error {
+	matmulT(y, x, rows, in, w, out)
+	return nil
+}
+
 // matmulT sets y = x wᵀ: x is [rows][in], w [out][in] and y [rows][out],
 // all row-major float32. gonum's SGEMM splits large products among
 // goroutines (one per core).
@@ -102,6 +112,7 @@ type work struct {
 	o      []float32 // [rows][Dim]
 	g1, g3 []float32 // [rows][Hidden]
 	kh, vh []uint16  // k and v in fp16, [rows][KVHeads][HeadDim]
+	mm     productFunc
 	logits []float32 // [rows][Vocab]
 }
 
@@ -115,6 +126,7 @@ func newWork(c Config, rows int) *work {
 		o:  make([]float32, rows*c.Dim),
 		g1: make([]float32, rows*c.Hidden), g3: make([]float32, rows*c.Hidden),
 		logits: make([]float32, rows*c.Vocab),
+		mm:     cpuProducts,
 	}
 }
 
@@ -134,9 +146,12 @@ func (w *Weights) qkv(l int, s *work, pos []int) error {
 	c, ly := w.Config, &w.Layers[l]
 	d, kv, n := c.Dim, c.KVHeads*c.HeadDim, s.rows
 	rows(n, func(r int) { rmsnorm(s.h[r*d:(r+1)*d], s.x[r*d:(r+1)*d], ly.N1, c.Eps) })
-	matmulT(s.q, s.h, n, d, ly.Wq, c.Heads*c.HeadDim)
-	matmulT(s.k, s.h, n, d, ly.Wk, kv)
-	matmulT(s.v, s.h, n, d, ly.Wv, kv)
+	if err := errors.Join(
+		s.mm(s.q, s.h, n, d, ly.Wq, c.Heads*c.HeadDim),
+		s.mm(s.k, s.h, n, d, ly.Wk, kv),
+		s.mm(s.v, s.h, n, d, ly.Wv, kv)); err != nil {
+		return fmt.Errorf("lm: layer %d: %w", l, err)
+	}
 	rows(n, func(r int) {
 		rope(s.q[r*c.Heads*c.HeadDim:(r+1)*c.Heads*c.HeadDim], c.Heads, c.HeadDim, pos[r], c.RopeTheta)
 		rope(s.k[r*kv:(r+1)*kv], c.KVHeads, c.HeadDim, pos[r], c.RopeTheta)
@@ -165,10 +180,12 @@ func (w *Weights) qkv(l int, s *work, pos []int) error {
 
 // finish completes layer l once s.a holds the attention output:
 // x += a Woᵀ, then x += (silu(g W1ᵀ) ⊙ g W3ᵀ) W2ᵀ with g = rmsnorm(x, N2).
-func (w *Weights) finish(l int, s *work) {
+func (w *Weights) finish(l int, s *work) error {
 	c, ly := w.Config, &w.Layers[l]
 	d, n, hd := c.Dim, s.rows, c.Hidden
-	matmulT(s.o, s.a, n, c.Heads*c.HeadDim, ly.Wo, d)
+	if err := s.mm(s.o, s.a, n, c.Heads*c.HeadDim, ly.Wo, d); err != nil {
+		return fmt.Errorf("lm: layer %d: %w", l, err)
+	}
 	rows(n, func(r int) {
 		x := s.x[r*d : (r+1)*d]
 		for i, v := range s.o[r*d : (r+1)*d] {
@@ -176,28 +193,32 @@ func (w *Weights) finish(l int, s *work) {
 		}
 		rmsnorm(s.h[r*d:(r+1)*d], x, ly.N2, c.Eps)
 	})
-	matmulT(s.g1, s.h, n, d, ly.W1, hd)
-	matmulT(s.g3, s.h, n, d, ly.W3, hd)
+	if err := errors.Join(s.mm(s.g1, s.h, n, d, ly.W1, hd), s.mm(s.g3, s.h, n, d, ly.W3, hd)); err != nil {
+		return fmt.Errorf("lm: layer %d: %w", l, err)
+	}
 	rows(n, func(r int) {
 		g3 := s.g3[r*hd : (r+1)*hd]
 		for i, v := range s.g1[r*hd : (r+1)*hd] {
 			g3[i] *= silu(v)
 		}
 	})
-	matmulT(s.o, s.g3[:n*hd], n, hd, ly.W2, d)
+	if err := s.mm(s.o, s.g3[:n*hd], n, hd, ly.W2, d); err != nil {
+		return fmt.Errorf("lm: layer %d: %w", l, err)
+	}
 	rows(n, func(r int) {
 		x := s.x[r*d : (r+1)*d]
 		for i, v := range s.o[r*d : (r+1)*d] {
 			x[i] += v
 		}
 	})
+	return nil
 }
 
 // head sets s.logits = rmsnorm(x, Nf) Headᵀ for the rows.
-func (w *Weights) head(s *work) {
+func (w *Weights) head(s *work) error {
 	c, d, n := w.Config, w.Config.Dim, s.rows
 	rows(n, func(r int) { rmsnorm(s.h[r*d:(r+1)*d], s.x[r*d:(r+1)*d], w.Nf, c.Eps) })
-	matmulT(s.logits, s.h, n, d, w.Head, c.Vocab)
+	return s.mm(s.logits, s.h, n, d, w.Head, c.Vocab)
 }
 
 // halvesToFloat32 decodes fp16 bit patterns.
@@ -287,7 +308,7 @@ type attendFunc func(l int, s *work, t0 int, keys, values []float32) error
 // (the first chunk first rows long, then chunkRows), attending with
 // attend, and returns the logits [n][Vocab] and every layer's keys and
 // values, [Layers][KVHeads][n][HeadDim], decoded from fp16.
-func (w *Weights) forward(tokens []byte, first int, attend attendFunc) (logits []float32, keys, values [][]float32, err error) {
+func (w *Weights) forward(tokens []byte, first int, attend attendFunc, mm productFunc) (logits []float32, keys, values [][]float32, err error) {
 	c := w.Config
 	n, hd, kv := len(tokens), c.HeadDim, c.KVHeads*c.HeadDim
 	logits = make([]float32, n*c.Vocab)
@@ -296,6 +317,7 @@ func (w *Weights) forward(tokens []byte, first int, attend attendFunc) (logits [
 		keys[l], values[l] = make([]float32, n*kv), make([]float32, n*kv)
 	}
 	s := newWork(c, min(n, max(first, chunkRows)))
+	s.mm = mm
 	pos := make([]int, 0, chunkRows)
 	for t0, t1 := 0, min(n, first); t0 < n; t0, t1 = t1, min(n, t1+chunkRows) {
 		w.embed(s, tokens[t0:t1])
@@ -317,9 +339,13 @@ func (w *Weights) forward(tokens []byte, first int, attend attendFunc) (logits [
 			if err := attend(l, s, t0, keys[l], values[l]); err != nil {
 				return nil, nil, nil, err
 			}
-			w.finish(l, s)
+			if err := w.finish(l, s); err != nil {
+				return nil, nil, nil, err
+			}
 		}
-		w.head(s)
+		if err := w.head(s); err != nil {
+			return nil, nil, nil, err
+		}
 		copy(logits[t0*c.Vocab:t1*c.Vocab], s.logits[:s.rows*c.Vocab])
 	}
 	return logits, keys, values, nil
@@ -347,7 +373,7 @@ func (w *Weights) Forward(tokens []byte) ([]float32, error) {
 	if err := w.validate(); err != nil {
 		return nil, err
 	}
-	logits, _, _, err := w.forward(tokens, chunkRows, w.cpuAttend(len(tokens)))
+	logits, _, _, err := w.forward(tokens, chunkRows, w.cpuAttend(len(tokens)), cpuProducts)
 	return logits, err
 }
 

@@ -24,6 +24,9 @@ type Options struct {
 	// and for devices whose memory cannot hold the GPU prefill's scratch
 	// caches.
 	CPUPrefill bool
+	// Products says where the prefill computes its matrix products (the
+	// decode steps, a row per sequence, compute theirs on the host).
+	Products Products
 }
 
 // Runner runs the model with the matrix products on the CPU (float32) and
@@ -37,6 +40,7 @@ type Runner struct {
 	w        *Weights
 	m        *decode.Model   // the caller's
 	block    *blockAttention // Prefill's attention on the GPU; nil with CPUPrefill
+	gpu      *gpuProducts    // Prefill's products on the GPU; nil on the host
 	released bool
 }
 
@@ -58,10 +62,16 @@ func NewRunner(dev *vk.Device, w *Weights, m *decode.Model, opts Options) (*Runn
 		return nil, fmt.Errorf("lm: the decode.Model has %d layers of %+v, the weights %d layers of %+v", mc.Layers, mc.Heads, c.Layers, want)
 	}
 	r := &Runner{w: w, m: m}
-	if !opts.CPUPrefill {
-		var err error
-		if r.block, err = newBlockAttention(dev, c, mc.Capacity); err != nil {
-			return nil, fmt.Errorf("lm: the prefill's attention: %w", err)
+	if opts.CPUPrefill {
+		return r, nil
+	}
+	var err error
+	if r.block, err = newBlockAttention(dev, c, mc.Capacity); err != nil {
+		return nil, fmt.Errorf("lm: the prefill's attention: %w", err)
+	}
+	if opts.Products == ProductsGPU || (opts.Products == ProductsAuto && dev.Info().Type != "cpu") {
+		if r.gpu, err = newGPUProducts(dev, w, chunkRows); err != nil {
+			return nil, errors.Join(err, r.block.release())
 		}
 	}
 	return r, nil
@@ -76,12 +86,15 @@ func (r *Runner) Release() error {
 		return vk.ErrReleased
 	}
 	r.released = true
-	if r.block == nil {
-		return nil
+	var errs []error
+	if r.block != nil {
+		errs = append(errs, r.block.release())
 	}
-	err := r.block.release()
-	r.block = nil
-	return err
+	if r.gpu != nil {
+		errs = append(errs, r.gpu.release())
+	}
+	r.block, r.gpu = nil, nil
+	return errors.Join(errs...)
 }
 
 // LastPrefillTimes returns where the last Encode or Prefill's time went
@@ -93,6 +106,14 @@ func (r *Runner) LastPrefillTimes() PrefillTimes {
 		return PrefillTimes{}
 	}
 	return r.block.times
+}
+
+// products returns where the prefill computes its matrix products.
+func (r *Runner) products() productFunc {
+	if r.gpu != nil {
+		return r.gpu.mul
+	}
+	return cpuProducts
 }
 
 // Prompt is a prompt run through the model with dense attention: its
@@ -141,7 +162,7 @@ func (r *Runner) encode(prompt []byte) (*Prompt, error) {
 		attend = r.block.attend(r.w.Config, n)
 	}
 	start := time.Now()
-	logits, keys, values, err := r.w.forward(prompt, chunkRows, attend)
+	logits, keys, values, err := r.w.forward(prompt, chunkRows, attend, r.products())
 	if err != nil {
 		return nil, err
 	}
@@ -276,8 +297,12 @@ func (r *Runner) Step(tokens []byte) ([]float32, error) {
 			return nil, fmt.Errorf("lm: Step: %w", err)
 		}
 		copy(s.a, a)
-		w.finish(l, s)
+		if err := w.finish(l, s); err != nil {
+			return nil, err
+		}
 	}
-	w.head(s)
+	if err := w.head(s); err != nil {
+		return nil, err
+	}
 	return s.logits, nil
 }
