@@ -109,11 +109,15 @@ func BitsPerByte(logits []float32, vocab int, next []int) (float64, error) {
 	return c.BitsPerByte, err
 }
 
-// argmax returns the first index of p's greatest value.
-func argmax(p []float64) int {
+// Argmax returns the first index of the greatest logit: the greedy choice
+// of the next byte.
+func Argmax(logits []float32) int { return argmax(logits) }
+
+// argmax returns the first index of x's greatest value.
+func argmax[T float32 | float64](x []T) int {
 	best := 0
-	for i, x := range p {
-		if x > p[best] {
+	for i, v := range x {
+		if v > x[best] {
 			best = i
 		}
 	}

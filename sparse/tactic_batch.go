@@ -16,10 +16,9 @@ import (
 // (a dependent dispatch) once instead of B times. The sequences share the
 // selection kernels.
 type TacticBatch struct {
-	dense   *Dense
 	kernels *tacticKernels
 	steps   []*TacticStep
-	clock   stopwatch
+	batch   *Batch // the same steps, recorded stage by stage
 }
 
 // NewTacticBatch prepares batched steps at target mass p with the fit's
@@ -40,7 +39,7 @@ func NewTacticBatch(dense *Dense, layers []*kvcache.Layer, clusters []*kvcache.C
 	if err != nil {
 		return nil, err
 	}
-	b := &TacticBatch{dense: dense, kernels: k}
+	b := &TacticBatch{kernels: k, batch: &Batch{dense: dense}}
 	for i := range layers {
 		sel, err := newTacticSelector(dense, k, layers[i], clusters[i], p, fit)
 		var t *TacticStep
@@ -53,6 +52,7 @@ func NewTacticBatch(dense *Dense, layers []*kvcache.Layer, clusters []*kvcache.C
 			return nil, fmt.Errorf("sparse: sequence %d: %w", i, err)
 		}
 		b.steps = append(b.steps, t)
+		b.batch.steps = append(b.batch.steps, t.Step)
 	}
 	return b, nil
 }
@@ -65,74 +65,27 @@ func (b *TacticBatch) Len() int { return len(b.steps) }
 func (b *TacticBatch) Step(i int) *TacticStep { return b.steps[i] }
 
 // SetQuery uploads the queries, [B][Hq][D]; on error none is changed.
-func (b *TacticBatch) SetQuery(q []float32) error {
-	h := b.dense.heads
-	per := h.Query * h.Dim
-	if err := checkQuery(q, len(b.steps), h); err != nil {
-		return err
-	}
-	for i, t := range b.steps {
-		if err := t.SetQuery(q[i*per : (i+1)*per]); err != nil {
-			return err
-		}
-	}
-	return nil
-}
+func (b *TacticBatch) SetQuery(q []float32) error { return b.batch.SetQuery(q) }
 
 // Record appends the batch's kernels to c, stage by stage (it orders
 // compute work only, as DensePlan.Record).
-func (b *TacticBatch) Record(c *vk.Commands) error { return b.record(c, func(int) {}) }
-
-// record appends the batch stage by stage, calling mark(i) after stage i
-// (recordSteps).
-func (b *TacticBatch) record(c *vk.Commands, mark func(stage int)) error {
-	steps := make([]*Step, len(b.steps))
-	for i, t := range b.steps {
-		steps[i] = t.Step
-	}
-	return recordSteps(c, steps, mark)
-}
+func (b *TacticBatch) Record(c *vk.Commands) error { return b.batch.Record(c) }
 
 // Rebalance divides each sequence's attention among workgroups, for the
 // steps recorded next, by the rows its head blocks attended in the last
 // batched step that ran (DensePlan.Rebalance); Attend does it before every
 // step.
-func (b *TacticBatch) Rebalance() error {
-	for _, t := range b.steps {
-		if err := t.plan.Rebalance(len(b.steps)); err != nil {
-			return err
-		}
-	}
-	return nil
-}
+func (b *TacticBatch) Rebalance() error { return b.batch.Rebalance() }
 
 // Attend runs a batched step for the queries q ([B][Hq][D]) and returns
 // the outputs, [B][Hq][D]; as Step.Attend, each sequence's attention
 // divides its clusters by the members of the step before.
-func (b *TacticBatch) Attend(q []float32) ([]float32, error) {
-	if err := b.SetQuery(q); err != nil {
-		return nil, err
-	}
-	if err := b.Rebalance(); err != nil {
-		return nil, err
-	}
-	if err := runOnce(b.dense.dev, b.Record); err != nil {
-		return nil, err
-	}
-	out := make([]float32, len(q))
-	per := len(q) / len(b.steps)
-	for i, t := range b.steps {
-		if err := t.plan.Output().ReadFloat32(0, out[i*per:(i+1)*per]); err != nil {
-			return nil, err
-		}
-	}
-	return out, nil
-}
+func (b *TacticBatch) Attend(q []float32) ([]float32, error) { return b.batch.Attend(q) }
 
 // Time records warmup+reps back-to-back batched steps in one submission
 // and returns the timed ones' GPU times, sorted (as DensePlan.Time).
 func (b *TacticBatch) Time(warmup, reps int) ([]time.Duration, error) {
-	return b.clock.time(b.dense.dev, warmup, reps, b.Record)
+	return b.batch.Time(warmup, reps)
 }
 
 // Stages names the batch's dependent stages, TacticStages.
@@ -143,17 +96,16 @@ func (b *TacticBatch) Stages() []string { return TacticStages }
 // dispatches for all the sequences, then the timestamp), and returns each
 // stage's median GPU time (TacticStages order) and the median whole step.
 func (b *TacticBatch) TimeStages(warmup, reps int) (stages []time.Duration, total time.Duration, err error) {
-	return timeStages(b.dense.dev, tacticStageCount, warmup, reps, b.record)
+	return timeStages(b.batch.dense.dev, tacticStageCount, warmup, reps, b.batch.record)
 }
 
 // Release frees the steps and the kernels (not the layers or indexes).
 func (b *TacticBatch) Release() error {
-	b.clock.release()
 	var errs []error
-	for _, t := range b.steps {
-		errs = append(errs, t.Release())
+	if b.batch != nil {
+		errs = append(errs, b.batch.Release()) // the steps
 	}
-	b.steps = nil
+	b.steps, b.batch = nil, nil
 	if b.kernels != nil {
 		errs = append(errs, b.kernels.release())
 		b.kernels = nil

@@ -205,7 +205,7 @@ func greedy(dev *vk.Device, w *lm.Weights, prompt []byte, n int, layout string) 
 	last := logits[len(logits)-v:]
 	fmt.Printf("%s", prompt)
 	for range n {
-		b := byte(argmax32(last))
+		b := byte(lm.Argmax(last))
 		fmt.Printf("%c", b)
 		if last, err = r.Step([]byte{b}); err != nil {
 			return err
@@ -213,16 +213,6 @@ func greedy(dev *vk.Device, w *lm.Weights, prompt []byte, n int, layout string) 
 	}
 	fmt.Println()
 	return nil
-}
-
-func argmax32(x []float32) int {
-	best := 0
-	for i, v := range x {
-		if v > x[best] {
-			best = i
-		}
-	}
-	return best
 }
 
 // layoutRun is what one layout's decode left: the logits of every
