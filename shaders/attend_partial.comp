@@ -52,8 +52,8 @@ layout(constant_id = 11) const uint WINDOW = 64;
 // the a-th range of chunk clusters (⌈C/runs⌉ with a table of runs) again and gives each query head h of its
 // block, for every cluster c of KV head g that no head of g takes
 // (rank[h'][c] >= cut[h'] for all) and that h keeps (rank[h][c] < keep[h]),
-// one token of logit logit[h][c] and value means[g][c], folded into the
-// partial of its run.
+// one token of logit logit[h][c] and value means[g][c] (fp16), folded
+// into the partial of its run.
 layout(constant_id = 12) const uint APPROX = 0;
 
 const uint DV = D / 8;  // uvec4 words per row
@@ -89,7 +89,7 @@ layout(std430, binding = 13) restrict writeonly buffer Out { vec4 o[]; };      /
 // APPROX = 1 only.
 layout(std430, binding = 14) restrict readonly buffer Logits { float logit[]; };  // [Hq][C]
 layout(std430, binding = 15) restrict readonly buffer Keep { uint keep[]; };      // [Hq]
-layout(std430, binding = 16) restrict readonly buffer Means { vec4 means[]; };    // [heads][C][D/4]
+layout(std430, binding = 16) restrict readonly buffer Means { uvec2 means[]; };   // [heads][C][D/4] fp16 quads
 // GATHER = 2: the rows each head block's runs attended (as in Arrivals),
 // set by the block's last workgroup (the host reads it to balance the runs).
 layout(std430, binding = 17) restrict writeonly buffer Taken { uint taken[]; };  // [B][Hq/GROUP]
@@ -561,7 +561,8 @@ uint approxChunk(uint c, uint h0, uint kvLocal) {
 				vec4 x[MU];
 				[[unroll]] for (uint r = 0; r < MU; r++) {
 					uint slot = min(s0 + r * LA, count - 1);
-					x[r] = means[(g * pc.C + lst[slot]) * D4 + d4];
+					uvec2 mw = means[(g * pc.C + lst[slot]) * D4 + d4];
+					x[r] = vec4(unpackHalf2x16(mw.x), unpackHalf2x16(mw.y));
 				}
 				[[unroll]] for (uint r = 0; r < MU; r++) {
 					uint slot = s0 + r * LA;

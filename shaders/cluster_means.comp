@@ -1,7 +1,8 @@
 #version 450
 // The mean value row of every cluster of a layer stored in cluster order:
-// means[g][c] = (1/s_c) · Σ_{j < s_c} v[g][first + starts[g][c] + j] in
-// float32 (a zero row for an empty cluster), s_c = sizes[g][c]. A workgroup
+// means[g][c] = (1/s_c) · Σ_{j < s_c} v[g][first + starts[g][c] + j],
+// summed in float32 and stored rounded to fp16, packed four to a uvec2 (a
+// zero row for an empty cluster), s_c = sizes[g][c]. A workgroup
 // takes ROWS clusters of KV head gl_WorkGroupID.y, DV threads a cluster,
 // each summing one uvec4 (8 fp16 values) of every member row.
 #extension GL_EXT_control_flow_attributes : enable
@@ -16,7 +17,7 @@ const uint ROWS = WG / DV;     // clusters per workgroup
 layout(std430, binding = 0) readonly buffer Values { uvec4 v[]; };     // [heads][headStride]
 layout(std430, binding = 1) readonly buffer Starts { uint starts[]; }; // [heads][C]
 layout(std430, binding = 2) readonly buffer Sizes { uint sizes[]; };   // [heads][C]
-layout(std430, binding = 3) writeonly buffer Means { vec4 means[]; };  // [heads][C][D/4]
+layout(std430, binding = 3) writeonly buffer Means { uvec2 means[]; }; // [heads][C][D/4] fp16 quads
 
 layout(push_constant) uniform Push {
 	uint C;
@@ -40,6 +41,8 @@ void main() {
 	}
 	float inv = size == 0 ? 0.0 : 1.0 / float(size);
 	uint out0 = ((g * pc.C + c) * D + j * 8) / 4;
-	means[out0] = lo * inv;
-	means[out0 + 1] = hi * inv;
+	lo *= inv;
+	hi *= inv;
+	means[out0] = uvec2(packHalf2x16(lo.xy), packHalf2x16(lo.zw));
+	means[out0 + 1] = uvec2(packHalf2x16(hi.xy), packHalf2x16(hi.zw));
 }

@@ -55,8 +55,8 @@ const uint BATCH = 8;          // clusters a thread of the last workgroup loads 
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };     // [Hq][D/4]
 layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };       // [Hkv][headStride], KIND 1
-layout(std430, binding = 2) readonly buffer Lo { vec4 lo[]; };         // [Hkv][C][D/4], KIND 0
-layout(std430, binding = 3) readonly buffer Hi { vec4 hi[]; };         // [Hkv][C][D/4], KIND 0
+layout(std430, binding = 2) readonly buffer Lo { uvec2 lo[]; };        // [Hkv][C][D/4] fp16 quads, KIND 0
+layout(std430, binding = 3) readonly buffer Hi { uvec2 hi[]; };        // [Hkv][C][D/4] fp16 quads, KIND 0
 // Written by every workgroup of a block, read by the last: coherent.
 layout(std430, binding = 4) coherent buffer Rows { float row[]; };     // [Hq][R]
 layout(std430, binding = 5) writeonly buffer Scores { float score[]; }; // [Hq][C]
@@ -144,7 +144,9 @@ void main() {
 		if (KIND == 0) {
 			uint base = (g * pc.C + r) * D4;
 			for (uint i = lane; i < D4; i += LANES) {
-				vec4 a = lo[base + i], b = hi[base + i];
+				uvec2 lw = lo[base + i], hw = hi[base + i];
+				vec4 a = vec4(unpackHalf2x16(lw.x), unpackHalf2x16(lw.y));
+				vec4 b = vec4(unpackHalf2x16(hw.x), unpackHalf2x16(hw.y));
 				[[unroll]] for (uint j = 0; j < HB; j++) {
 					if (j < heads) acc[j] += dot(max(qs[j][i] * a, qs[j][i] * b), vec4(1.0));
 				}

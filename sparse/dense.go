@@ -816,7 +816,7 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 	chunks := max(ceilDiv(clusters.C, per), most) + ceilDiv(layer.Capacity()-clusters.Count, d.clusterTile)
 	if a := sel.Approx; a != nil {
 		c := uint64(h.Query * clusters.C)
-		if a.Keep.Size < uint64(h.Query)*4 || a.Logits.Size < c*4 || a.Means.Size < uint64(h.KV*clusters.C*h.Dim)*4 {
+		if a.Keep.Size < uint64(h.Query)*4 || a.Logits.Size < c*4 || a.Means.Size < uint64(h.KV*clusters.C*h.Dim)*2 {
 			return nil, fmt.Errorf("sparse: pseudo-tokens with keeps of %d bytes, logits of %d and means of %d for %d query heads of %d clusters", a.Keep.Size, a.Logits.Size, a.Means.Size, h.Query, clusters.C)
 		}
 		if err := d.buildApprox(); err != nil {

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math"
 
+	"github.com/x448/float16"
+
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/vk"
 )
@@ -38,7 +40,7 @@ type DoublePSelector struct {
 	logits          *vk.Buffer // float32 [Hq][C]
 	binOf           *vk.Buffer // uint32 [Hq][C]
 	exact, keep     *vk.Buffer // uint32 [Hq]
-	means           *vk.Buffer // float32 [Hkv][C][D]
+	means           *vk.Buffer // fp16 [Hkv][C][D], each cluster's mean value row rounded
 	centroids       *vk.Buffer // fp16 [Hkv][C][D], the index's centroids rounded
 	extremes        *vk.Buffer // uint32 [Hq][2], 0 between steps
 }
@@ -73,7 +75,7 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 	b := &builder{dev: dev, bufs: &s.bufs}
 	hq, c := h.Query, clusters.C
 	s.logits, s.binOf, s.exact, s.keep = b.words(hq*c), b.words(hq*c), b.words(hq), b.words(hq)
-	s.means = b.words(h.KV * c * h.Dim)
+	s.means = b.words(h.KV * c * h.Dim / 2)
 	s.extremes = b.words(2 * hq)
 	s.centroids = clusters.Halves // a halved index's own, or a copy
 	if s.centroids == nil {
@@ -187,11 +189,19 @@ func (s *DoublePSelector) Cuts() (exact, keep []int, err error) {
 	return exact, keep, err
 }
 
-// Means returns the clusters' mean value rows, [Hkv][C][D].
+// Means returns the clusters' mean value rows as stored (rounded to
+// fp16), [Hkv][C][D].
 func (s *DoublePSelector) Means() ([]float32, error) {
 	h := s.dense.heads
-	out := make([]float32, h.KV*s.clusters.C*h.Dim)
-	return out, s.means.ReadFloat32(0, out)
+	halves := make([]uint16, h.KV*s.clusters.C*h.Dim)
+	if err := s.means.ReadUint16(0, halves); err != nil {
+		return nil, err
+	}
+	out := make([]float32, len(halves))
+	for i, x := range halves {
+		out[i] = float16.Frombits(x).Float32()
+	}
+	return out, nil
 }
 
 // Release frees the kernels, their bindings and the buffers.

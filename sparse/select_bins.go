@@ -2,7 +2,9 @@ package sparse
 
 import (
 	"errors"
+
 	"fmt"
+	"github.com/x448/float16"
 	"math"
 
 	"github.com/vksparse/vksparse/kvcache"
@@ -46,7 +48,7 @@ type binSelector struct {
 	// block.
 	rows, heads int
 	bufs        []*vk.Buffer
-	lo, hi      *vk.Buffer // float32 [Hkv][C][D]: scoreBounds only
+	lo, hi      *vk.Buffer // fp16 [Hkv][C][D]: scoreBounds only
 	row         *vk.Buffer // float32 [Hq][R]
 	score       *vk.Buffer // float32 [Hq][C]
 	binOf, cut  *vk.Buffer // uint32 [Hq][C] and [Hq]
@@ -89,7 +91,7 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 	s.binOf, s.cut = alloc(hq*c), alloc(hq)
 	s.arrived, s.extremes = alloc(h.KV*ceilDiv(h.Group(), s.heads)), alloc(2*hq)
 	if kind == scoreBounds {
-		s.lo, s.hi = alloc(h.KV*c*h.Dim), alloc(h.KV*c*h.Dim)
+		s.lo, s.hi = alloc(h.KV*c*h.Dim/2), alloc(h.KV*c*h.Dim/2)
 	}
 	s.pipe = b.kernel("select_bins", 12, 11, wg, uint32(h.Dim), uint32(s.heads), TacticBins, 10, uint32(kind), boolWord(topP))
 	err := b.err
@@ -191,8 +193,15 @@ func (s *binSelector) cuts() ([]int, error) { return readInts(s.cut, s.dense.hea
 // (scoreBounds only).
 func (s *binSelector) bounds() (lo, hi []float32, err error) {
 	n := s.dense.heads.KV * s.clusters.C * s.dense.heads.Dim
+	lh, hh := make([]uint16, n), make([]uint16, n)
+	if err := errors.Join(s.lo.ReadUint16(0, lh), s.hi.ReadUint16(0, hh)); err != nil {
+		return nil, nil, err
+	}
 	lo, hi = make([]float32, n), make([]float32, n)
-	return lo, hi, errors.Join(s.lo.ReadFloat32(0, lo), s.hi.ReadFloat32(0, hi))
+	for i := range lh {
+		lo[i], hi[i] = float16.Frombits(lh[i]).Float32(), float16.Frombits(hh[i]).Float32()
+	}
+	return lo, hi, nil
 }
 
 func (s *binSelector) release() error {

@@ -31,7 +31,7 @@ type Selection struct {
 type Approximation struct {
 	Keep   vk.Range // uint32 [Hq]
 	Logits vk.Range // float32 [Hq][C], in the units of scale·q·k
-	Means  vk.Range // float32 [Hkv][C][D]
+	Means  vk.Range // fp16 [Hkv][C][D], packed two to a word
 }
 
 // Selector is a policy's selection on the GPU, one step after another:
