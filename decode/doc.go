@@ -22,10 +22,12 @@
 // # Batches
 //
 // A layer's attention is one batch over the active slots: Tactic runs one
-// sparse.TacticBatch per layer (its selection kernels shared), every other
-// sparse policy one sparse.Batch of its steps, and dense attention one
-// sparse.DensePlan; each stage is dispatched for every sequence, then one
-// barrier for the whole batch. The batches are built at a layer's first
+// sparse.TacticBatch per layer, every other sparse policy one sparse.Batch
+// of its steps, and dense attention one sparse.DensePlan; each stage is
+// dispatched for every sequence, then one barrier for the whole batch.
+// Every layer's kernels are compiled once for the model (its sparse.Dense
+// holds them), and the partial results of every layer's attention share
+// one workspace, a region per slot (sparse.Workspace). The batches are built at a layer's first
 // SetQuery (or Attend) and rebuilt after the set of active slots changes
 // (a slot becomes active or is freed), after a clustered layer's index
 // grows under a policy other than Tactic (whose steps move onto the new

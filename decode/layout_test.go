@@ -88,6 +88,8 @@ func TestModelLayoutMatchesSteps(t *testing.T) {
 		}
 	}
 	check(0, "after the prefill")
+	kernels := len(m.dense.Kernels())
+	require.NotZero(t, kernels, "the selection kernels are the model's")
 	for l, pol := range layout {
 		att, err := m.Attended(l)
 		require.NoError(t, err)
@@ -128,6 +130,7 @@ func TestModelLayoutMatchesSteps(t *testing.T) {
 	f.appendAll(t, m, 0, recluster+3)
 	f.appendEach(t, m, 1, 5)
 	check(1, "after the appends")
+	require.Equal(t, kernels, len(m.dense.Kernels()), "batches built again compile no kernel again")
 	for l, pol := range layout {
 		switch {
 		case pol.Clustered():

@@ -2,8 +2,11 @@ package sparse
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"math/bits"
+	"sort"
+	"sync"
 
 	"github.com/vksparse/vksparse/shaders"
 	"github.com/vksparse/vksparse/vk"
@@ -16,6 +19,67 @@ type builder struct {
 	dev  *vk.Device
 	err  error
 	bufs *[]*vk.Buffer // where the buffers made are recorded, for their owner to release
+	// cache, when set, holds the kernels: compiled once for a Dense and
+	// shared (not released by the selector that asked first).
+	cache *kernelCache
+}
+
+// kernelCache holds the kernels compiled for one Dense, by name and
+// specialization, for every selector made from it (all the layers and
+// sequences of a model) to share; Dense.Release releases them. It is safe
+// for concurrent use.
+type kernelCache struct {
+	mu    sync.Mutex
+	pipes map[string]*vk.Pipeline
+}
+
+// get returns the kernel, compiling it on first use.
+func (k *kernelCache) get(dev *vk.Device, name string, bindings, push int, spec []uint32) (*vk.Pipeline, error) {
+	key := fmt.Sprint(name, bindings, push, spec)
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if p, ok := k.pipes[key]; ok {
+		return p, nil
+	}
+	code, err := shaders.SPIRV(name)
+	if err != nil {
+		return nil, err
+	}
+	p, err := dev.NewPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: bindings, PushWords: push, Specialization: spec})
+	if err != nil {
+		return nil, err
+	}
+	if k.pipes == nil {
+		k.pipes = map[string]*vk.Pipeline{}
+	}
+	k.pipes[key] = p
+	return p, nil
+}
+
+// Kernels names the selection kernels compiled for this Dense so far
+// (each once, whatever the selectors made from it), with their
+// specializations.
+func (d *Dense) Kernels() []string {
+	d.kernels.mu.Lock()
+	defer d.kernels.mu.Unlock()
+	names := make([]string, 0, len(d.kernels.pipes))
+	for key := range d.kernels.pipes {
+		names = append(names, key)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// release frees every kernel of the cache.
+func (k *kernelCache) release() error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	var errs []error
+	for _, p := range k.pipes {
+		errs = append(errs, p.Release())
+	}
+	k.pipes = nil
+	return errors.Join(errs...)
 }
 
 // words returns a device-local buffer of n 32-bit words (at least one).
@@ -34,6 +98,11 @@ func (b *builder) words(n int) *vk.Buffer {
 func (b *builder) kernel(name string, bindings, push int, spec ...uint32) *vk.Pipeline {
 	if b.err != nil {
 		return nil
+	}
+	if b.cache != nil {
+		var pipe *vk.Pipeline
+		pipe, b.err = b.cache.get(b.dev, name, bindings, push, spec)
+		return pipe
 	}
 	var code []byte
 	if code, b.err = shaders.SPIRV(name); b.err != nil {

@@ -45,6 +45,9 @@ type Dense struct {
 	ChunkTokens int
 	opts        DenseOptions
 	gatherMin   int // least tokens per chunk of gathered attention
+	// kernels holds the selection kernels of every selector made from
+	// this Dense, compiled once.
+	kernels kernelCache
 }
 
 // DenseOptions tune the dense kernels; zero values pick for the device.
@@ -322,6 +325,7 @@ func (d *Dense) Release() error {
 			errs = append(errs, p.Release())
 		}
 	}
+	errs = append(errs, d.kernels.release())
 	return errors.Join(errs...)
 }
 

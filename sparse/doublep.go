@@ -72,7 +72,7 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 		return nil, fmt.Errorf("sparse: Double-P reads clusters as runs of slots: put the layer in cluster order first (kvcache.Layer.Reorder)")
 	}
 	s := &DoublePSelector{dense: dense, clusters: clusters, opts: opts}
-	b := &builder{dev: dev, bufs: &s.bufs}
+	b := &builder{dev: dev, bufs: &s.bufs, cache: &dense.kernels}
 	hq, c := h.Query, clusters.C
 	s.logits, s.binOf, s.exact, s.keep = b.words(hq*c), b.words(hq*c), b.words(hq), b.words(hq)
 	s.means = b.words(h.KV * c * h.Dim / 2)
@@ -206,7 +206,7 @@ func (s *DoublePSelector) Means() ([]float32, error) {
 
 // Release frees the kernels, their bindings and the buffers.
 func (s *DoublePSelector) Release() error {
-	err := errors.Join(releaseAll(s.binds.score, s.binds.cut), releaseAll(s.score.pipe, s.cut), releaseAll(s.bufs...))
+	err := errors.Join(releaseAll(s.binds.score, s.binds.cut), releaseAll(s.bufs...))
 	s.binds.score, s.binds.cut, s.score, s.cut, s.bufs = nil, nil, centroidScorer{}, nil, nil
 	return err
 }

@@ -160,7 +160,7 @@ func newH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 		return nil, fmt.Errorf("sparse: H2O's selection in workgroups of %d threads", s.shape.threads)
 	}
 	blocks := h.KV * ceilDiv(h.Group(), s.heads)
-	b := &builder{dev: dev, bufs: &s.bufs}
+	b := &builder{dev: dev, bufs: &s.bufs, cache: &dense.kernels}
 	alloc := b.words
 	hq, c := h.Query, tokens.C
 	s.prev, s.obs = alloc(hq*h.Dim), alloc(hq*h.Dim)
@@ -310,7 +310,7 @@ func (s *H2OSelector) Cuts() ([]int, error) { return readInts(s.cut, s.dense.hea
 
 // Release frees the kernels, the state and an index the step made.
 func (s *H2OSelector) Release() error {
-	err := errors.Join(releaseAll(s.scoreBind, s.observeBind, s.chooseBind), releaseAll(s.score, s.choose), releaseAll(s.bufs...), releaseAll(s.owned))
+	err := errors.Join(releaseAll(s.scoreBind, s.observeBind, s.chooseBind), releaseAll(s.bufs...), releaseAll(s.owned))
 	s.scoreBind, s.observeBind, s.chooseBind, s.score, s.choose, s.bufs, s.owned = nil, nil, nil, nil, nil, nil, nil
 	return err
 }

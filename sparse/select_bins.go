@@ -84,7 +84,7 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 		wg &= wg - 1
 	}
 	s.rows = int(wg) / 8
-	b := &builder{dev: dev, bufs: &s.bufs}
+	b := &builder{dev: dev, bufs: &s.bufs, cache: &dense.kernels}
 	alloc := b.words
 	hq, c := h.Query, clusters.C
 	s.row, s.score = alloc(hq*s.rowStride()), alloc(hq*c)
@@ -205,7 +205,7 @@ func (s *binSelector) bounds() (lo, hi []float32, err error) {
 }
 
 func (s *binSelector) release() error {
-	err := errors.Join(releaseAll(s.bind), releaseAll(s.pipe), releaseAll(s.bufs...), releaseAll(s.owned))
+	err := errors.Join(releaseAll(s.bind), releaseAll(s.bufs...), releaseAll(s.owned))
 	s.bind, s.pipe, s.bufs, s.owned = nil, nil, nil, nil
 	return err
 }

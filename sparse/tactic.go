@@ -188,10 +188,8 @@ type tacticKernels struct {
 	threads     int // of a selection workgroup
 }
 
-// release destroys the kernels.
-func (k *tacticKernels) release() error {
-	return releaseAll(k.score.pipe, k.fit)
-}
+// release lets the kernels go: the Dense they came from holds them.
+func (k *tacticKernels) release() error { return nil }
 
 // NewTacticStep prepares decode steps at target mass p with the fit's
 // parameters over layer, clustered as clusters says (the layer in cluster
@@ -235,7 +233,7 @@ func newTacticSelector(dense *Dense, k *tacticKernels, layer *kvcache.Layer, clu
 // newTacticKernels compiles the selection kernels for dense's heads.
 func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	h, dev := dense.heads, dense.dev
-	b := &builder{dev: dev}
+	b := &builder{dev: dev, cache: &dense.kernels}
 	build := b.kernel
 	k := &tacticKernels{}
 	// Selection: workgroups of up to selectWorkgroup threads, each ordering
