@@ -69,6 +69,8 @@ func generate(args []string) error {
 	layoutList := fs.String("layouts", defaultLayouts, "layouts separated by ';': POLICY[:ARGS][@LAYERS] (dense, tactic:P, doublep:P1/P2, oracle:P, cluster-oracle:P, quest|streaming|h2o:BUDGET|tactic|doublep; LAYERS all, a-b or a,b,c)")
 	reps := fs.Int("reps", 50, "timed runs of each layer's attention at the last position (median reported)")
 	whole := fs.Bool("whole", false, "only prefill the whole document densely: bits per byte and the prefill's time")
+	calibrate := fs.Int("calibrate", 0, "only DELTA's calibration: the attention shift of consecutive layers over the document's first N bytes (on the CPU, at its last 16 positions), and the Δ-layers it proposes")
+	warmup := fs.Int("warmup", 2, "with -calibrate: DELTA's warm-up depth")
 	prompt := fs.String("prompt", "", "generate greedily from this prompt instead (with -n and -layout)")
 	count := fs.Int("n", 200, "bytes to generate with -prompt")
 	layout := fs.String("layout", "dense", "the layout -prompt generates under")
@@ -79,6 +81,9 @@ func generate(args []string) error {
 	w, err := lm.LoadWeights(*weights)
 	if err != nil {
 		return err
+	}
+	if *calibrate > 0 {
+		return calibrateDelta(w, *docPath, *calibrate, *warmup, *jsonPath, "vkbench generate "+strings.Join(args, " "))
 	}
 	dev, err := openDevice()
 	if err != nil {
@@ -452,4 +457,48 @@ func plotGenerate(path string, rep *generateReport) error {
 	}
 	p.Add(sc, lb, plotter.NewGrid())
 	return savePanels(path, []*plot.Plot{p}, 9*vg.Inch, 6*vg.Inch)
+}
+
+// calibration is what -calibrate measures.
+type calibration struct {
+	Bytes     int       `json:"bytes"`
+	Positions []int     `json:"positions"`
+	Shifts    []float64 `json:"shifts"` // layers (l, l+1)
+	Warmup    int       `json:"warmup"`
+	Refresh   []int     `json:"refresh"`
+}
+
+// calibrateDelta prints the attention shift of every pair of consecutive
+// layers over the document's first n bytes and the Δ-layers it proposes.
+func calibrateDelta(w *lm.Weights, docPath string, n, warmup int, jsonPath, command string) error {
+	doc, err := os.ReadFile(docPath)
+	if err != nil {
+		return err
+	}
+	if n > len(doc) {
+		return fmt.Errorf("-calibrate %d: the document holds %d bytes", n, len(doc))
+	}
+	var positions []int
+	for p := max(0, n-16); p < n; p++ {
+		positions = append(positions, p)
+	}
+	shifts, err := w.AttentionShifts(doc[:n], positions)
+	if err != nil {
+		return err
+	}
+	refresh, err := lm.ProposeRefresh(shifts, warmup)
+	if err != nil {
+		return err
+	}
+	var rows [][]string
+	for l, s := range shifts {
+		rows = append(rows, []string{fmt.Sprintf("%d → %d", l, l+1), fmt.Sprintf("%.4f", s)})
+	}
+	fmt.Printf("attention shift 1 − cos of consecutive layers, %d bytes, mean over the last %d positions and every head:\n", n, len(positions))
+	table(os.Stdout, []string{"layers", "shift"}, rows)
+	fmt.Printf("proposed Δ-layers (warm-up %d): %v\n", warmup, refresh)
+	if jsonPath != "" {
+		return writeJSON(jsonPath, command, vk.Info{}, calibration{Bytes: n, Positions: positions, Shifts: shifts, Warmup: warmup, Refresh: refresh})
+	}
+	return nil
 }
