@@ -1,0 +1,104 @@
+package sparse
+
+import (
+	"errors"
+	"fmt"
+	"math"
+
+	"github.com/vksparse/vksparse/vk"
+)
+
+// deltaWorkgroup is the threads (tokens) of a delta_pages workgroup.
+const deltaWorkgroup = 256
+
+// DeltaPages scores the pages of a Δ-layer on the GPU (shaders/
+// delta_pages.comp): after a dense plan over one sequence has attended its
+// queries, every token's importance, the greatest attention weight a query
+// head gives it, summed over pages of pageSize tokens
+// (DeltaPageScoresRef of DeltaTokenScoresRef). The weights come from the
+// plan's queries, the layer's keys and the log-sum-exp its chunks left, so
+// that nothing goes back to the host between the attention and the scores.
+type DeltaPages struct {
+	plan     *DensePlan
+	pipe     *vk.Pipeline
+	bind     *vk.Binding
+	pages    *vk.Buffer // float32 [⌈capacity/pageSize⌉]
+	pageSize int
+}
+
+// NewDeltaPages prepares the page scores of plan's sequence, a plan over
+// one sequence (Dense.Plan), pages of pageSize tokens (dividing 256).
+func NewDeltaPages(plan *DensePlan, pageSize int) (*DeltaPages, error) {
+	d, h := plan.d, plan.d.heads
+	dev, info := d.dev, d.dev.Info()
+	layer := plan.seqs[0]
+	switch {
+	case len(plan.seqs) != 1 || plan.gatherStride > 0 || plan.clusters != nil:
+		return nil, fmt.Errorf("sparse: DELTA's page scores need a dense plan over one sequence")
+	case pageSize <= 0 || deltaWorkgroup%pageSize != 0:
+		return nil, fmt.Errorf("sparse: DELTA pages of %d tokens: a divisor of %d", pageSize, deltaWorkgroup)
+	case h.Group() > 8 || h.Query > deltaWorkgroup:
+		return nil, fmt.Errorf("%w: DELTA's page scores for %d query heads in groups of %d", vk.ErrUnsupported, h.Query, h.Group())
+	case 4*(h.Query*h.Dim+h.Query+deltaWorkgroup) > int(info.SharedMemoryBytes):
+		return nil, fmt.Errorf("%w: DELTA's page scores keep %d queries of %d in shared memory, the device has %d bytes", vk.ErrUnsupported, h.Query, h.Dim, info.SharedMemoryBytes)
+	case uint64(h.KV)*layer.HeadBytes() > uint64(info.MaxStorageBufferRange):
+		return nil, fmt.Errorf("%w: DELTA's page scores bind all %d KV heads of the layer at once", vk.ErrUnsupported, h.KV)
+	}
+	b := &builder{dev: dev, cache: &d.kernels}
+	x := &DeltaPages{plan: plan, pageSize: pageSize}
+	x.pipe = b.kernel("delta_pages", 4, 5, deltaWorkgroup, uint32(h.Dim), uint32(h.Query), uint32(h.Group()), uint32(pageSize))
+	err := b.err
+	if err == nil {
+		x.pages, err = dev.NewBuffer(uint64(ceilDiv(layer.Capacity(), pageSize))*4, vk.DeviceLocal)
+	}
+	if err == nil {
+		x.bind, err = x.pipe.Bind(plan.query.All(), layer.Keys().Slice(0, uint64(h.KV)*layer.HeadBytes()), plan.parts[1], x.pages.All())
+	}
+	if err != nil {
+		return nil, errors.Join(err, x.Release())
+	}
+	return x, nil
+}
+
+// Record appends the scoring of the pages of the sequence's current
+// length to c. The plan's attention must come before it in c, with a
+// c.ComputeBarrier() between, or in an earlier submission.
+func (x *DeltaPages) Record(c *vk.Commands) error {
+	if x.bind == nil {
+		return vk.ErrReleased
+	}
+	h, layer := x.plan.d.heads, x.plan.seqs[0]
+	n := layer.Len()
+	if n == 0 {
+		return fmt.Errorf("sparse: DELTA's page scores of an empty layer")
+	}
+	chunks := ceilDiv(n, x.plan.chunkFor(n))
+	push := []uint32{uint32(n), uint32(layer.HeadBytes() / 4), uint32(chunks), uint32(x.plan.maxChunks),
+		math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))}
+	c.Dispatch(x.pipe, x.bind, push, uint32(ceilDiv(n, deltaWorkgroup)), 1, 1)
+	return nil
+}
+
+// Pages returns the buffer the page scores land in, float32
+// [⌈Len/pageSize⌉].
+func (x *DeltaPages) Pages() *vk.Buffer { return x.pages }
+
+// Scores reads the page scores of the last run back, [⌈Len/pageSize⌉].
+func (x *DeltaPages) Scores() ([]float32, error) {
+	if x.pages == nil {
+		return nil, vk.ErrReleased
+	}
+	out := make([]float32, ceilDiv(x.plan.seqs[0].Len(), x.pageSize))
+	return out, x.pages.ReadFloat32(0, out)
+}
+
+// Release frees the scores' buffer and binding (the kernel is the
+// Dense's; the plan is the caller's).
+func (x *DeltaPages) Release() error {
+	err := releaseAll(x.bind)
+	if x.pages != nil {
+		err = errors.Join(err, x.pages.Release())
+	}
+	x.bind, x.pages = nil, nil
+	return err
+}
