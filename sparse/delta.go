@@ -102,3 +102,95 @@ func (x *DeltaPages) Release() error {
 	x.bind, x.pages = nil, nil
 	return err
 }
+
+// DeltaSelect picks a Δ-layer's pages on the GPU (shaders/
+// delta_select.comp) from their scores (DeltaPages): the last recent pages
+// and the budget − recent older ones of the greatest scores, ties to the
+// lower page (DeltaSelectRef), written as a selection over a page index
+// for the layers after it: rank 0 for a picked page, 1 for the others,
+// and a cut of 1, the same for every query head.
+type DeltaSelect struct {
+	dense     *Dense
+	pipe      *vk.Pipeline
+	bind      *vk.Binding
+	rank, cut *vk.Buffer
+	pages     int // the most pages it ranks
+}
+
+// deltaSelectWorkgroup is the threads of the delta_select workgroup.
+const deltaSelectWorkgroup = 256
+
+// NewDeltaSelect prepares the pick over up to pages pages whose scores
+// lie in scores (float32 [pages]).
+func NewDeltaSelect(dense *Dense, scores vk.Range, pages int) (*DeltaSelect, error) {
+	h := dense.heads
+	if pages <= 0 || scores.Buffer == nil || uint64(pages)*4 > scores.Size && scores.Size != 0 {
+		return nil, fmt.Errorf("sparse: DELTA's pick over %d pages needs their scores", pages)
+	}
+	x := &DeltaSelect{dense: dense, pages: pages}
+	b := &builder{dev: dense.dev, cache: &dense.kernels}
+	x.pipe = b.kernel("delta_select", 3, 4, deltaSelectWorkgroup)
+	err := b.err
+	if err == nil {
+		x.rank, err = dense.dev.NewBuffer(uint64(h.Query*pages)*4, vk.DeviceLocal)
+	}
+	if err == nil {
+		x.cut, err = dense.dev.NewBuffer(uint64(h.Query)*4, vk.DeviceLocal)
+	}
+	if err == nil {
+		x.bind, err = x.pipe.Bind(scores, x.rank.All(), x.cut.All())
+	}
+	if err != nil {
+		return nil, errors.Join(err, x.Release())
+	}
+	return x, nil
+}
+
+// Record appends the pick over the first pages pages, budget K of them
+// with the last recent L always, to c; the scores must be written before
+// it (a c.ComputeBarrier() between, or an earlier submission).
+func (x *DeltaSelect) Record(c *vk.Commands, pages, budget, recent int) error {
+	switch {
+	case x.bind == nil:
+		return vk.ErrReleased
+	case pages <= 0 || pages > x.pages:
+		return fmt.Errorf("sparse: DELTA's pick over %d pages of at most %d", pages, x.pages)
+	case recent < 0 || recent >= budget:
+		return fmt.Errorf("sparse: DELTA's pick of %d pages keeping %d recent: L must lie in [0, K)", budget, recent)
+	}
+	c.Dispatch(x.pipe, x.bind, []uint32{uint32(pages), uint32(budget), uint32(recent), uint32(x.dense.heads.Query)}, 1, 1, 1)
+	return nil
+}
+
+// Rank and Cut return where the pick lands: uint32 [Hq][pages] (the pages
+// of the last Record) and [Hq].
+func (x *DeltaSelect) Rank() vk.Range { return x.rank.All() }
+
+// Cut returns the cuts' buffer, uint32 [Hq] (all 1).
+func (x *DeltaSelect) Cut() vk.Range { return x.cut.All() }
+
+// Picked reads back the pages the last pick took among its first pages,
+// ascending (query head 0's; every head's are the same).
+func (x *DeltaSelect) Picked(pages int) ([]int, error) {
+	if x.rank == nil {
+		return nil, vk.ErrReleased
+	}
+	ranks, err := readInts(x.rank, pages)
+	if err != nil {
+		return nil, err
+	}
+	var out []int
+	for u, r := range ranks {
+		if r == 0 {
+			out = append(out, u)
+		}
+	}
+	return out, nil
+}
+
+// Release frees the pick's buffers and binding (the kernel is the Dense's).
+func (x *DeltaSelect) Release() error {
+	err := errors.Join(releaseAll(x.bind), releaseAll(x.rank, x.cut))
+	x.bind, x.rank, x.cut = nil, nil, nil
+	return err
+}

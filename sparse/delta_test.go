@@ -92,3 +92,62 @@ func TestDeltaPagesRejectsBadInput(t *testing.T) {
 		require.Error(t, err, "pages of %d", size)
 	}
 }
+
+// TestDeltaSelectMatchesReference picks pages on the GPU from random
+// scores with many ties (a few distinct values) and without, over page
+// counts below and far above the budget, with the ranks and cuts poisoned
+// first, and compares every query head's pick with DeltaSelectRef.
+func TestDeltaSelectMatchesReference(t *testing.T) {
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(17))
+	h := Heads{Query: 8, KV: 2, Dim: 64}
+	d, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer d.Release()
+	const most = 8191
+	scores, err := dev.NewBuffer(most*4, vk.DeviceLocal)
+	require.NoError(t, err)
+	defer scores.Release()
+	x, err := NewDeltaSelect(d, scores.All(), most)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, x.Release()) }()
+	for _, tc := range []struct{ pages, budget, recent, distinct int }{
+		{1, 64, 8, 0}, {5, 64, 8, 0}, {64, 64, 8, 0}, {65, 64, 8, 3},
+		{100, 10, 3, 0}, {1000, 64, 8, 4}, {most, 64, 8, 0}, {most, 2, 1, 2}, {300, 20, 0, 0},
+	} {
+		s := make([]float32, tc.pages)
+		s64 := make([]float64, tc.pages)
+		for i := range s {
+			if tc.distinct > 0 {
+				s[i] = float32(rng.Intn(tc.distinct)) * 0.25
+			} else {
+				s[i] = float32(rng.ExpFloat64() * 0.01)
+			}
+			s64[i] = float64(s[i])
+		}
+		require.NoError(t, scores.WriteFloat32(0, s))
+		nan := math.Float32bits(float32(math.NaN()))
+		require.NoError(t, dev.Run(func(c *vk.Commands) {
+			c.Fill(x.Rank(), nan)
+			c.Fill(x.Cut(), nan)
+		}))
+		require.NoError(t, runOnce(dev, func(c *vk.Commands) error { return x.Record(c, tc.pages, tc.budget, tc.recent) }))
+		want, err := DeltaSelectRef(s64, tc.budget, tc.recent)
+		require.NoError(t, err)
+		got, err := x.Picked(tc.pages)
+		require.NoError(t, err)
+		require.Equal(t, want, got, "%d pages, K %d, L %d, %d distinct scores", tc.pages, tc.budget, tc.recent, tc.distinct)
+		ranks, err := readInts(x.rank, h.Query*tc.pages)
+		require.NoError(t, err)
+		for hh := 1; hh < h.Query; hh++ {
+			require.Equal(t, ranks[:tc.pages], ranks[hh*tc.pages:(hh+1)*tc.pages], "head %d's pick", hh)
+		}
+		cuts, err := readInts(x.cut, h.Query)
+		require.NoError(t, err)
+		for _, c := range cuts {
+			require.Equal(t, 1, c)
+		}
+	}
+	require.Error(t, runOnce(dev, func(c *vk.Commands) error { return x.Record(c, most+1, 64, 8) }))
+	require.Error(t, runOnce(dev, func(c *vk.Commands) error { return x.Record(c, 10, 8, 8) }))
+}
