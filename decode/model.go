@@ -44,6 +44,7 @@ type Model struct {
 	dense  *sparse.Dense
 	km     *sparse.KMeans    // where some layer is clustered
 	ws     *sparse.Workspace // the partials of every layer's attention, a region per active slot
+	builds int               // Δ-layer batches built so far (their generations)
 	cmd    *vk.Commands      // Attend's
 	slots  []slot
 	layers []layerBatch
@@ -73,6 +74,10 @@ type layerBatch struct {
 	plan   *sparse.DensePlan   // Dense
 	tactic *sparse.TacticBatch // Tactic: shared selection kernels
 	steps  *sparse.Batch       // every other policy
+	delta  *deltaBatch         // a DELTA Δ-layer
+	// gen numbers a Δ-layer's builds; a layer reusing its pick was built
+	// against build source (and is built again when they differ).
+	gen, source int
 	out    *vk.Buffer          // sparse policies: float32 [Slots][Hq][D], the steps' outputs copied together
 	// built is each active slot's length when the batch was built
 	// (positional policies build their index then).
@@ -81,7 +86,9 @@ type layerBatch struct {
 }
 
 // built reports whether the layer has a batch.
-func (b *layerBatch) exists() bool { return b.plan != nil || b.tactic != nil || b.steps != nil }
+func (b *layerBatch) exists() bool {
+	return b.plan != nil || b.tactic != nil || b.steps != nil || b.delta != nil
+}
 
 // step returns sequence i's step of a sparse batch.
 func (b *layerBatch) step(i int) *sparse.Step {
@@ -89,6 +96,14 @@ func (b *layerBatch) step(i int) *sparse.Step {
 		return b.tactic.Step(i).Step
 	}
 	return b.steps.Step(i)
+}
+
+// output returns sequence i's output buffer of a sparse batch.
+func (b *layerBatch) output(i int) *vk.Buffer {
+	if b.delta != nil {
+		return b.delta.plans[i].Output()
+	}
+	return b.step(i).Output()
 }
 
 // share moves the batch's partials into the model's workspace.
@@ -101,7 +116,7 @@ func (b *layerBatch) share(ws *sparse.Workspace) error {
 	case b.steps != nil:
 		return b.steps.Share(ws)
 	}
-	return nil
+	return nil // a Δ-layer's plans share theirs when made
 }
 
 // release frees the batch (not the output buffer).
@@ -116,7 +131,10 @@ func (b *layerBatch) release() error {
 	if b.plan != nil {
 		errs = append(errs, b.plan.Release())
 	}
-	b.plan, b.tactic, b.steps, b.built, b.queried = nil, nil, nil, nil, false
+	if b.delta != nil {
+		errs = append(errs, b.delta.release())
+	}
+	b.plan, b.tactic, b.steps, b.delta, b.built, b.queried = nil, nil, nil, nil, nil, false
 	return errors.Join(errs...)
 }
 
@@ -139,6 +157,11 @@ func (cfg Config) validate() ([]Policy, error) {
 			return nil, fmt.Errorf("decode: layer %d: %w", l, err)
 		}
 		policies[l] = p
+	}
+	for l, p := range policies {
+		if p.kind == kindDeltaReuse && (p.source < 0 || p.source >= l || policies[p.source].kind != kindDeltaRefresh) {
+			return nil, fmt.Errorf("decode: layer %d reuses the pick of layer %d, which is no Δ-layer before it (use DeltaLayout)", l, p.source)
+		}
 	}
 	return policies, nil
 }
@@ -293,6 +316,18 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 		return m.invalidate()
 	}
 	return nil
+}
+
+// releaseLayer releases a layer's batch, and with a Δ-layer's the batches
+// of the layers that reuse its pick (they bind its buffers).
+func (m *Model) releaseLayer(layer int) error {
+	errs := []error{m.layers[layer].release()}
+	for l := layer + 1; l < len(m.layers); l++ {
+		if p := m.policy[l]; p.kind == kindDeltaReuse && p.source == layer {
+			errs = append(errs, m.layers[l].release())
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // invalidate releases every layer's batch (the active slots changed).
@@ -546,7 +581,7 @@ func (m *Model) Attended(layer int) ([]float64, error) {
 	}
 	out := make([]float64, len(m.active))
 	for i, s := range m.active {
-		if b.plan != nil {
+		if b.plan != nil || b.delta != nil {
 			out[i] = float64(m.slots[s].seq[layer].cache.Len())
 			continue
 		}
@@ -592,6 +627,9 @@ func (m *Model) checkQuery(q []float32) error {
 // layer again: some sequence gathered Recluster tokens past it.
 func (m *Model) stale(layer int) bool {
 	b, pol := &m.layers[layer], m.policy[layer]
+	if b.exists() && pol.kind == kindDeltaReuse {
+		return b.source != m.layers[pol.source].gen
+	}
 	if !b.exists() || !pol.rebuildsIndex() {
 		return false
 	}
@@ -608,7 +646,7 @@ func (m *Model) stale(layer int) bool {
 func (m *Model) build(layer int) error {
 	b := &m.layers[layer]
 	if m.stale(layer) {
-		if err := b.release(); err != nil {
+		if err := m.releaseLayer(layer); err != nil {
 			return fmt.Errorf("decode: layer %d: %w", layer, err)
 		}
 	}
@@ -628,6 +666,34 @@ func (m *Model) build(layer int) error {
 		b.plan, err = m.dense.Plan(caches)
 	case pol.IsTactic():
 		b.tactic, err = sparse.NewTacticBatch(m.dense, caches, indexes, pol.p, pol.opts.Fit)
+	case pol.kind == kindDeltaRefresh:
+		if b.delta, err = newDeltaBatch(m.dense, m.ws, caches, pol.delta); err == nil {
+			m.builds++
+			b.gen = m.builds
+		}
+	case pol.kind == kindDeltaReuse:
+		src := &m.layers[pol.source]
+		if src.delta == nil {
+			err = fmt.Errorf("it reuses the pick of layer %d, which has not attended since the active slots changed: attend the layers in order", pol.source)
+			break
+		}
+		steps := make([]*sparse.Step, 0, len(caches))
+		for i := range caches {
+			var st *sparse.Step
+			if st, err = sparse.NewDeltaReuseStep(m.dense, caches[i], src.delta.picks[i], src.delta.pages[i], pol.delta.PageSize); err != nil {
+				err = fmt.Errorf("slot %d: %w", m.active[i], err)
+				break
+			}
+			steps = append(steps, st)
+		}
+		if err == nil {
+			b.steps, err = sparse.NewBatch(m.dense, steps)
+			b.source = src.gen
+		} else {
+			for _, st := range steps {
+				err = errors.Join(err, st.Release())
+			}
+		}
 	default:
 		steps := make([]*sparse.Step, 0, len(caches))
 		for i := range caches {
@@ -690,6 +756,8 @@ func (m *Model) setQuery(layer int, q []float32) error {
 		if err = b.tactic.SetQuery(q); err == nil {
 			err = b.tactic.Rebalance()
 		}
+	case b.delta != nil:
+		err = b.delta.setQuery(q, m.cfg.Heads.Query*m.cfg.Heads.Dim)
 	default:
 		if err = b.steps.SetQuery(q); err == nil {
 			err = b.steps.Rebalance()
@@ -735,9 +803,12 @@ func (m *Model) record(layer int, c *vk.Commands) error {
 		return b.plan.Record(c)
 	}
 	var err error
-	if b.tactic != nil {
+	switch {
+	case b.tactic != nil:
 		err = b.tactic.Record(c)
-	} else {
+	case b.delta != nil:
+		err = b.delta.record(c)
+	default:
 		err = b.steps.Record(c)
 	}
 	if err != nil {
@@ -746,7 +817,7 @@ func (m *Model) record(layer int, c *vk.Commands) error {
 	c.Barrier()
 	per := uint64(m.cfg.Heads.Query*m.cfg.Heads.Dim) * 4
 	for i := range b.built {
-		c.Copy(b.step(i).Output().All(), b.out.Slice(uint64(i)*per, per))
+		c.Copy(b.output(i).All(), b.out.Slice(uint64(i)*per, per))
 	}
 	return nil
 }
@@ -857,6 +928,8 @@ func (m *Model) Memory() (Memory, error) {
 			mem.Other += b.tactic.Bytes()
 		case b.steps != nil:
 			mem.Other += b.steps.Bytes()
+		case b.delta != nil:
+			mem.Other += b.delta.bytes()
 		}
 	}
 	if m.km != nil {
@@ -885,6 +958,8 @@ func (m *Model) Time(layer, warmup, reps int) ([]time.Duration, error) {
 		return b.plan.Time(warmup, reps)
 	case b.tactic != nil:
 		return b.tactic.Time(warmup, reps)
+	case b.delta != nil:
+		return m.timeRecord(layer, warmup, reps)
 	}
 	return b.steps.Time(warmup, reps)
 }

@@ -2,6 +2,7 @@ package decode
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/sparse"
@@ -19,6 +20,8 @@ const (
 	kindStreaming
 	kindH2O
 	kindTokenOracle
+	kindDeltaRefresh // a Δ-layer: dense, then the pick of pages
+	kindDeltaReuse   // after a Δ-layer: its pages
 )
 
 // Policy chooses how a layer attends. The zero Policy is Dense.
@@ -40,6 +43,8 @@ type Policy struct {
 	targets sparse.DoubleP              // Double-P
 	budget  int                         // Quest, StreamingLLM, H2O: middle tokens a head takes
 	opts    sparse.TacticDecoderOptions // sinks, recluster interval, K-means, Tactic's fit
+	delta   sparse.Delta                // DELTA's budget and pages
+	source  int                         // DELTA: the Δ-layer whose pick a layer reuses
 }
 
 // Dense attends every stored token.
@@ -84,6 +89,32 @@ func StreamingLLM(budget int) Policy { return Policy{kind: kindStreaming, budget
 // tokens split between the most recent and the heavy hitters of the
 // attention accumulated over the steps (sparse.H2OSplit).
 func H2O(budget int) Policy { return Policy{kind: kindH2O, budget: budget} }
+
+// DeltaLayout returns DELTA's policies for a model of layers layers (seed
+// 002, Algorithms 1–2): Dense for the warm-up layers, a Δ-layer (dense
+// attention, then the pick of pages by the greatest attention weight of
+// any head, summed a page, with the recent pages always) at each refresh
+// layer, and for every other layer the pages its last Δ-layer picked at
+// the same step. opts' zero values take sparse.DefaultDelta's. Pages are
+// indexed every Recluster tokens (WithRecluster; tokens past them are
+// attended in full).
+func DeltaLayout(layers int, opts sparse.Delta) ([]Policy, error) {
+	d, err := opts.Resolve(layers)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Policy, layers)
+	src := -1
+	for l := d.Warmup; l < layers; l++ {
+		if slices.Contains(d.Refresh, l) {
+			src = l
+			out[l] = Policy{kind: kindDeltaRefresh, delta: d}
+			continue
+		}
+		out[l] = Policy{kind: kindDeltaReuse, delta: d, source: src}
+	}
+	return out, nil
+}
 
 // WithRecluster returns the policy with its index grown every n appended
 // tokens (Recluster of its options; 0 = sparse.TacticDefaultRecluster).
@@ -134,6 +165,10 @@ func (p Policy) String() string {
 		return fmt.Sprintf("StreamingLLM %d", p.budget)
 	case kindH2O:
 		return fmt.Sprintf("H2O %d", p.budget)
+	case kindDeltaRefresh:
+		return fmt.Sprintf("DELTA Δ-layer (K %d, L %d)", p.delta.Pages, p.delta.Recent)
+	case kindDeltaReuse:
+		return fmt.Sprintf("DELTA (the pick of layer %d)", p.source)
 	}
 	return "dense"
 }
@@ -161,6 +196,11 @@ func (p Policy) resolve(capacity int) (Policy, error) {
 		if p.budget <= 0 {
 			return p, fmt.Errorf("%s: the budget must be positive", p)
 		}
+	case kindDeltaRefresh, kindDeltaReuse:
+		d := p.delta
+		if d.Pages < 1 || d.PageSize < 1 || d.Recent < 0 || d.Recent >= d.Pages {
+			return p, fmt.Errorf("%s: pages of %d tokens, a budget of %d keeping %d recent: use DeltaLayout", p, d.PageSize, d.Pages, d.Recent)
+		}
 	default:
 		return p, fmt.Errorf("an unknown policy (%d): use the constructors", p.kind)
 	}
@@ -179,6 +219,8 @@ func (p Policy) minPrefill() int {
 		return p.opts.Sinks + 1
 	case p.kind == kindDense:
 		return 1
+	case p.isDelta():
+		return p.delta.PageSize + 1
 	}
 	return sparse.BaselineSinks + sparse.BaselineWindow + 1
 }
@@ -190,6 +232,8 @@ func (p Policy) prefillReason() string {
 		return fmt.Sprintf("one past its %d sinks to cluster", p.opts.Sinks)
 	case p.kind == kindDense:
 		return "one to attend"
+	case p.isDelta():
+		return fmt.Sprintf("a page of %d and one", p.delta.PageSize)
 	}
 	return fmt.Sprintf("one past the %d sinks and the window of %d to index", sparse.BaselineSinks, sparse.BaselineWindow)
 }
@@ -217,5 +261,8 @@ func (p Policy) newStep(dense *sparse.Dense, cache *kvcache.Layer, index *kvcach
 // rebuildsIndex reports whether a positional policy builds its index
 // again once a sequence has gathered Recluster tokens past it.
 func (p Policy) rebuildsIndex() bool {
-	return p.kind == kindQuest || p.kind == kindStreaming || p.kind == kindTokenOracle
+	return p.kind == kindQuest || p.kind == kindStreaming || p.kind == kindTokenOracle || p.kind == kindDeltaRefresh
 }
+
+// isDelta reports whether the layer is one of DELTA's sparse layers.
+func (p Policy) isDelta() bool { return p.kind == kindDeltaRefresh || p.kind == kindDeltaReuse }

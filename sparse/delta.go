@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 
+	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/vk"
 )
 
@@ -193,4 +194,51 @@ func (x *DeltaSelect) Release() error {
 	err := errors.Join(releaseAll(x.bind), releaseAll(x.rank, x.cut))
 	x.bind, x.rank, x.cut = nil, nil, nil
 	return err
+}
+
+// deltaReuse is a layer after a Δ-layer (a Selector with no stages): over
+// a page index of its own layer, the pages the Δ-layer's pick took, for
+// every query head; tokens past the index are attended in full.
+type deltaReuse struct {
+	pages     *kvcache.Clusters // owned
+	rank, cut vk.Range
+}
+
+func (s *deltaReuse) Selection() Selection {
+	return Selection{Clusters: s.pages, Rank: s.rank, Cut: s.cut}
+}
+func (s *deltaReuse) Bind(vk.Range) error { return nil }
+func (s *deltaReuse) Stages() []string    { return nil }
+func (s *deltaReuse) RecordStage(_ *vk.Commands, stage int) error {
+	return fmt.Errorf("sparse: a DELTA layer reusing a pick has no stages (asked for %d)", stage)
+}
+func (s *deltaReuse) Bytes() uint64 { return s.pages.Bytes() }
+func (s *deltaReuse) Release() error {
+	var err error
+	if s.pages != nil {
+		err = s.pages.Release()
+	}
+	s.pages = nil
+	return err
+}
+
+// NewDeltaReuseStep prepares steps of a layer after a Δ-layer: it attends
+// the pages of pageSize tokens, among the first pages of the layer, that
+// pick took at the Δ-layer of the same step (pick must have ranked pages
+// pages, and run before this step in the same command order), and every
+// token past them.
+func NewDeltaReuseStep(dense *Dense, layer *kvcache.Layer, pick *DeltaSelect, pages, pageSize int) (*Step, error) {
+	switch {
+	case pick == nil || pick.rank == nil:
+		return nil, fmt.Errorf("sparse: a DELTA layer needs its Δ-layer's pick")
+	case pages <= 0 || pages > pick.pages || pageSize <= 0 || pages*pageSize > layer.Len():
+		return nil, fmt.Errorf("sparse: a DELTA layer over %d pages of %d tokens of a layer of %d (a pick of at most %d)", pages, pageSize, layer.Len(), pick.pages)
+	}
+	idx, err := kvcache.NewPages(dense.dev, layer.KVHeads(), layer.HeadDim(), 0, pages*pageSize, pageSize)
+	if err != nil {
+		return nil, err
+	}
+	h := dense.heads
+	sel := &deltaReuse{pages: idx, rank: pick.rank.Slice(0, uint64(h.Query*pages)*4), cut: pick.Cut()}
+	return NewStep(dense, layer, sel)
 }
