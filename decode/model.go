@@ -78,7 +78,7 @@ type layerBatch struct {
 	// gen numbers a Δ-layer's builds; a layer reusing its pick was built
 	// against build source (and is built again when they differ).
 	gen, source int
-	out    *vk.Buffer          // sparse policies: float32 [Slots][Hq][D], the steps' outputs copied together
+	out         *vk.Buffer // sparse policies: float32 [Slots][Hq][D], the steps' outputs copied together
 	// built is each active slot's length when the batch was built
 	// (positional policies build their index then).
 	built   []int
