@@ -24,7 +24,8 @@ import (
 // (layers 0 and 1 of the project's model are diffuse), fixed budgets
 // matched to Tactic's.
 const defaultLayouts = "tactic:0.9; tactic:0.9@2-5; doublep:0.95/0.7; doublep:0.95/0.7@2-5; oracle:0.9; oracle:0.9@2-5; " +
-	"quest:tactic; quest:tactic@2-5; streaming:tactic; streaming:tactic@2-5; h2o:tactic; h2o:tactic@2-5"
+	"quest:tactic; quest:tactic@2-5; streaming:tactic; streaming:tactic@2-5; h2o:tactic; h2o:tactic@2-5; " +
+	"delta:64/8@2; delta:64/8@2,4; delta:16/4@2,4"
 
 // generateLayer is one layer's figures under a layout.
 type generateLayer struct {

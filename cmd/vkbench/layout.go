@@ -21,13 +21,16 @@ type layoutSpec struct {
 	BudgetFrom string `json:"budget_from,omitempty"` // tactic or doublep: matched to that layout over the same layers
 	Layers     []bool `json:"-"`
 	LayerSpec  string `json:"layers"`
+	Delta      sparse.Delta
 }
 
 // parseLayouts reads layouts separated by ";", each POLICY[:ARGS][@LAYERS]:
 // dense, tactic:P, doublep:P1/P2, oracle:P (tokens), cluster-oracle:P,
 // quest:B, streaming:B, h2o:B with B a budget of middle tokens or tactic
-// or doublep (that layout's tokens over the same layers); LAYERS is all
-// (the default), a range a-b or a list a,b,c of layers in [0, layers).
+// or doublep (that layout's tokens over the same layers), delta:K/L
+// (pages and recent pages; 64/8 by default) whose LAYERS are its Δ-layers
+// (2 by default; the first ends the dense warm-up); LAYERS is all (the
+// default), a range a-b or a list a,b,c of layers in [0, layers).
 func parseLayouts(s string, layers int) ([]layoutSpec, error) {
 	var out []layoutSpec
 	for _, item := range strings.Split(s, ";") {
@@ -52,6 +55,8 @@ func parseLayout(item string, layers int) (layoutSpec, error) {
 	pol, where, hasLayers := strings.Cut(item, "@")
 	if hasLayers {
 		l.LayerSpec = where
+	} else if strings.HasPrefix(pol, "delta") {
+		l.LayerSpec = "2"
 	}
 	var err error
 	if l.Layers, err = parseLayers(l.LayerSpec, layers); err != nil {
@@ -86,6 +91,26 @@ func parseLayout(item string, layers int) (layoutSpec, error) {
 		l.Targets.P2, errB = strconv.ParseFloat(b, 64)
 		if errA != nil || errB != nil || sparse.CheckP(l.Targets.P1) != nil || sparse.CheckP(l.Targets.P2) != nil {
 			return l, fmt.Errorf("doublep targets %q: each in (0, 1]", args)
+		}
+	case "delta":
+		k, r, ok := strings.Cut(args, "/")
+		if args == "" {
+			k, r, ok = "64", "8", true
+		}
+		var errK, errR error
+		l.Delta.Pages, errK = strconv.Atoi(k)
+		l.Delta.Recent, errR = strconv.Atoi(r)
+		if !ok || errK != nil || errR != nil {
+			return l, fmt.Errorf("delta needs K/L pages, not %q", args)
+		}
+		for i, on := range l.Layers {
+			if on {
+				l.Delta.Refresh = append(l.Delta.Refresh, i)
+			}
+		}
+		l.Delta.Warmup = l.Delta.Refresh[0]
+		if _, err := decode.DeltaLayout(layers, l.Delta); err != nil {
+			return l, err
 		}
 	case "quest", "streaming", "h2o":
 		switch args {
@@ -149,6 +174,10 @@ func parseLayers(s string, layers int) ([]bool, error) {
 // policies returns the layout's decode policies, budgets[l] standing in
 // for a matched budget at layer l.
 func (l layoutSpec) policies(budgets []int) []decode.Policy {
+	if l.Policy == "delta" {
+		out, _ := decode.DeltaLayout(len(l.Layers), l.Delta) // checked when parsed
+		return out
+	}
 	out := make([]decode.Policy, len(l.Layers))
 	for i, on := range l.Layers {
 		if !on {
@@ -180,6 +209,9 @@ func (l layoutSpec) policies(budgets []int) []decode.Policy {
 
 // sparseLayers counts the layers the layout attends sparsely.
 func (l layoutSpec) sparseLayers() int {
+	if l.Policy == "delta" {
+		return len(l.Layers) - l.Delta.Warmup
+	}
 	n := 0
 	for _, on := range l.Layers {
 		if on && l.Policy != "dense" {

@@ -11,7 +11,12 @@ import (
 func TestParseLayouts(t *testing.T) {
 	specs, err := parseLayouts(defaultLayouts, 6)
 	require.NoError(t, err)
-	require.Len(t, specs, 12)
+	require.Len(t, specs, 15)
+	require.Equal(t, []int{2, 4}, specs[13].Delta.Refresh)
+	require.Equal(t, 2, specs[13].Delta.Warmup)
+	require.Equal(t, 4, specs[13].sparseLayers())
+	require.True(t, specs[12].policies(nil)[1].IsDense())
+	require.False(t, specs[12].policies(nil)[5].IsDense())
 	require.Equal(t, "tactic", specs[0].Policy)
 	require.Equal(t, 0.9, specs[0].P)
 	require.Equal(t, []bool{true, true, true, true, true, true}, specs[0].Layers)
@@ -40,6 +45,7 @@ func TestParseLayoutsRejectsBadInput(t *testing.T) {
 		"", ";", "tactic", "tactic:nan", "tactic:1.5", "tactic:0", "doublep:0.9", "doublep:0.9/x",
 		"quest:0", "quest:-5", "quest:many", "h2o", "magic:1", "dense:1", "tactic:0.9@6", "tactic:0.9@3-1",
 		"tactic:0.9@a", "tactic:0.9@-1", "tactic:0.9@1,9",
+		"delta:8/8", "delta:8", "delta:x/2", "delta:64/8@0-5,9",
 	} {
 		_, err := parseLayouts(bad, 6)
 		require.Error(t, err, bad)
