@@ -44,13 +44,7 @@ func SoftmaxRef(q, keys []float64, scale float64) ([]float64, error) {
 	if n == 0 {
 		return nil, fmt.Errorf("sparse: SoftmaxRef: no keys")
 	}
-	d := len(q)
-	p := make([]float64, n)
-	m := math.Inf(-1)
-	for i := range p {
-		p[i] = scale * dot(q, keys[i*d:(i+1)*d])
-		m = math.Max(m, p[i])
-	}
+	p, m := scaledScores(q, keys, scale)
 	z := 0.0
 	for i := range p {
 		p[i] = math.Exp(p[i] - m)

@@ -16,18 +16,25 @@ func LogSumExpRef(q, keys []float64, scale float64) (float64, error) {
 	if d == 0 || len(keys)%d != 0 || len(keys) == 0 {
 		return 0, fmt.Errorf("sparse: keys of %d values for a query of %d", len(keys), d)
 	}
-	n := len(keys) / d
-	s := make([]float64, n)
-	m := math.Inf(-1)
-	for t := range s {
-		s[t] = scale * dot(q, keys[t*d:(t+1)*d])
-		m = math.Max(m, s[t])
-	}
+	s, m := scaledScores(q, keys, scale)
 	sum := 0.0
 	for _, x := range s {
 		sum += math.Exp(x - m)
 	}
 	return m + math.Log(sum), nil
+}
+
+// scaledScores returns scale·q·k_t for every row t of keys (len(q) wide)
+// and their maximum.
+func scaledScores(q, keys []float64, scale float64) ([]float64, float64) {
+	d := len(q)
+	s := make([]float64, len(keys)/d)
+	m := math.Inf(-1)
+	for t := range s {
+		s[t] = scale * dot(q, keys[t*d:(t+1)*d])
+		m = math.Max(m, s[t])
+	}
+	return s, m
 }
 
 // LogSumExp returns, for each sequence and query head ([B][Hq]), the log
