@@ -8,7 +8,10 @@
 // for every layer, or Config.Layout, one per layer): Dense, Tactic,
 // DoubleP, Quest, StreamingLLM, H2O, or the oracles for measurement, each
 // with its options; a mixed layout (dense layers 0–1, Double-P after, say)
-// is one Config. A slot is idle until each of its layers is prefilled
+// is one Config. DeltaLayout gives DELTA's layout: dense warm-up layers,
+// Δ-layers that attend densely and pick pages, and layers that attend the
+// pick of the Δ-layer before them in the same step (attend the layers in
+// order). A slot is idle until each of its layers is prefilled
 // (Prefill; under a clustered policy each layer is then clustered past its
 // sinks and stored in cluster order, as sparse.NewTacticDecoder does); it
 // is then active: Append or AppendAll add a token's keys and values (under
