@@ -276,13 +276,14 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 	sl := &s.seq[layer]
 	h := m.cfg.Heads
 	want := h.KV * max(n, 0) * h.Dim
+	least, why := m.policy[layer].minPrefill()
 	switch {
 	case sl.filled:
 		return fmt.Errorf("decode: slot %d layer %d already holds a sequence: Free the slot before another prefill", slot, layer)
 	case n <= 0 || n > m.cfg.Capacity:
 		return fmt.Errorf("decode: prefill of %d tokens into a capacity of %d", n, m.cfg.Capacity)
-	case n < m.policy[layer].minPrefill():
-		return fmt.Errorf("decode: layer %d (%s) needs a prefill of at least %d tokens (%s), got %d", layer, m.policy[layer], m.policy[layer].minPrefill(), m.policy[layer].prefillReason(), n)
+	case n < least:
+		return fmt.Errorf("decode: layer %d (%s) needs a prefill of at least %d tokens (%s), got %d", layer, m.policy[layer], least, why, n)
 	case s.filled > 0 && n != s.n:
 		return fmt.Errorf("decode: slot %d layer %d: prefill of %d tokens where the slot's other layers hold %d", slot, layer, n, s.n)
 	case len(k) != want || len(v) != want:

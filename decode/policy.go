@@ -210,32 +210,20 @@ func (p Policy) resolve(capacity int) (Policy, error) {
 	return p, nil
 }
 
-// minPrefill is the fewest tokens a prefill needs under the policy: one
-// past the sinks to cluster, one past the baseline layout's sinks and
-// window for a middle to index.
-func (p Policy) minPrefill() int {
+// minPrefill is the fewest tokens a prefill needs under the policy, and
+// why: one past the sinks to cluster, one past a page for DELTA, one past
+// the baseline layout's sinks and window for a middle to index.
+func (p Policy) minPrefill() (int, string) {
 	switch {
 	case p.Clustered():
-		return p.opts.Sinks + 1
+		return p.opts.Sinks + 1, fmt.Sprintf("one past its %d sinks to cluster", p.opts.Sinks)
 	case p.kind == kindDense:
-		return 1
+		return 1, "one to attend"
 	case p.isDelta():
-		return p.delta.PageSize + 1
+		return p.delta.PageSize + 1, fmt.Sprintf("a page of %d and one", p.delta.PageSize)
 	}
-	return sparse.BaselineSinks + sparse.BaselineWindow + 1
-}
-
-// prefillReason says why a prefill needs minPrefill tokens.
-func (p Policy) prefillReason() string {
-	switch {
-	case p.Clustered():
-		return fmt.Sprintf("one past its %d sinks to cluster", p.opts.Sinks)
-	case p.kind == kindDense:
-		return "one to attend"
-	case p.isDelta():
-		return fmt.Sprintf("a page of %d and one", p.delta.PageSize)
-	}
-	return fmt.Sprintf("one past the %d sinks and the window of %d to index", sparse.BaselineSinks, sparse.BaselineWindow)
+	return sparse.BaselineSinks + sparse.BaselineWindow + 1,
+		fmt.Sprintf("one past the %d sinks and the window of %d to index", sparse.BaselineSinks, sparse.BaselineWindow)
 }
 
 // newStep makes one sequence's step over cache, indexed by index

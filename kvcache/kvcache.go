@@ -241,20 +241,7 @@ func (l *Layer) Append(k, v []uint16) error {
 	if err := checkAppend(l.kvHeads, l.headDim, l.capacity, l.n, k, v); err != nil {
 		return err
 	}
-	for h := 0; h < l.kvHeads; h++ {
-		off := uint64(h)*l.HeadBytes() + uint64(l.n*l.headDim*2)
-		if err := l.keys.WriteUint16(off, k[h*l.headDim:(h+1)*l.headDim]); err != nil {
-			return err
-		}
-		if err := l.values.WriteUint16(off, v[h*l.headDim:(h+1)*l.headDim]); err != nil {
-			return err
-		}
-		if err := l.positions.WriteUint32(uint64(h*l.capacity+l.n)*4, []uint32{uint32(l.n)}); err != nil {
-			return err
-		}
-	}
-	l.n++
-	return nil
+	return l.appendRows(k, v, 1)
 }
 
 // Extend appends count tokens: k and v hold [KVHeads][count][HeadDim] fp16
@@ -276,6 +263,13 @@ func (l *Layer) Extend(k, v []uint16, count int) error {
 	if err := errors.Join(checkHalves("k", k), checkHalves("v", v)); err != nil {
 		return err
 	}
+	return l.appendRows(k, v, count)
+}
+
+// appendRows writes count checked tokens ([KVHeads][count][HeadDim]) and
+// their positions past the stored ones, then counts them; Len stays as it
+// was when the device fails.
+func (l *Layer) appendRows(k, v []uint16, count int) error {
 	rows := count * l.headDim
 	ids := make([]uint32, count)
 	for i := range ids {

@@ -34,9 +34,10 @@ func matmulT(y, x []float32, rows, in int, w []float32, out int) {
 		0, blas32.General{Rows: rows, Cols: out, Stride: out, Data: y[:rows*out]})
 }
 
-// rows calls fn(r) for r in [0, n), the rows spread over GOMAXPROCS
-// goroutines (in place when there are few).
-func rows(n int, fn func(r int)) {
+// forRows calls fn(r) for r in [0, n), the rows dealt out in turn to
+// GOMAXPROCS goroutines (in place when there are few), so that rows whose
+// cost grows with r still spread evenly.
+func forRows(n int, fn func(r int)) {
 	workers := min(n/8, runtime.GOMAXPROCS(0))
 	if workers <= 1 {
 		for r := 0; r < n; r++ {
@@ -49,7 +50,7 @@ func rows(n int, fn func(r int)) {
 		wg.Add(1)
 		go func(w int) {
 			defer wg.Done()
-			for r := w * n / workers; r < (w+1)*n/workers; r++ {
+			for r := w; r < n; r += workers {
 				fn(r)
 			}
 		}(w)
@@ -145,14 +146,14 @@ func (w *Weights) embed(s *work, tokens []byte) {
 func (w *Weights) qkv(l int, s *work, pos []int) error {
 	c, ly := w.Config, &w.Layers[l]
 	d, kv, n := c.Dim, c.KVHeads*c.HeadDim, s.rows
-	rows(n, func(r int) { rmsnorm(s.h[r*d:(r+1)*d], s.x[r*d:(r+1)*d], ly.N1, c.Eps) })
+	forRows(n, func(r int) { rmsnorm(s.h[r*d:(r+1)*d], s.x[r*d:(r+1)*d], ly.N1, c.Eps) })
 	if err := errors.Join(
 		s.mm(s.q, s.h, n, d, ly.Wq, c.Heads*c.HeadDim),
 		s.mm(s.k, s.h, n, d, ly.Wk, kv),
 		s.mm(s.v, s.h, n, d, ly.Wv, kv)); err != nil {
 		return fmt.Errorf("lm: layer %d: %w", l, err)
 	}
-	rows(n, func(r int) {
+	forRows(n, func(r int) {
 		rope(s.q[r*c.Heads*c.HeadDim:(r+1)*c.Heads*c.HeadDim], c.Heads, c.HeadDim, pos[r], c.RopeTheta)
 		rope(s.k[r*kv:(r+1)*kv], c.KVHeads, c.HeadDim, pos[r], c.RopeTheta)
 	})
@@ -161,7 +162,7 @@ func (w *Weights) qkv(l int, s *work, pos []int) error {
 	}
 	s.kh, s.vh = s.kh[:n*kv], s.vh[:n*kv]
 	errs := make([]error, n)
-	rows(n, func(r int) {
+	forRows(n, func(r int) {
 		k, err := kvcache.ToHalves(s.k[r*kv : (r+1)*kv])
 		if err != nil {
 			errs[r] = fmt.Errorf("lm: layer %d keys at row %d: %w", l, r, err)
@@ -186,7 +187,7 @@ func (w *Weights) finish(l int, s *work) error {
 	if err := s.mm(s.o, s.a, n, c.Heads*c.HeadDim, ly.Wo, d); err != nil {
 		return fmt.Errorf("lm: layer %d: %w", l, err)
 	}
-	rows(n, func(r int) {
+	forRows(n, func(r int) {
 		x := s.x[r*d : (r+1)*d]
 		for i, v := range s.o[r*d : (r+1)*d] {
 			x[i] += v
@@ -196,7 +197,7 @@ func (w *Weights) finish(l int, s *work) error {
 	if err := errors.Join(s.mm(s.g1, s.h, n, d, ly.W1, hd), s.mm(s.g3, s.h, n, d, ly.W3, hd)); err != nil {
 		return fmt.Errorf("lm: layer %d: %w", l, err)
 	}
-	rows(n, func(r int) {
+	forRows(n, func(r int) {
 		g3 := s.g3[r*hd : (r+1)*hd]
 		for i, v := range s.g1[r*hd : (r+1)*hd] {
 			g3[i] *= silu(v)
@@ -205,7 +206,7 @@ func (w *Weights) finish(l int, s *work) error {
 	if err := s.mm(s.o, s.g3[:n*hd], n, hd, ly.W2, d); err != nil {
 		return fmt.Errorf("lm: layer %d: %w", l, err)
 	}
-	rows(n, func(r int) {
+	forRows(n, func(r int) {
 		x := s.x[r*d : (r+1)*d]
 		for i, v := range s.o[r*d : (r+1)*d] {
 			x[i] += v
@@ -217,7 +218,7 @@ func (w *Weights) finish(l int, s *work) error {
 // head sets s.logits = rmsnorm(x, Nf) Headᵀ for the rows.
 func (w *Weights) head(s *work) error {
 	c, d, n := w.Config, w.Config.Dim, s.rows
-	rows(n, func(r int) { rmsnorm(s.h[r*d:(r+1)*d], s.x[r*d:(r+1)*d], w.Nf, c.Eps) })
+	forRows(n, func(r int) { rmsnorm(s.h[r*d:(r+1)*d], s.x[r*d:(r+1)*d], w.Nf, c.Eps) })
 	return s.mm(s.logits, s.h, n, d, w.Head, c.Vocab)
 }
 
@@ -329,7 +330,7 @@ func (w *Weights) forward(tokens []byte, first int, attend attendFunc, mm produc
 			if err := w.qkv(l, s, pos); err != nil {
 				return nil, nil, nil, err
 			}
-			rows(s.rows, func(i int) {
+			forRows(s.rows, func(i int) {
 				for g := 0; g < c.KVHeads; g++ {
 					at, from := (g*n+t0+i)*hd, (i*c.KVHeads+g)*hd
 					halvesToFloat32(keys[l][at:at+hd], s.kh[from:from+hd])

@@ -4,8 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"runtime"
-	"sync"
 	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
@@ -159,19 +157,9 @@ func (b *blockAttention) block(c Config, l int, s *work, t0, b0, b1, n int, keys
 	// The causal block, rows spread over the cores: its maximum, sum and
 	// unnormalised output per row and head.
 	parts := make([]blockPart, rows*c.Heads)
-	var wg sync.WaitGroup
-	workers := min(rows, runtime.GOMAXPROCS(0))
-	for w := 0; w < workers; w++ {
-		wg.Add(1)
-		go func(w int) {
-			defer wg.Done()
-			score := make([]float64, rows)
-			for r := w; r < rows; r += workers {
-				blockRow(c, s, b0+r, r, start, n, keys, values, scale, score, parts[r*c.Heads:(r+1)*c.Heads])
-			}
-		}(w)
-	}
-	wg.Wait()
+	forRows(rows, func(r int) {
+		blockRow(c, s, b0+r, r, start, n, keys, values, scale, parts[r*c.Heads:(r+1)*c.Heads])
+	})
 	b.times.Block += time.Since(clock)
 	<-gpuDone
 	if gpuErr != nil {
@@ -223,10 +211,11 @@ type blockPart struct {
 
 // blockRow computes parts[h] for every head h of row r of s, row pr of its
 // block (position start+pr): attention over the causal block [start,
-// start+pr]; score is scratch of len ≥ pr+1.
-func blockRow(c Config, s *work, r, pr, start, n int, keys, values []float32, scale float64, score []float64, parts []blockPart) {
+// start+pr].
+func blockRow(c Config, s *work, r, pr, start, n int, keys, values []float32, scale float64, parts []blockPart) {
 	hd, group, qh := c.HeadDim, c.Heads/c.KVHeads, c.Heads*c.HeadDim
 	t0, t := start, start+pr
+	score := make([]float64, pr+1)
 	for h := 0; h < c.Heads; h++ {
 		g := h / group
 		q := s.q[r*qh+h*hd : r*qh+(h+1)*hd]

@@ -72,21 +72,18 @@ func newRunner(t *testing.T, dev *vk.Device, m *decode.Model, opts Options) *Run
 
 // bitsPerByte is the mean of −log2 p(text[t+1]) over t < len(text)−1
 // under logits [len(text)][256].
-func bitsPerByte(logits []float32, text []byte) float64 {
-	var sum float64
-	for t := 0; t+1 < len(text); t++ {
-		row := logits[t*256 : (t+1)*256]
-		mx := math.Inf(-1)
-		for _, v := range row {
-			mx = math.Max(mx, float64(v))
+func bitsPerByte(t *testing.T, logits []float32, text []byte) float64 {
+	t.Helper()
+	next := make([]int, len(text))
+	for i := range next {
+		next[i] = -1
+		if i+1 < len(text) {
+			next[i] = int(text[i+1])
 		}
-		var z float64
-		for _, v := range row {
-			z += math.Exp(float64(v) - mx)
-		}
-		sum += (math.Log(z) + mx - float64(row[text[t+1]])) / math.Ln2
 	}
-	return sum / float64(len(text)-1)
+	bpb, err := BitsPerByte(logits, 256, next)
+	require.NoError(t, err)
+	return bpb
 }
 
 // checkGolden compares the logits at the first positions of the test
@@ -120,7 +117,7 @@ func checkGolden(t *testing.T, g *golden, logits []float32) {
 		nats += float64(v)
 	}
 	want := nats / float64(n-1) / math.Ln2
-	got := bitsPerByte(logits, g.input[:n])
+	got := bitsPerByte(t, logits, g.input[:n])
 	t.Logf("bits per byte over %d bytes: %.6f, PyTorch %.6f (Δ %.2g)", n, got, want, got-want)
 	require.InDelta(t, want, got, 1e-3)
 }

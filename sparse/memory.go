@@ -35,13 +35,7 @@ func (b *Batch) Bytes() uint64 {
 }
 
 // Bytes returns the device memory of the batch's steps.
-func (b *TacticBatch) Bytes() uint64 {
-	var n uint64
-	for _, t := range b.steps {
-		n += t.Step.Bytes()
-	}
-	return n
-}
+func (b *TacticBatch) Bytes() uint64 { return b.batch.Bytes() }
 
 // Bytes returns the device memory of the selector's buffers.
 func (s *tacticSelector) Bytes() uint64 { return vk.Held(s.bufs...) }

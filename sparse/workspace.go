@@ -138,13 +138,6 @@ func (b *Batch) Share(w *Workspace) error {
 
 // Share moves each step's partials into the workspace, sequence i into
 // region i.
-func (b *TacticBatch) Share(w *Workspace) error {
-	for i, t := range b.steps {
-		if err := t.plan.Share(w, i); err != nil {
-			return err
-		}
-	}
-	return nil
-}
+func (b *TacticBatch) Share(w *Workspace) error { return b.batch.Share(w) }
 
 func roundUp(x, a uint64) uint64 { return (x + a - 1) / a * a }

@@ -5,7 +5,6 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"sort"
 	"strings"
 	"time"
 
@@ -15,7 +14,6 @@ import (
 
 	"github.com/vksparse/vksparse/decode"
 	"github.com/vksparse/vksparse/lm"
-	"github.com/vksparse/vksparse/shaders"
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/vk"
 )
@@ -370,11 +368,7 @@ func compareLayouts(dev *vk.Device, w *lm.Weights, doc []byte, prefill, position
 // each read 4 KiB (read_probe) with a compute barrier between, divided by
 // 8 (vkbench probe -chain measures the same at any size).
 func dispatchFloor(dev *vk.Device) (float64, error) {
-	code, err := shaders.SPIRV("read_probe")
-	if err != nil {
-		return 0, err
-	}
-	pipe, err := dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{256}})
+	pipe, err := readProbe(dev)
 	if err != nil {
 		return 0, err
 	}
@@ -394,32 +388,16 @@ func dispatchFloor(dev *vk.Device) (float64, error) {
 		return 0, err
 	}
 	defer bind.Release()
-	const chain, warmup, reps = 8, 5, 100
-	stamps, err := dev.NewTimestamps(warmup + reps + 1)
+	cmd, err := dev.NewCommands()
 	if err != nil {
 		return 0, err
 	}
-	defer stamps.Release()
-	err = dev.Run(func(c *vk.Commands) {
-		c.Reset(stamps)
-		c.Timestamp(stamps, 0)
-		for r := 0; r < warmup+reps; r++ {
-			for range chain {
-				c.ComputeBarrier()
-				c.Dispatch(pipe, bind, []uint32{4096 / 16}, 1, 1, 1)
-			}
-			c.Timestamp(stamps, r+1)
-		}
-	})
+	defer cmd.Release()
+	const chain = 8
+	times, err := chainTimes(dev, cmd, pipe, bind, []uint32{4096 / 16}, chain, 1, false, 5, 100)
 	if err != nil {
 		return 0, err
 	}
-	d, err := stamps.Durations(warmup + reps + 1)
-	if err != nil {
-		return 0, err
-	}
-	times := d[1+warmup:]
-	sort.Slice(times, func(i, j int) bool { return times[i] < times[j] })
 	return float64(times[len(times)/2].Nanoseconds()) / 1e3 / chain, nil
 }
 

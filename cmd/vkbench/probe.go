@@ -6,6 +6,7 @@ import (
 	"os"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/vksparse/vksparse/shaders"
 	"github.com/vksparse/vksparse/vk"
@@ -153,44 +154,14 @@ func probeChain(list string, reps, groups int, jsonPath string) error {
 		return err
 	}
 	defer cmd.Release()
-	const warmup = 5
-	stamps, err := dev.NewTimestamps(warmup + reps + 1)
-	if err != nil {
-		return err
-	}
-	defer stamps.Release()
 	var results []chainResult
 	var rows [][]string
 	for _, barrier := range []string{"full", "compute"} {
 		for _, k := range ks {
-			if err := cmd.Begin(); err != nil {
-				return err
-			}
-			cmd.Reset(stamps)
-			cmd.Timestamp(stamps, 0)
-			for r := 0; r < warmup+reps; r++ {
-				for i := 0; i < k; i++ {
-					if barrier == "full" {
-						cmd.Barrier()
-					} else {
-						cmd.ComputeBarrier()
-					}
-					cmd.Dispatch(pipe, bind, []uint32{bytes / 16}, uint32(groups), 1, 1)
-				}
-				cmd.Timestamp(stamps, r+1)
-			}
-			if err := cmd.End(); err != nil {
-				return err
-			}
-			if err := cmd.Submit(); err != nil {
-				return err
-			}
-			d, err := stamps.Durations(warmup + reps + 1)
+			times, err := chainTimes(dev, cmd, pipe, bind, []uint32{bytes / 16}, k, groups, barrier == "full", 5, reps)
 			if err != nil {
 				return err
 			}
-			times := d[1+warmup:]
-			sort.Slice(times, func(i, j int) bool { return times[i] < times[j] })
 			r := chainResult{Dispatches: k, Groups: groups, Barrier: barrier, MedianUs: float64(times[len(times)/2].Nanoseconds()) / 1e3}
 			r.PerStageUs = r.MedianUs / float64(k)
 			results = append(results, r)
@@ -205,21 +176,67 @@ func probeChain(list string, reps, groups int, jsonPath string) error {
 }
 
 // openReadProbe opens the device the environment picks and builds the
-// read-bandwidth kernel on it, on workgroups of 256.
+// read-bandwidth kernel on it (readProbe).
 func openReadProbe() (*vk.Device, *vk.Pipeline, error) {
 	dev, err := openDevice()
 	if err != nil {
 		return nil, nil, err
 	}
-	code, err := shaders.SPIRV("read_probe")
-	if err != nil {
-		dev.Release()
-		return nil, nil, err
-	}
-	pipe, err := dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{256}})
+	pipe, err := readProbe(dev)
 	if err != nil {
 		dev.Release()
 		return nil, nil, err
 	}
 	return dev, pipe, nil
+}
+
+// readProbe builds the read-bandwidth kernel on dev, on workgroups of 256.
+func readProbe(dev *vk.Device) (*vk.Pipeline, error) {
+	code, err := shaders.SPIRV("read_probe")
+	if err != nil {
+		return nil, err
+	}
+	return dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{256}})
+}
+
+// chainTimes records, in one submission of cmd, warmup+reps chains of k
+// dispatches of pipe over bind (push, groups workgroups), each after a
+// barrier (one that also orders transfers where full, else compute only),
+// a timestamp after each chain, and returns the timed chains' GPU times,
+// sorted.
+func chainTimes(dev *vk.Device, cmd *vk.Commands, pipe *vk.Pipeline, bind *vk.Binding, push []uint32, k, groups int, full bool, warmup, reps int) ([]time.Duration, error) {
+	stamps, err := dev.NewTimestamps(warmup + reps + 1)
+	if err != nil {
+		return nil, err
+	}
+	defer stamps.Release()
+	if err := cmd.Begin(); err != nil {
+		return nil, err
+	}
+	cmd.Reset(stamps)
+	cmd.Timestamp(stamps, 0)
+	for r := 0; r < warmup+reps; r++ {
+		for i := 0; i < k; i++ {
+			if full {
+				cmd.Barrier()
+			} else {
+				cmd.ComputeBarrier()
+			}
+			cmd.Dispatch(pipe, bind, push, uint32(groups), 1, 1)
+		}
+		cmd.Timestamp(stamps, r+1)
+	}
+	if err := cmd.End(); err != nil {
+		return nil, err
+	}
+	if err := cmd.Submit(); err != nil {
+		return nil, err
+	}
+	d, err := stamps.Durations(warmup + reps + 1)
+	if err != nil {
+		return nil, err
+	}
+	times := d[1+warmup:]
+	sort.Slice(times, func(i, j int) bool { return times[i] < times[j] })
+	return times, nil
 }
