@@ -27,22 +27,26 @@ type Clusters struct {
 	// Halves holds the centroids rounded to fp16, [KVHeads][C][HeadDim],
 	// in place of Centroids once Halve ran (what the selection kernels
 	// read, in half the memory); nil before.
-	Halves  *vk.Buffer
-	Norms   *vk.Buffer // float32 [KVHeads][C], |centroid|²
-	Counts  *vk.Buffer // uint32 [KVHeads][C], cluster sizes
-	Starts  *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
-	Members *vk.Buffer // uint32 [KVHeads][Count], token ids in cluster order
-	Assign  *vk.Buffer // uint32 [KVHeads][Count], cluster of token First+r
+	Halves *vk.Buffer
+	Norms  *vk.Buffer // float32 [KVHeads][C], |centroid|²
+	Counts *vk.Buffer // uint32 [KVHeads][C], cluster sizes
+	Starts *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
+	// Members, uint32 [KVHeads][Count], lists token ids in cluster order;
+	// Assign, uint32 [KVHeads][Count], the cluster of token First+r. Both
+	// are nil in a page index (NewPages), where members are the identity
+	// and Starts and Counts say the rest.
+	Members *vk.Buffer
+	Assign  *vk.Buffer
 }
 
 // NewClusters allocates an index of c clusters over count tokens from first.
 func NewClusters(dev *vk.Device, kvHeads, headDim, c, first, count int) (*Clusters, error) {
-	return newClusters(dev, kvHeads, headDim, c, first, count, true)
+	return newClusters(dev, kvHeads, headDim, c, first, count, true, true)
 }
 
 // newClusters is NewClusters, without Centroids and Norms unless
-// summaries.
-func newClusters(dev *vk.Device, kvHeads, headDim, c, first, count int, summaries bool) (*Clusters, error) {
+// summaries, without Members and Assign unless members.
+func newClusters(dev *vk.Device, kvHeads, headDim, c, first, count int, summaries, members bool) (*Clusters, error) {
 	if c <= 0 || count <= 0 || c > count || first < 0 {
 		return nil, fmt.Errorf("kvcache: %d clusters of tokens [%d, %d+%d)", c, first, first, count)
 	}
@@ -63,8 +67,10 @@ func newClusters(dev *vk.Device, kvHeads, headDim, c, first, count int, summarie
 	}
 	x.Counts = alloc(h * uint64(c) * 4)
 	x.Starts = alloc(h * uint64(c) * 4)
-	x.Members = alloc(h * uint64(count) * 4)
-	x.Assign = alloc(h * uint64(count) * 4)
+	if members {
+		x.Members = alloc(h * uint64(count) * 4)
+		x.Assign = alloc(h * uint64(count) * 4)
+	}
 	if err != nil {
 		x.Release()
 		return nil, fmt.Errorf("kvcache: cluster index: %w", err)
@@ -116,14 +122,29 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 		}
 		return nil // a page index: no key summaries, zero centroids
 	}
-	for _, err := range []error{
-		readCentroids(),
-		x.Counts.ReadUint32(uint64(g)*c4, counts),
-		x.Starts.ReadUint32(uint64(g)*c4, starts),
-		x.Members.ReadUint32(uint64(g)*n4, members),
-		x.Assign.ReadUint32(uint64(g)*n4, assign),
+	readMembers := func() error {
+		if x.Members != nil {
+			return errors.Join(x.Members.ReadUint32(uint64(g)*n4, members), x.Assign.ReadUint32(uint64(g)*n4, assign))
+		}
+		// A page index: the identity, each token in the page whose range
+		// holds it.
+		for r := range members {
+			members[r] = uint32(x.First + r)
+		}
+		for c := range counts {
+			for r := starts[c]; r < starts[c]+counts[c] && int(r) < x.Count; r++ {
+				assign[r] = uint32(c)
+			}
+		}
+		return nil
+	}
+	for _, read := range []func() error{
+		readCentroids,
+		func() error { return x.Counts.ReadUint32(uint64(g)*c4, counts) },
+		func() error { return x.Starts.ReadUint32(uint64(g)*c4, starts) },
+		readMembers,
 	} {
-		if err != nil {
+		if err := read(); err != nil {
 			return nil, err
 		}
 	}
@@ -159,7 +180,7 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 	case halved != (next.Halves != nil):
 		return nil, fmt.Errorf("kvcache: joining an index with fp16 centroids and one with float32 (Halve both)")
 	}
-	j, err := newClusters(dev, x.KVHeads, x.HeadDim, x.C+next.C, x.First, x.Count+next.Count, !halved)
+	j, err := newClusters(dev, x.KVHeads, x.HeadDim, x.C+next.C, x.First, x.Count+next.Count, !halved, true)
 	if err == nil && halved {
 		j.Norms, err = dev.NewBuffer(uint64(x.KVHeads*j.C)*4, vk.DeviceLocal)
 		if err == nil {

@@ -44,7 +44,7 @@ type Layer struct {
 	dev                        *vk.Device
 	kvHeads, headDim, capacity int
 	keys, values               *vk.Buffer
-	positions                  *vk.Buffer // uint32 [KVHeads][Capacity]
+	positions                  *vk.Buffer // uint32 [KVHeads][Capacity]; nil until the first Reorder
 	n                          int
 	// reordered lists the slot ranges [from, to) that Reorder put in
 	// cluster order.
@@ -72,13 +72,7 @@ func NewLayer(dev *vk.Device, kvHeads, headDim, capacity int) (*Layer, error) {
 		k.Release()
 		return nil, fmt.Errorf("kvcache: values: %w", err)
 	}
-	pos, err := dev.NewBuffer(uint64(kvHeads)*uint64(capacity)*4, vk.DeviceLocal)
-	if err != nil {
-		k.Release()
-		v.Release()
-		return nil, fmt.Errorf("kvcache: positions: %w", err)
-	}
-	return &Layer{dev: dev, kvHeads: kvHeads, headDim: headDim, capacity: capacity, keys: k, values: v, positions: pos}, nil
+	return &Layer{dev: dev, kvHeads: kvHeads, headDim: headDim, capacity: capacity, keys: k, values: v}, nil
 }
 
 // checkCapacity refuses a cache the device cannot hold or bind: a head
@@ -120,7 +114,9 @@ func (l *Layer) Keys() *vk.Buffer { return l.keys }
 func (l *Layer) Values() *vk.Buffer { return l.values }
 
 // Positions returns the token position of every slot, uint32
-// [KVHeads][Capacity] (the first Len of each head are set).
+// [KVHeads][Capacity] (the first Len of each head are set), or nil while
+// the layer was never reordered: slot t then holds position t, and the
+// layer keeps no buffer to say so.
 func (l *Layer) Positions() *vk.Buffer { return l.positions }
 
 // HeadBytes returns the bytes between consecutive heads' rows.
@@ -217,12 +213,21 @@ func (l *Layer) write(k, v []uint16, n int) error {
 			}
 		}
 	}
+	return l.writePositions(0, n)
+}
+
+// writePositions records that slots [from, from+n) of every head hold
+// their own positions, where the layer keeps positions.
+func (l *Layer) writePositions(from, n int) error {
+	if l.positions == nil {
+		return nil
+	}
 	ids := make([]uint32, n)
 	for i := range ids {
-		ids[i] = uint32(i)
+		ids[i] = uint32(from + i)
 	}
 	for h := 0; h < l.kvHeads; h++ {
-		if err := l.positions.WriteUint32(uint64(h*l.capacity)*4, ids); err != nil {
+		if err := l.positions.WriteUint32(uint64(h*l.capacity+from)*4, ids); err != nil {
 			return err
 		}
 	}
@@ -271,18 +276,16 @@ func (l *Layer) Extend(k, v []uint16, count int) error {
 // was when the device fails.
 func (l *Layer) appendRows(k, v []uint16, count int) error {
 	rows := count * l.headDim
-	ids := make([]uint32, count)
-	for i := range ids {
-		ids[i] = uint32(l.n + i)
-	}
 	for h := 0; h < l.kvHeads; h++ {
 		off := uint64(h)*l.HeadBytes() + uint64(l.n*l.headDim*2)
 		if err := errors.Join(
 			l.keys.WriteUint16(off, k[h*rows:(h+1)*rows]),
-			l.values.WriteUint16(off, v[h*rows:(h+1)*rows]),
-			l.positions.WriteUint32(uint64(h*l.capacity+l.n)*4, ids)); err != nil {
+			l.values.WriteUint16(off, v[h*rows:(h+1)*rows])); err != nil {
 			return err
 		}
+	}
+	if err := l.writePositions(l.n, count); err != nil {
+		return err
 	}
 	l.n += count
 	return nil
@@ -345,7 +348,10 @@ func (l *Layer) Release() error {
 	if l.keys == nil {
 		return vk.ErrReleased
 	}
-	err := errors.Join(l.keys.Release(), l.values.Release(), l.positions.Release())
+	err := errors.Join(l.keys.Release(), l.values.Release())
+	if l.positions != nil {
+		err = errors.Join(err, l.positions.Release())
+	}
 	l.keys, l.values, l.positions = nil, nil, nil
 	return err
 }

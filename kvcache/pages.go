@@ -11,8 +11,8 @@ import (
 // of every KV head: pages of pageSize consecutive tokens (the last one
 // shorter when pageSize does not divide count) as clusters, in positional
 // order. Page c holds the tokens first + pageSize·c … , so Starts[c] =
-// pageSize·c, Counts[c] its size, Members the identity (token first + r at
-// place r) and Assign[r] = r / pageSize. Positional order already is
+// pageSize·c and Counts[c] its size; Members and Assign are nil (the
+// identity and r / pageSize, which Read returns). Positional order already is
 // cluster order, so the index is Contiguous over a layer that was never
 // reordered (do not Reorder a layer by it: that would be the identity).
 // pageSize 1 makes every token its own cluster.
@@ -26,28 +26,21 @@ func NewPages(dev *vk.Device, kvHeads, headDim, first, count, pageSize int) (*Cl
 		return nil, fmt.Errorf("kvcache: pages of %d over tokens [%d, %d+%d) of %d heads of %d", pageSize, first, first, count, kvHeads, headDim)
 	}
 	c := (count + pageSize - 1) / pageSize
-	x, err := newClusters(dev, kvHeads, headDim, c, first, count, false)
+	x, err := newClusters(dev, kvHeads, headDim, c, first, count, false, false)
 	if err != nil {
 		return nil, err
 	}
 	x.Contiguous = true
 	counts, starts := make([]uint32, kvHeads*c), make([]uint32, kvHeads*c)
-	members, assign := make([]uint32, kvHeads*count), make([]uint32, kvHeads*count)
 	for g := 0; g < kvHeads; g++ {
 		for j := 0; j < c; j++ {
 			starts[g*c+j] = uint32(j * pageSize)
 			counts[g*c+j] = uint32(min(pageSize, count-j*pageSize))
 		}
-		for r := 0; r < count; r++ {
-			members[g*count+r] = uint32(first + r)
-			assign[g*count+r] = uint32(r / pageSize)
-		}
 	}
 	err = errors.Join(
 		x.Counts.WriteUint32(0, counts),
-		x.Starts.WriteUint32(0, starts),
-		x.Members.WriteUint32(0, members),
-		x.Assign.WriteUint32(0, assign))
+		x.Starts.WriteUint32(0, starts))
 	if err != nil {
 		x.Release()
 		return nil, fmt.Errorf("kvcache: page index: %w", err)

@@ -40,6 +40,24 @@ func (l *Layer) Reorder(x *Clusters) error {
 	if err != nil {
 		return err
 	}
+	if l.positions == nil {
+		// The first reorder: from now on slots and positions differ.
+		if l.positions, err = l.dev.NewBuffer(uint64(l.kvHeads)*uint64(l.capacity)*4, vk.DeviceLocal); err != nil {
+			l.positions = nil
+			return fmt.Errorf("kvcache: positions: %w", err)
+		}
+		made := l.positions
+		defer func() {
+			if x.Contiguous && l.positions == made {
+				return
+			}
+			made.Release() // the reorder failed: the layer is as it was
+			l.positions = nil
+		}()
+		if err := l.writePositions(0, l.n); err != nil {
+			return err
+		}
+	}
 	pipe, err := l.dev.NewPipeline(vk.Kernel{Name: "kv_reorder", SPIRV: code, Bindings: 6, PushWords: 5, Specialization: []uint32{reorderWorkgroup, uint32(l.headDim)}})
 	if err != nil {
 		return err
@@ -116,7 +134,18 @@ func (l *Layer) Reorder(x *Clusters) error {
 func (l *Layer) ReadPositions() ([]int32, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.keys == nil {
+		return nil, vk.ErrReleased
+	}
 	out := make([]int32, l.kvHeads*l.n)
+	if l.positions == nil {
+		for h := 0; h < l.kvHeads; h++ {
+			for t := 0; t < l.n; t++ {
+				out[h*l.n+t] = int32(t)
+			}
+		}
+		return out, nil
+	}
 	var errs []error
 	for h := 0; h < l.kvHeads; h++ {
 		errs = append(errs, l.positions.ReadInt32(uint64(h*l.capacity)*4, out[h*l.n:(h+1)*l.n]))

@@ -26,9 +26,16 @@ func TestReorder(t *testing.T) {
 		require.NoError(t, err)
 		k, v := randomHalves(rng, tc.heads*tc.n*tc.dim), randomHalves(rng, tc.heads*tc.n*tc.dim)
 		require.NoError(t, l.Prefill(k, v, tc.n))
+		require.Equal(t, l.CacheBytes(), l.Bytes(), "a layer never reordered keeps no positions")
+		ident, err := l.ReadPositions()
+		require.NoError(t, err)
+		for i, p := range ident {
+			require.Equal(t, int32(i%tc.n), p, "slot %d of head %d before the reorder", i%tc.n, i/tc.n)
+		}
 		x := randomClusters(t, dev, rng, tc.heads, tc.dim, tc.c, tc.first, tc.count)
 		require.NoError(t, l.Reorder(x))
 		require.True(t, x.Contiguous)
+		require.Equal(t, l.CacheBytes()+uint64(tc.heads*(tc.n+5)*4), l.Bytes(), "positions kept from the first reorder on")
 
 		gotK, gotV, err := l.Read()
 		require.NoError(t, err)

@@ -473,7 +473,11 @@ func (p *DensePlan) bind() error {
 				pipe, lists, counts = d.gather, p.tokens.All(), p.tokCounts.All()
 			case p.clusters != nil:
 				x := p.clusters
-				pipe, index = d.clustered, []vk.Range{p.rank, p.cut, x.Starts.All(), x.Counts.All(), x.Members.All()}
+				members := x.Members
+				if members == nil {
+					members = x.Starts // a page index; attend_partial reads no members
+				}
+				pipe, index = d.clustered, []vk.Range{p.rank, p.cut, x.Starts.All(), x.Counts.All(), members.All()}
 				if a := p.approx; a != nil {
 					pipe, pseudo = d.approx, []vk.Range{a.Logits, a.Keep, a.Means}
 				}

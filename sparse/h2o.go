@@ -52,17 +52,27 @@ type H2OSelector struct {
 	observeBind   *vk.Binding // Observe's query
 	chooseBind    *vk.Binding
 	bufs          []*vk.Buffer
-	prev, obs     *vk.Buffer // float32 [Hq][D]
-	row           *vk.Buffer // float32 [Hq][capacity]
-	part          *vk.Buffer // float32 [Hq][partials][2]
-	mz            *vk.Buffer // float32 [Hq][2]
+	prev          *vk.Buffer // float32 [Hq][D]: the previous step's queries
 	acc           *vk.Buffer // float32 [Hq][C]
 	rank, cut     *vk.Buffer // uint32 [Hq][C] and [Hq]
-	arrivedScore  *vk.Buffer // uint32 [blocks], 0 between steps
-	arrivedChoose *vk.Buffer // uint32 [Hq], 0 between steps
 	state         *vk.Buffer // uint32 [Hq]: the previous step's length, 0 for none
-	hist0         *vk.Buffer // uint32 [Hq][h2oBins]: the first radix level's counts, 0 between steps
+	query         vk.Range   // the step's queries, copied by the selection (Bind)
+	// The scratch, state within one step (h2oScratch), lies in a
+	// workspace region once the selector shares one (ws), in its own
+	// buffer until then.
+	scratch    vk.Range
+	ownScratch *vk.Buffer
+	ws         *Workspace
 }
+
+// h2oScratch is the layout of H2OSelector's scratch, byte offsets of:
+// the logits of the previous step (float32 [Hq][capacity]), h2o_score's
+// partial maxima and sums (float32 [Hq][partials][2]), each head's maximum
+// and normaliser (float32 [Hq][2]), the arrival counters of h2o_score's
+// blocks and h2o_select's heads (uint32 [blocks] and [Hq]) and the first
+// radix level's counts (uint32 [Hq][h2oBins]), and Observe's queries
+// (float32 [Hq][D]). Counters and counts are 0 between steps.
+type h2oScratch struct{ row, part, mz, arrivedScore, arrivedChoose, hist0, obs, size uint64 }
 
 // h2oBins is the bins of h2o_select's first radix level (its NBINS).
 const h2oBins = 2048
@@ -159,14 +169,14 @@ func newH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 	if s.shape.threads&(s.shape.threads-1) != 0 || s.shape.threads > 1024 || s.shape.threads > int(dev.Info().MaxWorkgroupInvocations) {
 		return nil, fmt.Errorf("sparse: H2O's selection in workgroups of %d threads", s.shape.threads)
 	}
-	blocks := h.KV * ceilDiv(h.Group(), s.heads)
 	b := &builder{dev: dev, bufs: &s.bufs, cache: &dense.kernels}
 	alloc := b.words
 	hq, c := h.Query, tokens.C
-	s.prev, s.obs = alloc(hq*h.Dim), alloc(hq*h.Dim)
-	s.row, s.part, s.mz = alloc(hq*layer.Capacity()), alloc(hq*s.partials()*2), alloc(hq*2)
-	s.acc, s.rank, s.cut = alloc(hq*c), alloc(hq*c), alloc(hq)
-	s.arrivedScore, s.arrivedChoose, s.state, s.hist0 = alloc(blocks), alloc(hq), alloc(hq), alloc(hq*h2oBins)
+	s.prev = alloc(hq * h.Dim)
+	s.acc, s.rank, s.cut, s.state = alloc(hq*c), alloc(hq*c), alloc(hq), alloc(hq)
+	if b.err == nil {
+		s.ownScratch, b.err = dev.NewBuffer(s.layout().size, vk.DeviceLocal)
+	}
 	s.score = b.kernel("h2o_score", 9, 9, s.wg, uint32(h.Dim), uint32(s.heads), uint32(s.rowsPerScore()))
 	info := dev.Info()
 	threads := uint32(s.shape.threads)
@@ -175,25 +185,83 @@ func newH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 	err := b.err
 	if err == nil {
 		err = dev.Run(func(cmd *vk.Commands) {
-			for _, b := range []*vk.Buffer{s.acc, s.rank, s.cut, s.arrivedScore, s.arrivedChoose, s.state, s.hist0} {
+			for _, b := range []*vk.Buffer{s.acc, s.rank, s.cut, s.state, s.ownScratch} {
 				cmd.Fill(b.All(), 0)
 			}
 		})
 	}
-	bindScore := func(query *vk.Buffer) *vk.Binding {
-		if err != nil {
-			return nil
-		}
-		var b *vk.Binding
-		b, err = s.score.Bind(query.All(), layer.Keys().All(), s.rank.All(), s.cut.All(), s.row.All(), s.part.All(), s.mz.All(), s.arrivedScore.All(), s.state.All())
-		return b
+	if err == nil {
+		err = s.bindScratch(s.ownScratch.All(), nil)
 	}
-	s.scoreBind = bindScore(s.prev)
-	s.observeBind = bindScore(s.obs)
 	if err != nil {
 		return nil, errors.Join(err, s.Release())
 	}
 	return s, nil
+}
+
+// layout returns where each part of the scratch lies, each aligned for a
+// storage-buffer offset.
+func (s *H2OSelector) layout() h2oScratch {
+	h := s.dense.heads
+	var l h2oScratch
+	next := func(words int) uint64 {
+		at := l.size
+		l.size += roundUp(uint64(max(words, 1))*4, regionAlign)
+		return at
+	}
+	l.row = next(h.Query * s.layer.Capacity())
+	l.part = next(h.Query * s.partials() * 2)
+	l.mz = next(h.Query * 2)
+	l.arrivedScore = next(h.KV * ceilDiv(h.Group(), s.heads))
+	l.arrivedChoose = next(h.Query)
+	l.hist0 = next(h.Query * h2oBins)
+	l.obs = next(h.Query * h.Dim)
+	return l
+}
+
+// scratchBytes returns the bytes of the selector's scratch.
+func (s *H2OSelector) scratchBytes() uint64 { return s.layout().size }
+
+// bindScratch binds the kernels to the scratch in r (counters zero), a
+// region of w or, for a nil w, the selector's own buffer, and releases
+// the bindings they had (and the own buffer once in a workspace); on
+// error they keep them.
+func (s *H2OSelector) bindScratch(r vk.Range, w *Workspace) error {
+	l := s.layout()
+	part := func(at, next uint64) vk.Range {
+		return vk.Range{Buffer: r.Buffer, Offset: r.Offset + at, Size: next - at}
+	}
+	row, prt, mz := part(l.row, l.part), part(l.part, l.mz), part(l.mz, l.arrivedScore)
+	arrS, arrC, hist0, obs := part(l.arrivedScore, l.arrivedChoose), part(l.arrivedChoose, l.hist0), part(l.hist0, l.obs), part(l.obs, l.size)
+	keys := s.layer.Keys().All()
+	var made []*vk.Binding
+	bind := func(p *vk.Pipeline, ranges ...vk.Range) (*vk.Binding, error) {
+		b, err := p.Bind(ranges...)
+		if err == nil {
+			made = append(made, b)
+		}
+		return b, err
+	}
+	score, err := bind(s.score, s.prev.All(), keys, s.rank.All(), s.cut.All(), row, prt, mz, arrS, s.state.All())
+	var observe, choose *vk.Binding
+	if err == nil {
+		observe, err = bind(s.score, obs, keys, s.rank.All(), s.cut.All(), row, prt, mz, arrS, s.state.All())
+	}
+	if err == nil && s.query.Buffer != nil {
+		choose, err = bind(s.choose, s.query, s.prev.All(), row, mz, s.acc.All(), s.rank.All(), s.cut.All(), arrC, s.state.All(), hist0)
+	}
+	if err != nil {
+		return errors.Join(err, releaseAll(made...))
+	}
+	old := []*vk.Binding{s.scoreBind, s.observeBind, s.chooseBind}
+	s.scoreBind, s.observeBind, s.chooseBind, s.scratch = score, observe, choose, r
+	err = releaseAll(old...)
+	if w != nil {
+		s.ws = w
+		err = errors.Join(err, releaseAll(s.ownScratch))
+		s.ownScratch = nil
+	}
+	return err
 }
 
 // rowsPerScore is the slots a workgroup of h2o_score takes: two a thread
@@ -212,14 +280,12 @@ func (s *H2OSelector) Selection() Selection {
 // Bind makes the selection copy the step's queries from query for the
 // next step's accumulation.
 func (s *H2OSelector) Bind(query vk.Range) error {
-	b, err := s.choose.Bind(query, s.prev.All(), s.row.All(), s.mz.All(), s.acc.All(), s.rank.All(), s.cut.All(), s.arrivedChoose.All(), s.state.All(), s.hist0.All())
-	if err != nil {
+	old := s.query
+	s.query = query
+	if err := s.bindScratch(s.scratch, s.ws); err != nil {
+		s.query = old
 		return err
 	}
-	if s.chooseBind != nil {
-		s.chooseBind.Release()
-	}
-	s.chooseBind = b
 	return nil
 }
 
@@ -269,7 +335,7 @@ func (s *H2OSelector) Observe(q []float32) error {
 	if s.chooseBind == nil {
 		return fmt.Errorf("sparse: H2O needs its queries bound")
 	}
-	if err := s.obs.WriteFloat32(0, q); err != nil {
+	if err := s.scratch.Buffer.WriteFloat32(s.scratch.Offset+s.layout().obs, q); err != nil {
 		return err
 	}
 	return runOnce(s.dense.dev, func(c *vk.Commands) error {
@@ -310,7 +376,8 @@ func (s *H2OSelector) Cuts() ([]int, error) { return readInts(s.cut, s.dense.hea
 
 // Release frees the kernels, the state and an index the step made.
 func (s *H2OSelector) Release() error {
-	err := errors.Join(releaseAll(s.scoreBind, s.observeBind, s.chooseBind), releaseAll(s.bufs...), releaseAll(s.owned))
-	s.scoreBind, s.observeBind, s.chooseBind, s.score, s.choose, s.bufs, s.owned = nil, nil, nil, nil, nil, nil, nil
+	s.ws.leaveScratch(s)
+	err := errors.Join(releaseAll(s.scoreBind, s.observeBind, s.chooseBind), releaseAll(s.bufs...), releaseAll(s.ownScratch), releaseAll(s.owned))
+	s.scoreBind, s.observeBind, s.chooseBind, s.score, s.choose, s.bufs, s.owned, s.ownScratch, s.ws = nil, nil, nil, nil, nil, nil, nil, nil, nil
 	return err
 }

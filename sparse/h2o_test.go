@@ -26,7 +26,9 @@ import (
 //   - the output against SelectionGroupRef over the GPU's selection.
 //
 // It runs the float64 reference H2O beside it on its own float64 state and
-// logs how many tokens their unions differ by.
+// logs how many tokens their unions differ by. In the shared cases the step
+// keeps its partials and scratch in a workspace region that another H2O
+// step (of another budget) shares and runs in before each of its steps.
 func TestH2OStepMatchesReference(t *testing.T) {
 	dev := vktest.Open(t)
 	h := Heads{Query: 8, KV: 2, Dim: 64}
@@ -70,12 +72,24 @@ func TestH2OStepMatchesReference(t *testing.T) {
 		budget, steps int
 		observe       bool
 		shape         h2oSelectShape
-	}{{120, 5, false, h2oSelectShape{}}, {121, 4, true, h2oSelectShape{}}, {0, 2, false, h2oSelectShape{}}, {m, 2, true, h2oSelectShape{}},
-		{121, 3, true, small}, {120, 4, false, small}} {
-		what := fmt.Sprintf("budget %d observe %v shape %+v", c.budget, c.observe, c.shape)
+		shared        bool
+	}{{120, 5, false, h2oSelectShape{}, false}, {121, 4, true, h2oSelectShape{}, false}, {0, 2, false, h2oSelectShape{}, false}, {m, 2, true, h2oSelectShape{}, false},
+		{121, 3, true, small, false}, {120, 4, false, small, false}, {121, 4, true, h2oSelectShape{}, true}} {
+		what := fmt.Sprintf("budget %d observe %v shape %+v shared %v", c.budget, c.observe, c.shape, c.shared)
 		step, err := newH2OStep(dense, layer, c.budget, c.shape)
 		require.NoError(t, err)
 		sel := step.Selector().(*H2OSelector)
+		var rival *Step
+		ws := NewWorkspace(dev)
+		if c.shared {
+			rival, err = newH2OStep(dense, layer, 60, small)
+			require.NoError(t, err)
+			for _, st := range []*Step{rival, step} {
+				require.NoError(t, st.plan.Share(ws, 0))
+				require.NoError(t, ws.shareScratch(st.Selector().(*H2OSelector), 0))
+			}
+			require.Nil(t, sel.ownScratch, "the scratch moved into the workspace")
+		}
 		require.Equal(t, m, sel.Tokens().C)
 		index := hostIndex(t, sel.Tokens())
 		acc64 := make([][]float64, h.Query)
@@ -118,11 +132,16 @@ func TestH2OStepMatchesReference(t *testing.T) {
 		for s := 0; s < c.steps; s++ {
 			at := fmt.Sprintf("step %d", s)
 			q := tr.Query(s)
+			if rival != nil {
+				_, err := rival.Attend(tr.Query(queries - 1 - s))
+				require.NoError(t, err)
+			}
 			nan := math.Float32bits(float32(math.NaN()))
+			l := sel.layout()
 			require.NoError(t, dev.Run(func(cmd *vk.Commands) {
-				for _, b := range []*vk.Buffer{sel.row, sel.part, sel.mz, step.Output()} {
-					cmd.Fill(b.All(), nan)
-				}
+				// The logits and their partials; the counters stay 0.
+				cmd.Fill(vk.Range{Buffer: sel.scratch.Buffer, Offset: sel.scratch.Offset + l.row, Size: l.arrivedScore - l.row}, nan)
+				cmd.Fill(step.Output().All(), nan)
 			}))
 			got, err := step.Attend(q)
 			require.NoError(t, err)
@@ -188,6 +207,10 @@ func TestH2OStepMatchesReference(t *testing.T) {
 			requireClose(t, want, got, h.Dim, 1e-3, what+" "+at)
 		}
 		require.NoError(t, step.Release())
+		if rival != nil {
+			require.NoError(t, rival.Release())
+		}
+		require.NoError(t, ws.Release(), "every step left the workspace")
 	}
 }
 

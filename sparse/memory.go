@@ -46,8 +46,11 @@ func (s *binSelector) Bytes() uint64 { return vk.Held(s.bufs...) + s.owned.Bytes
 // Bytes returns the device memory of the selector's buffers.
 func (s *DoublePSelector) Bytes() uint64 { return vk.Held(s.bufs...) }
 
-// Bytes returns the device memory of the selector's buffers and owned index.
-func (s *H2OSelector) Bytes() uint64 { return vk.Held(s.bufs...) + s.owned.Bytes() }
+// Bytes returns the device memory of the selector's buffers, its own
+// scratch (none once it shares a workspace) and owned index.
+func (s *H2OSelector) Bytes() uint64 {
+	return vk.Held(s.bufs...) + vk.Held(s.ownScratch) + s.owned.Bytes()
+}
 
 // Bytes returns the device memory of the selector's buffers and owned index.
 func (s *StreamingSelector) Bytes() uint64 { return vk.Held(s.rank, s.cut) + s.owned.Bytes() }
