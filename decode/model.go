@@ -66,6 +66,10 @@ type seqLayer struct {
 	// pending is a tail clustered and stored in cluster order whose join
 	// failed; the next append joins it.
 	pending *kvcache.Clusters
+	// luka is LuKA's state and step (its summaries), and appended counts
+	// the tokens appended since its segmenter last ran.
+	luka     *sparse.LuKAStep
+	appended int
 }
 
 // layerBatch is the attention of one layer over the active slots: one
@@ -75,6 +79,7 @@ type layerBatch struct {
 	tactic *sparse.TacticBatch // Tactic: shared selection kernels
 	steps  *sparse.Batch       // every other policy
 	delta  *deltaBatch         // a DELTA Δ-layer
+	luka   []*sparse.LuKAStep  // LuKA: each sequence's step (the slots own them)
 	// gen numbers a Δ-layer's builds; a layer reusing its pick was built
 	// against build source (and is built again when they differ).
 	gen, source int
@@ -87,7 +92,7 @@ type layerBatch struct {
 
 // built reports whether the layer has a batch.
 func (b *layerBatch) exists() bool {
-	return b.plan != nil || b.tactic != nil || b.steps != nil || b.delta != nil
+	return b.plan != nil || b.tactic != nil || b.steps != nil || b.delta != nil || b.luka != nil
 }
 
 // step returns sequence i's step of a sparse batch.
@@ -102,6 +107,9 @@ func (b *layerBatch) step(i int) *sparse.Step {
 func (b *layerBatch) output(i int) *vk.Buffer {
 	if b.delta != nil {
 		return b.delta.plans[i].Output()
+	}
+	if b.luka != nil {
+		return b.luka[i].Output()
 	}
 	return b.step(i).Output()
 }
@@ -134,7 +142,7 @@ func (b *layerBatch) release() error {
 	if b.delta != nil {
 		errs = append(errs, b.delta.release())
 	}
-	b.plan, b.tactic, b.steps, b.delta, b.built, b.queried = nil, nil, nil, nil, nil, false
+	b.plan, b.tactic, b.steps, b.delta, b.luka, b.built, b.queried = nil, nil, nil, nil, nil, nil, false
 	return errors.Join(errs...)
 }
 
@@ -308,6 +316,13 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 		}
 		sl.clusters = x
 	}
+	if pol := m.policy[layer]; pol.kind == kindLuKA {
+		st, err := sparse.NewLuKAStep(m.dense, sl.cache, pol.luka)
+		if err != nil {
+			return errors.Join(fmt.Errorf("decode: slot %d layer %d: LuKA's summaries of the prefill (undone): %w", slot, layer, err), sl.cache.Truncate(0))
+		}
+		sl.luka, sl.appended = st, 0
+	}
 	sl.filled = true
 	s.n = n
 	s.filled++
@@ -375,7 +390,28 @@ func (m *Model) Append(slot, layer int, k, v []uint16) error {
 	if err := m.slots[slot].seq[layer].cache.Append(k, v); err != nil {
 		return fmt.Errorf("decode: slot %d layer %d: %w", slot, layer, err)
 	}
-	return m.clusterTail(slot, layer)
+	return m.appended(slot, layer)
+}
+
+// appended grows the layer's index after an append: the clustered
+// policies' (clusterTail) and LuKA's summaries (its segmenter, every
+// Every tokens).
+func (m *Model) appended(slot, layer int) error {
+	if err := m.clusterTail(slot, layer); err != nil {
+		return err
+	}
+	sl := &m.slots[slot].seq[layer]
+	if sl.luka == nil {
+		return nil
+	}
+	if sl.appended++; sl.appended < sl.luka.Options().Every {
+		return nil
+	}
+	if _, err := sl.luka.Segment(); err != nil {
+		return fmt.Errorf("decode: slot %d layer %d: the token is stored, but LuKA's segmenter failed (tried again at the next append): %w", slot, layer, err)
+	}
+	sl.appended = 0
+	return nil
 }
 
 // AppendAll stores one token's keys and values in every layer of an
@@ -412,7 +448,7 @@ func (m *Model) AppendAll(slot int, k, v []uint16) error {
 	}
 	var errs []error
 	for l := range seq {
-		errs = append(errs, m.clusterTail(slot, l))
+		errs = append(errs, m.appended(slot, l))
 	}
 	return errors.Join(errs...)
 }
@@ -510,6 +546,10 @@ func (m *Model) empty(sl *seqLayer) error {
 		}
 	}
 	sl.clusters, sl.pending = nil, nil
+	if sl.luka != nil {
+		errs = append(errs, sl.luka.Release())
+		sl.luka, sl.appended = nil, 0
+	}
 	if sl.filled {
 		errs = append(errs, sl.cache.Truncate(0))
 	}
@@ -587,7 +627,12 @@ func (m *Model) Attended(layer int) ([]float64, error) {
 			continue
 		}
 		var err error
-		if out[i], err = b.step(i).Attended(); err != nil {
+		if b.luka != nil {
+			out[i], err = b.luka[i].Attended()
+		} else {
+			out[i], err = b.step(i).Attended()
+		}
+		if err != nil {
 			return nil, fmt.Errorf("decode: layer %d: %w", layer, err)
 		}
 	}
@@ -671,6 +716,11 @@ func (m *Model) build(layer int) error {
 		if b.delta, err = newDeltaBatch(m.dense, m.ws, caches, pol.delta); err == nil {
 			m.builds++
 			b.gen = m.builds
+		}
+	case pol.kind == kindLuKA:
+		b.luka = make([]*sparse.LuKAStep, len(m.active))
+		for i, s := range m.active {
+			b.luka[i] = m.slots[s].seq[layer].luka
 		}
 	case pol.kind == kindDeltaReuse:
 		src := &m.layers[pol.source]
@@ -759,6 +809,13 @@ func (m *Model) setQuery(layer int, q []float32) error {
 		}
 	case b.delta != nil:
 		err = b.delta.setQuery(q, m.cfg.Heads.Query*m.cfg.Heads.Dim)
+	case b.luka != nil:
+		per := m.cfg.Heads.Query * m.cfg.Heads.Dim
+		for i, st := range b.luka {
+			if err = st.SetQuery(q[i*per : (i+1)*per]); err != nil {
+				break
+			}
+		}
 	default:
 		if err = b.steps.SetQuery(q); err == nil {
 			err = b.steps.Rebalance()
@@ -809,6 +866,8 @@ func (m *Model) record(layer int, c *vk.Commands) error {
 		err = b.tactic.Record(c)
 	case b.delta != nil:
 		err = b.delta.record(c)
+	case b.luka != nil:
+		err = recordLuKA(b.luka, c)
 	default:
 		err = b.steps.Record(c)
 	}
@@ -819,6 +878,22 @@ func (m *Model) record(layer int, c *vk.Commands) error {
 	per := uint64(m.cfg.Heads.Query*m.cfg.Heads.Dim) * 4
 	for i := range b.built {
 		c.Copy(b.output(i).All(), b.out.Slice(uint64(i)*per, per))
+	}
+	return nil
+}
+
+// recordLuKA appends LuKA's steps of a batch stage by stage: each stage of
+// every sequence, then a barrier.
+func recordLuKA(steps []*sparse.LuKAStep, c *vk.Commands) error {
+	for stage := range sparse.LuKAStages {
+		if stage > 0 {
+			c.ComputeBarrier()
+		}
+		for _, st := range steps {
+			if err := st.RecordStage(c, stage); err != nil {
+				return err
+			}
+		}
 	}
 	return nil
 }
@@ -917,6 +992,9 @@ func (m *Model) Memory() (Memory, error) {
 			sl := &m.slots[s].seq[l]
 			mem.Caches += sl.cache.CacheBytes()
 			mem.Other += sl.cache.Bytes() - sl.cache.CacheBytes() + sl.clusters.Bytes() + sl.pending.Bytes()
+			if sl.luka != nil {
+				mem.Other += sl.luka.Bytes()
+			}
 		}
 	}
 	for l := range m.layers {
@@ -959,7 +1037,7 @@ func (m *Model) Time(layer, warmup, reps int) ([]time.Duration, error) {
 		return b.plan.Time(warmup, reps)
 	case b.tactic != nil:
 		return b.tactic.Time(warmup, reps)
-	case b.delta != nil:
+	case b.delta != nil || b.luka != nil:
 		return m.timeRecord(layer, warmup, reps)
 	}
 	return b.steps.Time(warmup, reps)

@@ -22,6 +22,7 @@ const (
 	kindTokenOracle
 	kindDeltaRefresh // a Δ-layer: dense, then the pick of pages
 	kindDeltaReuse   // after a Δ-layer: its pages
+	kindLuKA         // LuKA's clustered attention: summaries, refined
 )
 
 // Policy chooses how a layer attends. The zero Policy is Dense.
@@ -45,6 +46,7 @@ type Policy struct {
 	opts    sparse.TacticDecoderOptions // sinks, recluster interval, K-means, Tactic's fit
 	delta   sparse.Delta                // DELTA's budget and pages
 	source  int                         // DELTA: the Δ-layer whose pick a layer reuses
+	luka    sparse.LuKA                 // LuKA's clustered attention
 }
 
 // Dense attends every stored token.
@@ -116,6 +118,74 @@ func DeltaLayout(layers int, opts sparse.Delta) ([]Policy, error) {
 	return out, nil
 }
 
+// LuKA attends each sequence's layer by LuKA's clustered attention
+// (sparse.LuKAStep): whole segments of the tokens before the last Recent
+// are compressed into summaries, at the prefill and then every Every
+// appended tokens; a query attends the summaries and the raw tokens after
+// them, and refines some summaries into their tokens, mass-preserving.
+// opts' zero values take sparse.DefaultLuKA's.
+func LuKA(opts sparse.LuKA) Policy { return Policy{kind: kindLuKA, luka: opts} }
+
+// LuKAMode is how LuKALayout spreads LuKA's two attentions over the layers.
+type LuKAMode int
+
+const (
+	// LuKAMixed gives the first and last layers lined attention (H2O) and
+	// those between clustered attention: ⌈layers·8/36⌉ at each end, the
+	// paper's 8 of 36.
+	LuKAMixed LuKAMode = iota
+	// LuKAClusteredOnly gives every layer clustered attention.
+	LuKAClusteredOnly
+	// LuKALinedOnly gives every layer lined attention.
+	LuKALinedOnly
+)
+
+// String names the mode.
+func (m LuKAMode) String() string {
+	switch m {
+	case LuKAMixed:
+		return "mixed"
+	case LuKAClusteredOnly:
+		return "clustered"
+	case LuKALinedOnly:
+		return "lined"
+	}
+	return fmt.Sprintf("LuKA mode %d", int(m))
+}
+
+// LuKALayout returns LuKA's layout of a model of layers layers in mode:
+// lined layers take lined (an H2O policy: LuKA's lined attention is H2O),
+// clustered layers LuKA(opts).
+func LuKALayout(layers int, mode LuKAMode, opts sparse.LuKA, lined Policy) ([]Policy, error) {
+	if layers <= 0 {
+		return nil, fmt.Errorf("decode: LuKA over %d layers", layers)
+	}
+	if mode != LuKAClusteredOnly && lined.kind != kindH2O {
+		return nil, fmt.Errorf("decode: LuKA's lined layers are H2O, not %s", lined)
+	}
+	if _, err := opts.Resolve(); err != nil {
+		return nil, err
+	}
+	edge := 0
+	switch mode {
+	case LuKAMixed:
+		edge = min((layers*8+35)/36, layers/2)
+	case LuKALinedOnly:
+		edge = layers
+	case LuKAClusteredOnly:
+	default:
+		return nil, fmt.Errorf("decode: unknown %v", mode)
+	}
+	out := make([]Policy, layers)
+	for l := range out {
+		out[l] = LuKA(opts)
+		if l < edge || l >= layers-edge {
+			out[l] = lined
+		}
+	}
+	return out, nil
+}
+
 // WithRecluster returns the policy with its index grown every n appended
 // tokens (Recluster of its options; 0 = sparse.TacticDefaultRecluster).
 func (p Policy) WithRecluster(n int) Policy {
@@ -169,6 +239,8 @@ func (p Policy) String() string {
 		return fmt.Sprintf("DELTA Δ-layer (K %d, L %d)", p.delta.Pages, p.delta.Recent)
 	case kindDeltaReuse:
 		return fmt.Sprintf("DELTA (the pick of layer %d)", p.source)
+	case kindLuKA:
+		return p.luka.String()
 	}
 	return "dense"
 }
@@ -196,6 +268,10 @@ func (p Policy) resolve(capacity int) (Policy, error) {
 		if p.budget <= 0 {
 			return p, fmt.Errorf("%s: the budget must be positive", p)
 		}
+	case kindLuKA:
+		if p.luka, err = p.luka.Resolve(); err != nil {
+			return p, err
+		}
 	case kindDeltaRefresh, kindDeltaReuse:
 		d := p.delta
 		if d.Pages < 1 || d.PageSize < 1 || d.Recent < 0 || d.Recent >= d.Pages {
@@ -217,7 +293,7 @@ func (p Policy) minPrefill() (int, string) {
 	switch {
 	case p.Clustered():
 		return p.opts.Sinks + 1, fmt.Sprintf("one past its %d sinks to cluster", p.opts.Sinks)
-	case p.kind == kindDense:
+	case p.kind == kindDense || p.kind == kindLuKA:
 		return 1, "one to attend"
 	case p.isDelta():
 		return p.delta.PageSize + 1, fmt.Sprintf("a page of %d and one", p.delta.PageSize)
