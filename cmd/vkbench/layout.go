@@ -13,15 +13,29 @@ import (
 // dense attention for the others. A fixed-budget policy's budget is given,
 // or matched per layer to the tokens another layout attended (budgetFrom).
 type layoutSpec struct {
-	Name       string `json:"name"`
-	Policy     string `json:"policy"` // dense, tactic, doublep, oracle, cluster-oracle, quest, streaming, h2o
-	P          float64
-	Targets    sparse.DoubleP
-	Budget     int    `json:"budget,omitempty"`
-	BudgetFrom string `json:"budget_from,omitempty"` // tactic or doublep: matched to that layout over the same layers
-	Layers     []bool `json:"-"`
-	LayerSpec  string `json:"layers"`
-	Delta      sparse.Delta
+	Name        string `json:"name"`
+	Policy      string `json:"policy"` // dense, tactic, doublep, oracle, cluster-oracle, quest, streaming, h2o
+	P           float64
+	Targets     sparse.DoubleP
+	Budget      int    `json:"budget,omitempty"`
+	BudgetFrom  string `json:"budget_from,omitempty"` // tactic or doublep: matched to that layout over the same layers
+	Layers      []bool `json:"-"`
+	LayerSpec   string `json:"layers"`
+	Delta       sparse.Delta
+	LuKA        sparse.LuKA
+	Mixed       bool `json:"mixed,omitempty"`        // luka: LuKA's mixed mode (H2O at both ends)
+	LinedBudget int  `json:"lined_budget,omitempty"` // luka mixed: the H2O layers' budget
+	// Tokens is the prefill, for matching LuKA's refinement to a budget.
+	Tokens int `json:"-"`
+}
+
+// matchSpec is the layers whose budgets a matched layout takes: its own,
+// or all for layouts that span the model (DELTA, LuKA's mixed mode).
+func (l layoutSpec) matchSpec() string {
+	if l.Policy == "delta" || (l.Policy == "luka" && l.Mixed) {
+		return "all"
+	}
+	return l.LayerSpec
 }
 
 // parseLayouts reads layouts separated by ";", each POLICY[:ARGS][@LAYERS]:
@@ -29,8 +43,15 @@ type layoutSpec struct {
 // quest:B, streaming:B, h2o:B with B a budget of middle tokens or tactic
 // or doublep (that layout's tokens over the same layers), delta:K/L
 // (pages and recent pages; 64/8 by default) whose LAYERS are its Δ-layers
-// (2 by default; the first ends the dense warm-up); LAYERS is all (the
-// default), a range a-b or a list a,b,c of layers in [0, layers).
+// (2 by default; the first ends the dense warm-up) and K may be tactic or
+// doublep (the mean of that layout's tokens over all layers, in pages),
+// luka:OPT/OPT/… with OPT one of topN, epsX, rhoX (the refinement rule;
+// top3 by default), mean, weighted or random (the compressor; weighted
+// by default), tactic or doublep (top-K with K matched per layer to that
+// layout's tokens), mixed (LuKA's mixed mode: H2O in the first and last
+// layers, LAYERS ignored) and h2o=B (the mixed mode's H2O budget, 2 048
+// by default); LAYERS is all (the default), a range a-b or a list a,b,c
+// of layers in [0, layers).
 func parseLayouts(s string, layers int) ([]layoutSpec, error) {
 	var out []layoutSpec
 	for _, item := range strings.Split(s, ";") {
@@ -98,6 +119,9 @@ func parseLayout(item string, layers int) (layoutSpec, error) {
 			k, r, ok = "64", "8", true
 		}
 		var errK, errR error
+		if k == "tactic" || k == "doublep" {
+			l.BudgetFrom, k = k, "64"
+		}
 		l.Delta.Pages, errK = strconv.Atoi(k)
 		l.Delta.Recent, errR = strconv.Atoi(r)
 		if !ok || errK != nil || errR != nil {
@@ -112,6 +136,8 @@ func parseLayout(item string, layers int) (layoutSpec, error) {
 		if _, err := decode.DeltaLayout(layers, l.Delta); err != nil {
 			return l, err
 		}
+	case "luka":
+		err = l.parseLuKA(args, layers)
 	case "quest", "streaming", "h2o":
 		switch args {
 		case "tactic", "doublep":
@@ -128,6 +154,73 @@ func parseLayout(item string, layers int) (layoutSpec, error) {
 		return l, fmt.Errorf("unknown policy %q", name)
 	}
 	return l, err
+}
+
+// parseLuKA reads luka's options.
+func (l *layoutSpec) parseLuKA(args string, layers int) error {
+	l.LuKA = sparse.DefaultLuKA()
+	l.LinedBudget = 2048
+	for _, opt := range strings.Split(args, "/") {
+		var err error
+		switch {
+		case opt == "":
+		case opt == "mean":
+			l.LuKA.Compressor = sparse.LuKAMean
+		case opt == "weighted":
+			l.LuKA.Compressor = sparse.LuKAWeighted
+		case opt == "random":
+			l.LuKA.Compressor = sparse.LuKARandom
+		case opt == "tactic" || opt == "doublep":
+			l.BudgetFrom = opt
+			l.LuKA.Rule = sparse.RefineTopK
+		case opt == "mixed":
+			l.Mixed = true
+			l.LayerSpec = "all"
+		case strings.HasPrefix(opt, "top"):
+			l.LuKA.Rule = sparse.RefineTopK
+			l.LuKA.K, err = strconv.Atoi(opt[3:])
+		case strings.HasPrefix(opt, "eps"):
+			l.LuKA.Rule = sparse.RefineThreshold
+			l.LuKA.Epsilon, err = strconv.ParseFloat(opt[3:], 64)
+		case strings.HasPrefix(opt, "rho"):
+			l.LuKA.Rule = sparse.RefineFraction
+			l.LuKA.Rho, err = strconv.ParseFloat(opt[3:], 64)
+		case strings.HasPrefix(opt, "h2o="):
+			l.LinedBudget, err = strconv.Atoi(opt[4:])
+			if err == nil && l.LinedBudget <= 0 {
+				err = fmt.Errorf("the H2O budget %d must be positive", l.LinedBudget)
+			}
+		default:
+			return fmt.Errorf("luka option %q: topN, epsX, rhoX, mean, weighted, random, tactic, doublep, mixed or h2o=B", opt)
+		}
+		if err == nil && (l.LuKA.K < 1 || !(l.LuKA.Epsilon > 0) || !(l.LuKA.Rho > 0)) {
+			err = fmt.Errorf("K, ε and ρ must be positive")
+		}
+		if err != nil {
+			return fmt.Errorf("luka option %q: %w", opt, err)
+		}
+	}
+	if _, err := l.LuKA.Resolve(); err != nil {
+		return err
+	}
+	if l.Mixed {
+		_, err := decode.LuKALayout(layers, decode.LuKAMixed, l.LuKA, decode.H2O(l.LinedBudget))
+		return err
+	}
+	return nil
+}
+
+// lukaMatched returns LuKA's options with top-K refinement matched to
+// attend about tokens rows per KV head over a prefill of n tokens: the
+// cover (summaries and the raw tail), then K summaries of P tokens for
+// each of the group's query heads.
+func lukaMatched(o sparse.LuKA, tokens float64, n, group int) sparse.LuKA {
+	o, _ = o.Resolve()
+	s := o.Summaries(n)
+	cover := float64(s + n - s*o.Segment)
+	o.Rule = sparse.RefineTopK
+	o.K = max(1, min(s, int((tokens-cover)/float64(group*o.Segment)+0.5)))
+	return o
 }
 
 // parseLayers reads all, a-b or a,b,c into a mask of layers.
@@ -173,9 +266,29 @@ func parseLayers(s string, layers int) ([]bool, error) {
 
 // policies returns the layout's decode policies, budgets[l] standing in
 // for a matched budget at layer l.
-func (l layoutSpec) policies(budgets []int) []decode.Policy {
-	if l.Policy == "delta" {
-		out, _ := decode.DeltaLayout(len(l.Layers), l.Delta) // checked when parsed
+func (l layoutSpec) policies(budgets []int, group int) []decode.Policy {
+	middle := sparse.BaselineSinks + sparse.BaselineWindow // matched budgets count the middle only
+	switch {
+	case l.Policy == "delta":
+		d := l.Delta
+		if l.BudgetFrom != "" {
+			sum := 0
+			for _, b := range budgets {
+				sum += b + middle
+			}
+			d.Pages = max(d.Recent+1, int(float64(sum)/float64(len(budgets)*16)+0.5))
+		}
+		out, _ := decode.DeltaLayout(len(l.Layers), d) // checked when parsed
+		return out
+	case l.Policy == "luka" && l.Mixed:
+		out, _ := decode.LuKALayout(len(l.Layers), decode.LuKAMixed, l.LuKA, decode.H2O(l.LinedBudget)) // checked when parsed
+		if l.BudgetFrom != "" {
+			for i, p := range out {
+				if p.Budget() == 0 {
+					out[i] = decode.LuKA(lukaMatched(l.LuKA, float64(budgets[i]+middle), l.Tokens, group))
+				}
+			}
+		}
 		return out
 	}
 	out := make([]decode.Policy, len(l.Layers))
@@ -202,6 +315,12 @@ func (l layoutSpec) policies(budgets []int) []decode.Policy {
 			out[i] = decode.StreamingLLM(b)
 		case "h2o":
 			out[i] = decode.H2O(b)
+		case "luka":
+			o := l.LuKA
+			if l.BudgetFrom != "" {
+				o = lukaMatched(o, float64(budgets[i]+middle), l.Tokens, group)
+			}
+			out[i] = decode.LuKA(o)
 		}
 	}
 	return out
@@ -211,6 +330,9 @@ func (l layoutSpec) policies(budgets []int) []decode.Policy {
 func (l layoutSpec) sparseLayers() int {
 	if l.Policy == "delta" {
 		return len(l.Layers) - l.Delta.Warmup
+	}
+	if l.Policy == "luka" && l.Mixed {
+		return len(l.Layers)
 	}
 	n := 0
 	for _, on := range l.Layers {
