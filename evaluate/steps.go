@@ -5,6 +5,8 @@ import (
 	"math"
 	"time"
 
+	"github.com/x448/float16"
+
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
@@ -36,6 +38,7 @@ type Layers struct {
 	// and the recent window: the exactly attended tokens of the first
 	// adaptive policy run, mean over KV heads.
 	Budget int
+	trace  *trace.Trace // the tokens and queries, for policies that report mass
 }
 
 // Policy names a decode policy and makes its step.
@@ -47,6 +50,10 @@ type Policy struct {
 	// Ranks, if set, reads the last step's cluster ranks [Hq][C] and cuts
 	// [Hq] (a KV head attends the clusters some head ranks below its cut).
 	Ranks func(s Stepper) (ranks, cuts []int, err error)
+	// Read, if set, reports the rows the last step read per KV head and
+	// the true attention mass of the tokens it attended exactly, mean over
+	// query heads, for the query q.
+	Read func(s Stepper, l *Layers, q []float32) (rows, mass float64, err error)
 }
 
 // StepRun is one policy's decode step on the GPU over a trace's tokens:
@@ -70,6 +77,12 @@ type StepRun struct {
 	// RelErr is ‖o − o_dense‖/‖o_dense‖ per query head, mean over heads,
 	// both outputs from the GPU for the trace's last query.
 	RelErr float64 `json:"mean_rel_err"`
+	// ReadPct is the rows the step read (tokens, summaries) per KV head, %
+	// of the tokens, and Mass the true attention mass (the dense softmax)
+	// of the tokens it attended exactly, mean over query heads (where the
+	// policy reports them: Policy.Read).
+	ReadPct float64 `json:"read_pct,omitempty"`
+	Mass    float64 `json:"exact_mass,omitempty"`
 }
 
 // Steps times each policy's step over all of a trace's tokens for its last
@@ -87,7 +100,7 @@ func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, clustering 
 		return nil, err
 	}
 	defer dense.Release()
-	l := &Layers{Dense: dense, Sinks: sinks, Recent: recent}
+	l := &Layers{Dense: dense, Sinks: sinks, Recent: recent, trace: t}
 	for _, x := range []**kvcache.Layer{&l.Ordered, &l.Positional} {
 		if *x, err = kvcache.NewLayer(dev, heads.KV, heads.Dim, n); err != nil {
 			return nil, err
@@ -207,6 +220,14 @@ func timeStep(dev *vk.Device, l *Layers, p Policy, prev, q []float32, ref []floa
 	if !p.Adaptive {
 		r.Budget = l.Budget
 	}
+	if p.Read != nil {
+		rows, mass, err := p.Read(step, l, q)
+		if err != nil {
+			return r, err
+		}
+		r.ReadPct, r.Mass = 100*rows/float64(l.Positional.Len()), mass
+		r.ExactPct = 0
+	}
 	if p.Ranks != nil {
 		ranks, cuts, err := p.Ranks(step)
 		if err != nil {
@@ -252,7 +273,8 @@ func exactTokens(l *Layers, ranks, cuts []int) (float64, error) {
 // Double-P with its default targets (whose exactly attended tokens set the
 // fixed budgets), Tactic at each P (default fit), the oracles of the
 // Tactic paper's Table 3 at each P (clusters by true mass, exact top-p over
-// tokens), and Quest, StreamingLLM and H2O at Double-P's budget.
+// tokens), Quest, StreamingLLM and H2O at Double-P's budget, and LuKA's
+// clustered attention at the paper's defaults and matched to that budget.
 func DefaultPolicies(ps []float64) []Policy {
 	var out []Policy
 	out = append(out, doubleP("double-p", sparse.DefaultDoubleP()))
@@ -286,8 +308,31 @@ func DefaultPolicies(ps []float64) []Policy {
 			return nil, err
 		}
 		return &h2oStep{Step: s, warm: true}, nil
-	}})
+	}}, lukaDefault(), lukaMatched())
 	return out
+}
+
+// lukaDefault is LuKA at the paper's defaults (its own budget).
+func lukaDefault() Policy {
+	p := LuKAPolicy("luka", sparse.DefaultLuKA())
+	p.Adaptive = true
+	return p
+}
+
+// lukaMatched is LuKA with top-K refinement matched to the fixed budget:
+// the cover (summaries and raw tail) and K summaries' tokens for each
+// query head of a group make about Budget + Sinks + Recent rows.
+func lukaMatched() Policy {
+	p := LuKAPolicy("luka matched", sparse.LuKA{})
+	p.Make = func(l *Layers) (Stepper, error) {
+		o := sparse.DefaultLuKA()
+		n, h := l.Positional.Len(), l.Dense.Heads()
+		s := o.Summaries(n)
+		cover := s + n - s*o.Segment
+		o.K = max(1, min(s, (l.Budget+l.Sinks+l.Recent-cover)/(h.Group()*o.Segment)))
+		return sparse.NewLuKAStep(l.Dense, l.Positional, o)
+	}
+	return p
 }
 
 // h2oStep is H2O's step, its accumulated attention filled before it is
@@ -319,6 +364,84 @@ func (s *h2oStep) SetQuery(q []float32) error {
 	_, err := s.Time(0, h2oWarmup)
 	return err
 }
+
+// LuKAPolicy is LuKA's clustered attention (sparse.LuKAStep) with opts,
+// over the tokens in positional order. Its summaries are made when the
+// step is: no query has been seen, so attention-weighted summaries are
+// means there.
+func LuKAPolicy(name string, opts sparse.LuKA) Policy {
+	return Policy{Name: name, Make: func(l *Layers) (Stepper, error) {
+		return sparse.NewLuKAStep(l.Dense, l.Positional, opts)
+	}, Read: lukaRead}
+}
+
+// lukaRead reports the rows a LuKA step read and the true mass of its raw
+// tail and refined summaries' tokens.
+func lukaRead(s Stepper, l *Layers, q []float32) (float64, float64, error) {
+	st := s.(*sparse.LuKAStep)
+	rows, err := st.Attended()
+	if err != nil {
+		return 0, 0, err
+	}
+	refined, err := st.Refined()
+	if err != nil {
+		return 0, 0, err
+	}
+	h, t := l.Dense.Heads(), l.trace
+	p := st.Options().Segment
+	tail := st.Summaries() * p
+	mass := 0.0
+	for hh := 0; hh < h.Query; hh++ {
+		probs := headSoftmax(t, q[hh*h.Dim:(hh+1)*h.Dim], hh/h.Group(), t.Tokens)
+		m := 0.0
+		for tok := tail; tok < t.Tokens; tok++ {
+			m += probs[tok]
+		}
+		for _, c := range refined[hh] {
+			for tok := c * p; tok < (c+1)*p; tok++ {
+				m += probs[tok]
+			}
+		}
+		mass += m / float64(h.Query)
+	}
+	return rows, mass, nil
+}
+
+// headSoftmax returns the softmax of q·k/√D over the first n tokens of
+// KV head g of t, in float64.
+func headSoftmax(t *trace.Trace, q []float32, g, n int) []float64 {
+	d := t.HeadDim
+	scale := 1 / math.Sqrt(float64(d))
+	out := make([]float64, n)
+	top := math.Inf(-1)
+	for tok := range out {
+		row := t.K[(g*t.Tokens+tok)*d : (g*t.Tokens+tok+1)*d]
+		dot := 0.0
+		for i, x := range row {
+			dot += float64(halfTable[x]) * float64(q[i])
+		}
+		out[tok] = dot * scale
+		top = max(top, out[tok])
+	}
+	z := 0.0
+	for i, l := range out {
+		out[i] = math.Exp(l - top)
+		z += out[i]
+	}
+	for i := range out {
+		out[i] /= z
+	}
+	return out
+}
+
+// halfTable maps every fp16 bit pattern to its value.
+var halfTable = func() []float32 {
+	t := make([]float32, 1<<16)
+	for i := range t {
+		t[i] = float16.Frombits(uint16(i)).Float32()
+	}
+	return t
+}()
 
 // doubleP is Double-P with targets opts.
 func doubleP(name string, opts sparse.DoubleP) Policy {

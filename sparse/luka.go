@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/bits"
+	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/vk"
@@ -229,6 +230,7 @@ type LuKAStep struct {
 	score, choose, attend, compress             *vk.Pipeline
 	scoreBind, chooseBind, attendBind, compBind *vk.Binding
 	held                                        uint32 // luka_select's logits in shared memory
+	clock                                       stopwatch
 }
 
 // NewLuKAStep prepares LuKA over layer and runs the segmenter over what
@@ -449,6 +451,36 @@ func (s *LuKAStep) Record(c *vk.Commands) error {
 	return nil
 }
 
+// Time runs warmup+reps steps back to back in one submission, a
+// timestamp around each, and returns the timed runs' GPU times, sorted.
+func (s *LuKAStep) Time(warmup, reps int) ([]time.Duration, error) {
+	if s.scoreBind == nil {
+		return nil, vk.ErrReleased
+	}
+	return s.clock.time(s.dense.dev, warmup, reps, s.Record)
+}
+
+// TimeStages runs reps steps after warmup untimed ones with a timestamp
+// after every stage, and returns each stage's median GPU time (LuKAStages
+// order) and the median whole step.
+func (s *LuKAStep) TimeStages(warmup, reps int) ([]time.Duration, time.Duration, error) {
+	if s.scoreBind == nil {
+		return nil, 0, vk.ErrReleased
+	}
+	return timeStages(s.dense.dev, len(LuKAStages), warmup, reps, func(c *vk.Commands, mark func(int)) error {
+		for i := range LuKAStages {
+			if i > 0 {
+				c.ComputeBarrier()
+			}
+			if err := s.RecordStage(c, i); err != nil {
+				return err
+			}
+			mark(i)
+		}
+		return nil
+	})
+}
+
 // Attend runs one step for the queries q ([Hq][D]) and returns the output,
 // [Hq][D].
 func (s *LuKAStep) Attend(q []float32) ([]float32, error) {
@@ -573,6 +605,7 @@ func (s *LuKAStep) Release() error {
 	if s.bufs == nil && s.scoreBind == nil {
 		return vk.ErrReleased
 	}
+	s.clock.release()
 	err := errors.Join(releaseAll(s.scoreBind, s.chooseBind, s.attendBind, s.compBind), releaseAll(s.bufs...))
 	s.scoreBind, s.chooseBind, s.attendBind, s.compBind, s.bufs = nil, nil, nil, nil, nil
 	s.sumK, s.sumV, s.acc, s.query, s.row, s.part, s.mz, s.out = nil, nil, nil, nil, nil, nil, nil, nil

@@ -166,17 +166,21 @@ func printSteps(rows []compareRow) {
 		for _, s := range stages {
 			st += fmt.Sprintf("%s %.1f ", s, r.StageUs[s])
 		}
-		exact, budget := "—", "—"
+		exact, budget, mass := "—", "—", "—"
 		if r.ExactPct > 0 {
 			exact = fmt.Sprintf("%.1f", r.ExactPct)
+		}
+		if r.ReadPct > 0 {
+			exact = fmt.Sprintf("%.1f read", r.ReadPct)
+			mass = fmt.Sprintf("%.3f", r.Mass)
 		}
 		if r.Budget > 0 {
 			budget = fmt.Sprint(r.Budget)
 		}
 		cells = append(cells, []string{r.Source, r.Policy, fmt.Sprintf("%.1f", r.DenseUs), fmt.Sprintf("%.0f", r.DenseGBps), fmt.Sprintf("%.1f", r.StepUs), fmt.Sprintf("%.2f×", r.Speedup),
-			fmt.Sprint(r.Dispatches), exact, budget, fmt.Sprintf("%.1e", r.RelErr), st})
+			fmt.Sprint(r.Dispatches), exact, budget, mass, fmt.Sprintf("%.1e", r.RelErr), st})
 	}
-	table(os.Stdout, []string{"source", "policy", "dense µs", "dense GB/s", "step µs", "speed-up", "dispatches", "exact %", "budget", "rel err", "stages µs"}, cells)
+	table(os.Stdout, []string{"source", "policy", "dense µs", "dense GB/s", "step µs", "speed-up", "dispatches", "exact %", "budget", "exact mass", "rel err", "stages µs"}, cells)
 }
 
 // fidelityAutoTokens is the largest generated layer the fidelity
