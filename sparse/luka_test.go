@@ -47,6 +47,12 @@ func TestLuKAStepMatchesReference(t *testing.T) {
 		what := fmt.Sprintf("%v, n %d", c.opts, c.n)
 		testLuKA(t, dev, dense, h, c.opts, c.n, c.steps, c.held, what)
 	}
+	// Llama's head dimension, a group of 8 query heads.
+	wide := Heads{Query: 16, KV: 2, Dim: 128}
+	denseWide, err := NewDense(dev, wide)
+	require.NoError(t, err)
+	defer denseWide.Release()
+	testLuKA(t, dev, denseWide, wide, LuKA{Segment: 16, Recent: 30, Every: 2, Rule: RefineFraction, Rho: 0.2}, 333, 3, 0, "D 128, group 8")
 }
 
 func testLuKA(t *testing.T, dev *vk.Device, dense *Dense, h Heads, opts LuKA, n, steps, held int, what string) {
