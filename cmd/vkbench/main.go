@@ -9,6 +9,7 @@
 //	vkbench compare [flags]         every policy: GPU step times, then fidelity at matched budgets
 //	vkbench kernels [flags]         the compiler's statistics of every step kernel (registers, memory)
 //	vkbench generate [flags]        the project's model decoding through the library: what each policy layout costs its output
+//	vkbench stack [flags]           attention per decoded token across a whole model: dense against DELTA's layout
 //
 // The global flag -progress=auto|always|never (before the command) says
 // whether to draw progress lines on stderr; auto, the default, draws them
@@ -47,6 +48,10 @@ commands:
             top-1 agreement, speculative acceptance, tokens attended and
             attention time; -whole prefills the whole document, -prompt
             generates text greedily ("vkbench generate -h" for flags)
+  stack     attention per decoded token across a whole model (32 layers of
+            131 072 tokens by default), layer by layer and in one pass,
+            dense against DELTA's layout, and which part bounds DELTA
+            ("vkbench stack -h" for flags)
 
 global flags:
   -progress auto|always|never
@@ -87,6 +92,8 @@ func main() {
 		err = kernels(args[1:])
 	case "generate":
 		err = generate(args[1:])
+	case "stack":
+		err = stack(args[1:])
 	case "help":
 		fmt.Print(usage)
 		return
