@@ -34,7 +34,7 @@ func newDeltaBatch(dense *sparse.Dense, ws *sparse.Workspace, caches []*kvcache.
 		if pages < 1 {
 			return nil, errors.Join(fmt.Errorf("a Δ-layer of %d tokens has no whole page of %d before its last", c.Len(), opts.PageSize), b.release())
 		}
-		plan, err := dense.Plan([]*kvcache.Layer{c})
+		plan, err := dense.PlanLogits(c)
 		if err == nil {
 			b.plans = append(b.plans, plan)
 			err = plan.Share(ws, i)
@@ -47,7 +47,7 @@ func newDeltaBatch(dense *sparse.Dense, ws *sparse.Workspace, caches []*kvcache.
 		}
 		if err == nil {
 			var pick *sparse.DeltaSelect
-			if pick, err = sparse.NewDeltaSelect(dense, scores.Pages().All(), pages); err == nil {
+			if pick, err = sparse.NewDeltaSelect(dense, scores.Pages().All(), pages, opts.Pages, opts.Recent, opts.PageSize); err == nil {
 				b.picks = append(b.picks, pick)
 			}
 		}
@@ -83,8 +83,8 @@ func (b *deltaBatch) record(c *vk.Commands) error {
 		}
 	}
 	c.ComputeBarrier()
-	for i, p := range b.picks {
-		if err := p.Record(c, b.pages[i], b.opts.Pages, b.opts.Recent); err != nil {
+	for _, p := range b.picks {
+		if err := p.Record(c); err != nil {
 			return err
 		}
 	}
@@ -101,7 +101,7 @@ func (b *deltaBatch) bytes() uint64 {
 		n += vk.Held(s.Pages())
 	}
 	for _, p := range b.picks {
-		n += vk.Held(p.Rank().Buffer, p.Cut().Buffer)
+		n += p.Bytes()
 	}
 	return n
 }

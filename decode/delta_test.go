@@ -68,7 +68,7 @@ func TestModelDeltaMatchesReference(t *testing.T) {
 				pages := m.layers[src].delta.pages[i]
 				want, err := sparse.DeltaSelectRef(sparse.DeltaPageScoresRef(scores, opts.PageSize)[:pages], opts.Pages, opts.Recent)
 				require.NoError(t, err)
-				got, err := m.layers[src].delta.picks[i].Picked(pages)
+				got, err := m.layers[src].delta.picks[i].Picked()
 				require.NoError(t, err)
 				require.Equal(t, want, got, "%s: the pick of layer %d", name, src)
 				tokens := sparse.DeltaTokensRef(want, opts.PageSize, pages*opts.PageSize)

@@ -731,7 +731,7 @@ func (m *Model) build(layer int) error {
 		steps := make([]*sparse.Step, 0, len(caches))
 		for i := range caches {
 			var st *sparse.Step
-			if st, err = sparse.NewDeltaReuseStep(m.dense, caches[i], src.delta.picks[i], src.delta.pages[i], pol.delta.PageSize); err != nil {
+			if st, err = sparse.NewDeltaReuseStep(m.dense, caches[i], src.delta.picks[i]); err != nil {
 				err = fmt.Errorf("slot %d: %w", m.active[i], err)
 				break
 			}

@@ -43,7 +43,7 @@ func TestTimeStack(t *testing.T) {
 		var out [][]int
 		for _, l := range []int{2, 4} {
 			b := m.layers[l].delta
-			p, err := b.picks[0].Picked(b.pages[0])
+			p, err := b.picks[0].Picked()
 			require.NoError(t, err)
 			out = append(out, p)
 		}

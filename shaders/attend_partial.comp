@@ -55,6 +55,11 @@ layout(constant_id = 11) const uint WINDOW = 64;
 // one token of logit logit[h][c] and value means[g][c] (fp16), folded
 // into the partial of its run.
 layout(constant_id = 12) const uint APPROX = 0;
+// LOGITS = 1 (with GATHER = 0) also writes every logit it computes,
+// scale · q_h · k_t, as float bits to taken[(seq · qHeads + h) · n + t]
+// (binding Taken is then a [B][Hq][n] buffer): DELTA's token scores read
+// them instead of the keys.
+layout(constant_id = 13) const uint LOGITS = 0;
 
 const uint DV = D / 8;  // uvec4 words per row
 const uint ACC = GROUP * 2;  // vec4 of output a thread accumulates
@@ -124,6 +129,8 @@ layout(push_constant) uniform Push {
 
 // The runs of clusters of this workgroup's head block (GATHER = 2).
 uint runs;
+// The first query head of the chunk being attended (LOGITS).
+uint blockHead;
 
 shared vec4 qs[GROUP * D4];  // the queries; with APPROX, then the run's partial outputs
 // APPROX = 1: the run's partial max and sum per head, for approxChunk.
@@ -263,6 +270,7 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 			uint t = pass + r * STRIDE + tid / TPR;
 			if (e < RPT * GROUP && t < len) {
 				sc[t * GROUP + g] = s[i];
+				if (LOGITS != 0) taken[(pc.seq * pc.qHeads + blockHead + g) * pc.n + t0 + t] = floatBitsToUint(s[i]);
 				[[unroll]] for (uint x = 0; x < GROUP; x++) {
 					if (x == g) mt[x] = max(mt[x], s[i]);
 				}
@@ -388,6 +396,7 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 	}
 
 	uint headBase = kvLocal * pc.headStride;
+	blockHead = h0;
 	uint attended = 1;  // GATHER = 2: the members attended (every chunk attends some tokens otherwise)
 	if (GATHER != 2) {
 		for (uint t0 = chunkStart; t0 < chunkEnd; t0 += TILE) {

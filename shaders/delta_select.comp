@@ -2,42 +2,45 @@
 // DELTA's page pick at a Δ-layer (seed 002, Algorithm 2): of C pages with
 // scores S_u ≥ 0, the last `recent` pages and, of the pages before them,
 // the budget − recent of the greatest scores, ties to the lower page; all
-// C when C ≤ budget. It writes, for every query head h, rank[h][u] = 0 for
-// a picked page and 1 for the others, and cut[h] = 1, the selection the
-// shared attention kernel reads over a page index. One workgroup: an exact
-// radix select of the threshold over the scores' bits (non-negative floats
-// order as their bits), 8 bits a pass, then the pages above it and the
-// lowest-numbered ones equal to it.
+// C when C ≤ budget. It writes the picked pages' first slots u·P in
+// ascending order, min(C, budget) of them, for every KV head g:
+// starts[g][i] (the page index the layers after it attend). One
+// workgroup: an exact radix select of the threshold over the scores' bits
+// (non-negative floats order as their bits), 8 bits a pass; then each
+// thread takes a contiguous span of pages, counts its picks, and writes
+// them after the picks of the spans before it.
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 256;  // threads, a power of two, at least 256
 
 layout(std430, binding = 0) readonly buffer Scores { uint score[]; };  // [C] float bits
-layout(std430, binding = 1) writeonly buffer Rank { uint rank[]; };    // [Hq][C]
-layout(std430, binding = 2) writeonly buffer Cut { uint cut[]; };      // [Hq]
+layout(std430, binding = 1) writeonly buffer Starts { uint starts[]; };  // [heads][min(C, budget)]
 
 layout(push_constant) uniform Push {
 	uint C;
 	uint budget;
 	uint recent;
-	uint heads;
+	uint heads;     // KV heads
+	uint pageSize;  // P
 } pc;
 
 shared uint hist[256];
 shared uint prefix;  // the threshold's bits found so far
 shared uint want;    // how many of the pages matching prefix are still to pick
-shared uint eq[WG];  // per thread: pages equal to the threshold in its span
+shared uint sums[WG];
 
-bool picked(uint u, uint tau, uint older, uint firstEq, inout uint seenEq, uint needEq) {
-	if (u >= older) return true;  // recent
-	uint s = score[u];
-	if (s > tau) return true;
-	if (s == tau) {
-		bool take = firstEq + seenEq < needEq;
-		seenEq++;
-		return take;
+// exclusiveSum returns the sum of v over the threads below this one.
+uint exclusiveSum(uint v) {
+	uint tid = gl_LocalInvocationID.x;
+	sums[tid] = v;
+	barrier();
+	for (uint o = 1; o < WG; o <<= 1) {
+		uint x = tid >= o ? sums[tid - o] : 0u;
+		barrier();
+		sums[tid] += x;
+		barrier();
 	}
-	return false;
+	return sums[tid] - v;
 }
 
 void main() {
@@ -46,9 +49,9 @@ void main() {
 	bool all = C <= pc.budget;
 	uint older = all ? C : C - pc.recent;  // pages before the recent ones
 	uint m = all ? 0 : pc.budget - pc.recent;  // of them, to pick by score
-	uint tau = 0;
+	uint tau = 0xffffffffu;
 	uint needEq = 0;
-	if (!all) {
+	if (!all && m > 0) {
 		if (tid == 0) {
 			prefix = 0;
 			want = m;
@@ -79,25 +82,36 @@ void main() {
 		tau = prefix;
 		needEq = want;  // equal pages to take, lowest first
 	}
-	// Each thread's span of pages, in order: count the equal ones, then
-	// number them across threads.
-	uint span = (older + WG - 1) / WG;
-	uint lo = min(tid * span, older), hi = min(lo + span, older);
-	uint n = 0;
-	if (!all) {
-		for (uint u = lo; u < hi; u++) n += score[u] == tau ? 1u : 0u;
-	}
-	eq[tid] = n;
-	barrier();
-	uint firstEq = 0;
-	for (uint i = 0; i < tid; i++) firstEq += eq[i];
-	uint seen = 0;
+	// Each thread's contiguous span of pages: its pages equal to the
+	// threshold numbered across threads, then its picks.
+	uint span = (C + WG - 1) / WG;
+	uint lo = min(tid * span, C), hi = min(lo + span, C);
+	uint eq = 0;
+	for (uint u = lo; u < min(hi, older); u++) eq += uint(!all && score[u] == tau);
+	uint seen = exclusiveSum(eq);
+	uint mine = 0;
 	for (uint u = lo; u < hi; u++) {
-		uint r = all || picked(u, tau, older, firstEq, seen, needEq) ? 0u : 1u;
-		for (uint h = 0; h < pc.heads; h++) rank[h * C + u] = r;
+		bool take = all || u >= older;
+		if (!take) {
+			uint s = score[u];
+			take = s > tau && tau != 0xffffffffu;
+			if (s == tau) take = seen++ < needEq;
+		}
+		mine += uint(take);
 	}
-	for (uint u = older + tid; u < C; u += WG) {
-		for (uint h = 0; h < pc.heads; h++) rank[h * C + u] = 0;
+	uint at = exclusiveSum(mine);
+	uint K = min(C, pc.budget);
+	seen -= eq;  // back to this span's first equal page
+	for (uint u = lo; u < hi; u++) {
+		bool take = all || u >= older;
+		if (!take) {
+			uint s = score[u];
+			take = s > tau && tau != 0xffffffffu;
+			if (s == tau) take = seen++ < needEq;
+		}
+		if (take) {
+			for (uint g = 0; g < pc.heads; g++) starts[g * K + at] = u * pc.pageSize;
+			at++;
+		}
 	}
-	for (uint h = tid; h < pc.heads; h += WG) cut[h] = 1;
 }

@@ -1,6 +1,7 @@
 package sparse
 
 import (
+	"fmt"
 	"math"
 	"math/rand"
 	"testing"
@@ -31,7 +32,7 @@ func TestDeltaPagesMatchReference(t *testing.T) {
 		require.NoError(t, err)
 		for _, n := range tc.n {
 			layer, k, _ := randomLayer(t, dev, rng, tc.h, n, n+7, 1.5)
-			plan, err := d.Plan([]*kvcache.Layer{layer})
+			plan, err := d.PlanLogits(layer)
 			require.NoError(t, err)
 			x, err := NewDeltaPages(plan, QuestPageSize)
 			require.NoError(t, err)
@@ -40,6 +41,28 @@ func TestDeltaPagesMatchReference(t *testing.T) {
 			require.NoError(t, err)
 			nan := math.Float32bits(float32(math.NaN()))
 			require.NoError(t, dev.Run(func(c *vk.Commands) { c.Fill(x.Pages().All(), nan) }))
+			// The logits the attention wrote, against float64 products.
+			logits := make([]float32, tc.h.Query*n)
+			require.NoError(t, plan.Logits().ReadFloat32(0, logits))
+			for hh := 0; hh < tc.h.Query; hh++ {
+				g := hh / tc.h.Group()
+				for tok := 0; tok < n; tok += max(1, n/50) {
+					want := 0.0
+					for i := 0; i < tc.h.Dim; i++ {
+						want += float64(q[hh*tc.h.Dim+i]) * k[(g*n+tok)*tc.h.Dim+i]
+					}
+					want /= math.Sqrt(float64(tc.h.Dim))
+					require.InDelta(t, want, float64(logits[hh*n+tok]), 1e-3*(1+math.Abs(want)), "head %d token %d logit", hh, tok)
+				}
+			}
+			out := make([]float32, len(q))
+			require.NoError(t, plan.Output().ReadFloat32(0, out))
+			dense, err := d.Plan([]*kvcache.Layer{layer})
+			require.NoError(t, err)
+			ref, err := dense.Attend(q)
+			require.NoError(t, err)
+			require.NoError(t, dense.Release())
+			require.Equal(t, ref, out, "writing the logits leaves the output as it was")
 			require.NoError(t, runOnce(dev, x.Record))
 			got, err := x.Scores()
 			require.NoError(t, err)
@@ -83,8 +106,8 @@ func TestDeltaPagesRejectsBadInput(t *testing.T) {
 	require.NoError(t, err)
 	defer two.Release()
 	_, err = NewDeltaPages(two, 16)
-	require.Error(t, err, "a plan over two sequences")
-	one, err := d.Plan([]*kvcache.Layer{a})
+	require.Error(t, err, "a plan without logits")
+	one, err := d.PlanLogits(a)
 	require.NoError(t, err)
 	defer one.Release()
 	for _, size := range []int{0, -16, 3, 512} {
@@ -95,8 +118,8 @@ func TestDeltaPagesRejectsBadInput(t *testing.T) {
 
 // TestDeltaSelectMatchesReference picks pages on the GPU from random
 // scores with many ties (a few distinct values) and without, over page
-// counts below and far above the budget, with the ranks and cuts poisoned
-// first, and compares every query head's pick with DeltaSelectRef.
+// counts below and far above the budget, with the index poisoned first,
+// and compares the pick, for every KV head, with DeltaSelectRef.
 func TestDeltaSelectMatchesReference(t *testing.T) {
 	dev := vktest.Open(t)
 	rng := rand.New(rand.NewSource(17))
@@ -108,12 +131,9 @@ func TestDeltaSelectMatchesReference(t *testing.T) {
 	scores, err := dev.NewBuffer(most*4, vk.DeviceLocal)
 	require.NoError(t, err)
 	defer scores.Release()
-	x, err := NewDeltaSelect(d, scores.All(), most)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, x.Release()) }()
-	for _, tc := range []struct{ pages, budget, recent, distinct int }{
-		{1, 64, 8, 0}, {5, 64, 8, 0}, {64, 64, 8, 0}, {65, 64, 8, 3},
-		{100, 10, 3, 0}, {1000, 64, 8, 4}, {most, 64, 8, 0}, {most, 2, 1, 2}, {300, 20, 0, 0},
+	for _, tc := range []struct{ pages, budget, recent, distinct, size int }{
+		{1, 64, 8, 0, 16}, {5, 64, 8, 0, 16}, {64, 64, 8, 0, 16}, {65, 64, 8, 3, 16},
+		{100, 10, 3, 0, 7}, {1000, 64, 8, 4, 16}, {most, 64, 8, 0, 16}, {most, 2, 1, 2, 1}, {300, 20, 0, 0, 16},
 	} {
 		s := make([]float32, tc.pages)
 		s64 := make([]float64, tc.pages)
@@ -126,28 +146,29 @@ func TestDeltaSelectMatchesReference(t *testing.T) {
 			s64[i] = float64(s[i])
 		}
 		require.NoError(t, scores.WriteFloat32(0, s))
+		x, err := NewDeltaSelect(d, scores.All(), tc.pages, tc.budget, tc.recent, tc.size)
+		require.NoError(t, err)
 		nan := math.Float32bits(float32(math.NaN()))
-		require.NoError(t, dev.Run(func(c *vk.Commands) {
-			c.Fill(x.Rank(), nan)
-			c.Fill(x.Cut(), nan)
-		}))
-		require.NoError(t, runOnce(dev, func(c *vk.Commands) error { return x.Record(c, tc.pages, tc.budget, tc.recent) }))
+		require.NoError(t, dev.Run(func(c *vk.Commands) { c.Fill(x.Index().Starts.All(), nan) }))
+		require.NoError(t, runOnce(dev, x.Record))
 		want, err := DeltaSelectRef(s64, tc.budget, tc.recent)
 		require.NoError(t, err)
-		got, err := x.Picked(tc.pages)
+		got, err := x.Picked()
 		require.NoError(t, err)
-		require.Equal(t, want, got, "%d pages, K %d, L %d, %d distinct scores", tc.pages, tc.budget, tc.recent, tc.distinct)
-		ranks, err := readInts(x.rank, h.Query*tc.pages)
+		what := fmt.Sprintf("%d pages, K %d, L %d, %d distinct scores", tc.pages, tc.budget, tc.recent, tc.distinct)
+		require.Equal(t, want, got, what)
+		starts, err := readInts(x.Index().Starts, h.KV*len(want))
 		require.NoError(t, err)
-		for hh := 1; hh < h.Query; hh++ {
-			require.Equal(t, ranks[:tc.pages], ranks[hh*tc.pages:(hh+1)*tc.pages], "head %d's pick", hh)
+		for g := 0; g < h.KV; g++ {
+			for i, u := range want {
+				require.Equal(t, u*tc.size, starts[g*len(want)+i], "%s: KV head %d pick %d", what, g, i)
+			}
 		}
-		cuts, err := readInts(x.cut, h.Query)
-		require.NoError(t, err)
-		for _, c := range cuts {
-			require.Equal(t, 1, c)
-		}
+		require.Equal(t, tc.pages*tc.size, x.Index().Count, what)
+		require.NoError(t, x.Release())
 	}
-	require.Error(t, runOnce(dev, func(c *vk.Commands) error { return x.Record(c, most+1, 64, 8) }))
-	require.Error(t, runOnce(dev, func(c *vk.Commands) error { return x.Record(c, 10, 8, 8) }))
+	_, err = NewDeltaSelect(d, scores.All(), most+1, 64, 8, 16)
+	require.Error(t, err, "more pages than scores")
+	_, err = NewDeltaSelect(d, scores.All(), 10, 8, 8, 16)
+	require.Error(t, err, "L = K")
 }

@@ -30,8 +30,11 @@ type Dense struct {
 	// approx is attend_partial over taken clusters with pseudo-tokens of
 	// the kept ones (PlanSelection), built on first use.
 	approx *vk.Pipeline
+	// logits is dense attend_partial that also writes its logits
+	// (PlanLogits), built on first use.
+	logits *vk.Pipeline
 	code   []byte   // attend_partial's SPIR-V
-	spec   []uint32 // its specialization, GATHER and APPROX 0
+	spec   []uint32 // its specialization, GATHER, APPROX and LOGITS 0
 	// clusterSpec is spec with attention over clusters' tiles and score
 	// slots.
 	clusterSpec []uint32
@@ -245,7 +248,7 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 		return nil, err
 	}
 	d.code = code
-	d.spec = []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt), uint32(d.window), 0}
+	d.spec = []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt), uint32(d.window), 0, 0}
 	// Attention over clusters: its own tiles, so its own score slots, and
 	// its arrays lst, from, pre and subTotal.
 	d.clusterSpec = append([]uint32(nil), d.spec...)
@@ -256,7 +259,7 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 			return nil
 		}
 		var p *vk.Pipeline
-		p, err = d.kernel(name, gather, 0)
+		p, err = d.kernel(name, gather, 0, 0)
 		return p
 	}
 	d.partial = kernel("attend_partial", 0)
@@ -278,18 +281,30 @@ func (d *Dense) buildApprox() error {
 		return nil
 	}
 	var err error
-	d.approx, err = d.kernel("attend_partial (clusters, pseudo-tokens)", 2, 1)
+	d.approx, err = d.kernel("attend_partial (clusters, pseudo-tokens)", 2, 1, 0)
 	return err
 }
 
-// kernel builds attend_partial with GATHER gather and APPROX approx.
-func (d *Dense) kernel(name string, gather, approx uint32) (*vk.Pipeline, error) {
+// buildLogits builds dense attention that writes its logits (d.logits)
+// the first time a plan needs it.
+func (d *Dense) buildLogits() error {
+	if d.logits != nil {
+		return nil
+	}
+	var err error
+	d.logits, err = d.kernel("attend_partial (dense, logits)", 0, 0, 1)
+	return err
+}
+
+// kernel builds attend_partial with GATHER gather, APPROX approx and
+// LOGITS logits.
+func (d *Dense) kernel(name string, gather, approx, logits uint32) (*vk.Pipeline, error) {
 	base := d.spec
 	if gather == 2 {
 		base = d.clusterSpec
 	}
 	spec := append([]uint32(nil), base...)
-	spec[9], spec[12] = gather, approx
+	spec[9], spec[12], spec[13] = gather, approx, logits
 	return d.dev.NewPipeline(vk.Kernel{Name: name, SPIRV: d.code, Bindings: partialBindings, PushWords: partialPushWords, Specialization: spec})
 }
 
@@ -320,7 +335,7 @@ func (d *Dense) Heads() Heads { return d.heads }
 // Release destroys the kernels.
 func (d *Dense) Release() error {
 	var errs []error
-	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.approx} {
+	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.approx, d.logits} {
 		if p != nil {
 			errs = append(errs, p.Release())
 		}
@@ -362,6 +377,7 @@ type DensePlan struct {
 	// the ranks and cuts that decide which clusters are taken.
 	clusters     *kvcache.Clusters
 	clusterChunk int
+	fixedRuns    bool // clusterChunk set by the selection (Selection.RunClusters)
 	rank, cut    vk.Range
 	// runs, when set, is the runs of clusters per head block ([KV][blocks])
 	// in place of equal runs (SetRuns); mostRuns caps each.
@@ -369,6 +385,9 @@ type DensePlan struct {
 	mostRuns int
 	// approx holds the pseudo-tokens' buffers (PlanSelection); nil without.
 	approx *Approximation
+	// logits, with PlanLogits, receives every logit, float32 [Hq][Len] of
+	// the one sequence (rows of Len floats from the start).
+	logits *vk.Buffer
 }
 
 type segment struct {
@@ -380,6 +399,32 @@ type segment struct {
 func (d *Dense) Plan(seqs []*kvcache.Layer) (*DensePlan, error) {
 	return d.PlanChunks(seqs, defaultMaxChunk)
 }
+
+// PlanLogits prepares dense attention over one sequence that also writes
+// every logit scale·q_h·k_t it computes into Logits, float32 [Hq][Len]
+// (DELTA's token scores read them).
+func (d *Dense) PlanLogits(layer *kvcache.Layer) (*DensePlan, error) {
+	if err := d.buildLogits(); err != nil {
+		return nil, err
+	}
+	if layer.KVHeads() != d.heads.KV || layer.HeadDim() != d.heads.Dim {
+		return nil, fmt.Errorf("sparse: a sequence of %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), d.heads.KV, d.heads.Dim)
+	}
+	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: defaultMaxChunk}
+	var err error
+	if p.logits, err = d.dev.NewBuffer(uint64(d.heads.Query)*uint64(layer.Capacity())*4, vk.DeviceLocal); err == nil {
+		err = p.allocate()
+	}
+	if err != nil {
+		p.Release()
+		return nil, err
+	}
+	return p, nil
+}
+
+// Logits returns where a PlanLogits plan writes its logits, float32
+// [Hq][Len] (nil for other plans).
+func (p *DensePlan) Logits() *vk.Buffer { return p.logits }
 
 // PlanChunks is Plan with at most maxChunks chunks per sequence and head
 // (Plan takes 512): fewer chunks, longer each, for batches of many
@@ -468,6 +513,7 @@ func (p *DensePlan) bind() error {
 			pipe, lists, counts := d.partial, p.query.All(), p.query.All() // unused bindings get a valid range
 			index := []vk.Range{lists, lists, lists, lists, lists}
 			pseudo := []vk.Range{lists, lists, lists}
+			taken := p.taken.All()
 			switch {
 			case p.gatherStride > 0:
 				pipe, lists, counts = d.gather, p.tokens.All(), p.tokCounts.All()
@@ -481,10 +527,12 @@ func (p *DensePlan) bind() error {
 				if a := p.approx; a != nil {
 					pipe, pseudo = d.approx, []vk.Range{a.Logits, a.Keep, a.Means}
 				}
+			case p.logits != nil:
+				pipe, taken = d.logits, p.logits.All()
 			}
 			ranges := append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.parts[0], p.parts[1], lists, counts}, index...)
 			ranges = append(ranges, p.arrivals.All(), p.out.All())
-			ranges = append(append(ranges, pseudo...), p.taken.All())
+			ranges = append(append(ranges, pseudo...), taken)
 			bind, err := pipe.Bind(ranges...)
 			if err != nil {
 				return err
@@ -504,7 +552,7 @@ func (p *DensePlan) Release() error {
 		p.ws = nil
 	}
 	p.clock.release()
-	for _, r := range []interface{ Release() error }{p.query, p.partO, p.partML, p.arrivals, p.taken, p.out, p.tokens, p.tokCounts} {
+	for _, r := range []interface{ Release() error }{p.query, p.partO, p.partML, p.arrivals, p.taken, p.out, p.tokens, p.tokCounts, p.logits} {
 		r.Release() // each tolerates a nil receiver
 	}
 	return nil
@@ -578,7 +626,11 @@ func (p *DensePlan) Record(c *vk.Commands) error {
 		for _, seg := range p.segments[b] {
 			push := []uint32{uint32(n), uint32(s.HeadBytes() / 16), uint32(seg.kvBase), uint32(b), uint32(chunk), uint32(p.maxChunks),
 				math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), 0, 0, 0, 0, 0, 0, 0, 0, 0}
-			c.Dispatch(d.partial, seg.bind, push, uint32(nc), uint32(seg.kvCount*blocks), 1)
+			pipe := d.partial
+			if p.logits != nil {
+				pipe = d.logits
+			}
+			c.Dispatch(pipe, seg.bind, push, uint32(nc), uint32(seg.kvCount*blocks), 1)
 		}
 	}
 	return nil
@@ -817,6 +869,9 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 	}
 	blocks := h.Group() / d.group
 	per := d.opts.ClusterChunk
+	if sel.RunClusters > 0 {
+		per = sel.RunClusters
+	}
 	if per <= 0 {
 		per = clusterRun(clusters.C, h.KV*blocks, 1)
 	}
@@ -831,7 +886,7 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 			return nil, err
 		}
 	}
-	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most}
+	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most}
 	if err := p.allocate(); err != nil {
 		p.Release()
 		return nil, err
@@ -866,10 +921,10 @@ func clusterRun(c, blocks, sequences int) int {
 }
 
 // runClusters returns the clusters of a run when the plans of sequences
-// sequences share a stage's dispatches: DenseOptions.ClusterChunk where
-// set, clusterRun otherwise.
+// sequences share a stage's dispatches: Selection.RunClusters or
+// DenseOptions.ClusterChunk where set, clusterRun otherwise.
 func (p *DensePlan) runClusters(sequences int) int {
-	if p.d.opts.ClusterChunk > 0 {
+	if p.d.opts.ClusterChunk > 0 || p.fixedRuns {
 		return p.clusterChunk
 	}
 	return clusterRun(p.clusters.C, p.d.headBlocks(), sequences)

@@ -3,9 +3,9 @@ package sparse
 import "github.com/vksparse/vksparse/vk"
 
 // Bytes returns the device memory the plan holds: its queries, partials,
-// counters, output and token lists.
+// counters, output, token lists and logits.
 func (p *DensePlan) Bytes() uint64 {
-	return vk.Held(p.query, p.partO, p.partML, p.arrivals, p.out, p.taken, p.tokens, p.tokCounts)
+	return vk.Held(p.query, p.partO, p.partML, p.arrivals, p.out, p.taken, p.tokens, p.tokCounts, p.logits)
 }
 
 // sized is a selector that reports its device memory.
@@ -57,3 +57,6 @@ func (s *StreamingSelector) Bytes() uint64 { return vk.Held(s.rank, s.cut) + s.o
 
 // Bytes returns the device memory of the scratch kept between clusterings.
 func (km *KMeans) Bytes() uint64 { return vk.Held(km.changed, km.cursor, km.halves, km.readback) }
+
+// Bytes returns the device memory of the pick: its index, ranks and cuts.
+func (x *DeltaSelect) Bytes() uint64 { return x.index.Bytes() + vk.Held(x.rank, x.cut) }

@@ -23,6 +23,11 @@ type Selection struct {
 	// Approx, when set, adds one pseudo-token per cluster that a head
 	// keeps but no head of its group takes.
 	Approx *Approximation
+	// RunClusters, when positive, is the clusters a run of the attention
+	// takes (a workgroup's share), in place of the count chosen from C:
+	// for a few clusters that all are taken, short runs spread them over
+	// many workgroups.
+	RunClusters int
 }
 
 // Approximation stands clusters in for their tokens: head h of KV head g
