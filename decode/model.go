@@ -83,7 +83,7 @@ type layerBatch struct {
 	// gen numbers a Δ-layer's builds; a layer reusing its pick was built
 	// against build source (and is built again when they differ).
 	gen, source int
-	out         *vk.Buffer // sparse policies: float32 [Slots][Hq][D], the steps' outputs copied together
+	out         *vk.Buffer // sparse policies: float32 [Slots][Hq][D], where every sequence's step writes its output
 	// built is each active slot's length when the batch was built
 	// (positional policies build their index then).
 	built   []int
@@ -103,15 +103,25 @@ func (b *layerBatch) step(i int) *sparse.Step {
 	return b.steps.Step(i)
 }
 
-// output returns sequence i's output buffer of a sparse batch.
-func (b *layerBatch) output(i int) *vk.Buffer {
-	if b.delta != nil {
-		return b.delta.plans[i].Output()
+// direct makes every sequence's step of a sparse batch write its output
+// into its place in out ([B][Hq][D], Active order).
+func (b *layerBatch) direct(per uint64) error {
+	for i := range b.built {
+		r := b.out.Slice(uint64(i)*per, per)
+		var err error
+		switch {
+		case b.delta != nil:
+			err = b.delta.plans[i].SetOutput(r)
+		case b.luka != nil:
+			err = b.luka[i].SetOutput(r)
+		default:
+			err = b.step(i).SetOutput(r)
+		}
+		if err != nil {
+			return err
+		}
 	}
-	if b.luka != nil {
-		return b.luka[i].Output()
-	}
-	return b.step(i).Output()
+	return nil
 }
 
 // share moves the batch's partials into the model's workspace.
@@ -767,6 +777,9 @@ func (m *Model) build(layer int) error {
 	if err == nil {
 		err = b.share(m.ws)
 	}
+	if err == nil && b.plan == nil {
+		err = b.direct(uint64(m.cfg.Heads.Query*m.cfg.Heads.Dim) * 4)
+	}
 	if err != nil {
 		return fmt.Errorf("decode: layer %d: %w", layer, err)
 	}
@@ -871,15 +884,7 @@ func (m *Model) record(layer int, c *vk.Commands) error {
 	default:
 		err = b.steps.Record(c)
 	}
-	if err != nil {
-		return err
-	}
-	c.Barrier()
-	per := uint64(m.cfg.Heads.Query*m.cfg.Heads.Dim) * 4
-	for i := range b.built {
-		c.Copy(b.output(i).All(), b.out.Slice(uint64(i)*per, per))
-	}
-	return nil
+	return err
 }
 
 // recordLuKA appends LuKA's steps of a batch stage by stage: each stage of

@@ -115,7 +115,8 @@ func (b *Batch) Attend(q []float32) ([]float32, error) {
 	out := make([]float32, len(q))
 	per := len(q) / len(b.steps)
 	for i, s := range b.steps {
-		if err := s.Output().ReadFloat32(0, out[i*per:(i+1)*per]); err != nil {
+		o := s.OutputRange()
+		if err := o.Buffer.ReadFloat32(o.Offset, out[i*per:(i+1)*per]); err != nil {
 			return nil, err
 		}
 	}

@@ -367,6 +367,7 @@ type DensePlan struct {
 	// attended in the last attention over clusters.
 	taken    *vk.Buffer
 	out      *vk.Buffer
+	outTo    vk.Range    // where the output goes instead of out (SetOutput); none when Buffer is nil
 	segments [][]segment // per sequence: KV head ranges bound together
 	clock    stopwatch
 	// With token lists (PlanGather): the lists' stride, the tokens per
@@ -531,7 +532,7 @@ func (p *DensePlan) bind() error {
 				pipe, taken = d.logits, p.logits.All()
 			}
 			ranges := append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.parts[0], p.parts[1], lists, counts}, index...)
-			ranges = append(ranges, p.arrivals.All(), p.out.All())
+			ranges = append(ranges, p.arrivals.All(), p.OutputRange())
 			ranges = append(append(ranges, pseudo...), taken)
 			bind, err := pipe.Bind(ranges...)
 			if err != nil {
@@ -646,11 +647,44 @@ func (p *DensePlan) Attend(q []float32) ([]float32, error) {
 		return nil, err
 	}
 	out := make([]float32, len(q))
-	return out, p.out.ReadFloat32(0, out)
+	o := p.OutputRange()
+	return out, o.Buffer.ReadFloat32(o.Offset, out)
 }
 
 // Output returns the buffer the attention output lands in.
 func (p *DensePlan) Output() *vk.Buffer { return p.out }
+
+// OutputRange returns where the plan writes its output, [B][Hq][D]
+// float32: its own buffer, or the range SetOutput gave.
+func (p *DensePlan) OutputRange() vk.Range {
+	if p.outTo.Buffer != nil {
+		return p.outTo
+	}
+	return p.out.All()
+}
+
+// SetOutput makes the plan write its output into r (at least B·Hq·D
+// float32) instead of its own buffer, so that a caller gathering several
+// plans' outputs reads them where they land; a zero Range goes back to
+// the plan's own buffer. On error the plan writes where it did.
+func (p *DensePlan) SetOutput(r vk.Range) error {
+	h := p.d.heads
+	if want := uint64(len(p.seqs)*h.Query*h.Dim) * 4; r.Buffer != nil && r.Size < want {
+		return fmt.Errorf("sparse: an output range of %d bytes for %d", r.Size, want)
+	}
+	if p.segments == nil {
+		return vk.ErrReleased
+	}
+	old := p.outTo
+	p.unbind()
+	p.outTo = r
+	if err := p.bind(); err != nil {
+		p.unbind()
+		p.outTo = old
+		return errors.Join(err, p.bind())
+	}
+	return nil
+}
 
 func (p *DensePlan) run() error { return runOnce(p.d.dev, p.Record) }
 

@@ -231,6 +231,7 @@ type LuKAStep struct {
 	scoreBind, chooseBind, attendBind, compBind *vk.Binding
 	held                                        uint32 // luka_select's logits in shared memory
 	clock                                       stopwatch
+	outTo                                       vk.Range // where the output goes (SetOutput); none when Buffer is nil
 }
 
 // NewLuKAStep prepares LuKA over layer and runs the segmenter over what
@@ -307,7 +308,9 @@ func newLuKAStep(dense *Dense, layer *kvcache.Layer, opts LuKA, held int) (*LuKA
 	keys, values := layer.Keys(), layer.Values()
 	s.scoreBind = bind(s.score, all(s.query, keys, s.sumK, s.row, s.part, s.mz, s.arrivedScore)...)
 	s.chooseBind = bind(s.choose, all(s.row, s.mz, s.acc, s.mask, s.refined, s.count)...)
-	s.attendBind = bind(s.attend, all(s.query, keys, values, s.sumV, s.row, s.mz, s.mask, s.refined, s.count, s.outPart, s.arrivedOut, s.out)...)
+	if err == nil {
+		err = s.bindAttend()
+	}
 	s.compBind = bind(s.compress, all(keys, values, s.sumK, s.sumV, s.acc)...)
 	if err == nil {
 		_, err = s.Segment()
@@ -316,6 +319,48 @@ func newLuKAStep(dense *Dense, layer *kvcache.Layer, opts LuKA, held int) (*LuKA
 		return nil, errors.Join(err, s.Release())
 	}
 	return s, nil
+}
+
+// bindAttend binds luka_attend, its output to OutputRange.
+func (s *LuKAStep) bindAttend() error {
+	ranges := []vk.Range{s.query.All(), s.layer.Keys().All(), s.layer.Values().All(), s.sumV.All(), s.row.All(), s.mz.All(),
+		s.mask.All(), s.refined.All(), s.count.All(), s.outPart.All(), s.arrivedOut.All(), s.OutputRange()}
+	b, err := s.attend.Bind(ranges...)
+	if err != nil {
+		return err
+	}
+	err = releaseAll(s.attendBind)
+	s.attendBind = b
+	return err
+}
+
+// OutputRange returns where the step writes its output, [Hq][D] float32:
+// its own buffer or the range SetOutput gave.
+func (s *LuKAStep) OutputRange() vk.Range {
+	if s.outTo.Buffer != nil {
+		return s.outTo
+	}
+	return s.out.All()
+}
+
+// SetOutput makes the step write its output into r (at least Hq·D
+// float32) instead of its own buffer; a zero Range goes back to it. On
+// error it writes where it did.
+func (s *LuKAStep) SetOutput(r vk.Range) error {
+	h := s.dense.heads
+	if want := uint64(h.Query*h.Dim) * 4; r.Buffer != nil && r.Size < want {
+		return fmt.Errorf("sparse: an output range of %d bytes for %d", r.Size, want)
+	}
+	if s.attendBind == nil {
+		return vk.ErrReleased
+	}
+	old := s.outTo
+	s.outTo = r
+	if err := s.bindAttend(); err != nil {
+		s.outTo = old
+		return err
+	}
+	return nil
 }
 
 // maskWords is the refine mask's words per query head.
@@ -379,7 +424,8 @@ func (s *LuKAStep) SetQuery(q []float32) error {
 // float32.
 func (s *LuKAStep) Query() *vk.Buffer { return s.query }
 
-// Output returns the buffer the step writes, [Hq][D] float32.
+// Output returns the step's own output buffer, [Hq][D] float32, where it
+// writes unless SetOutput sent the output elsewhere.
 func (s *LuKAStep) Output() *vk.Buffer { return s.out }
 
 // Stages returns LuKAStages.
@@ -492,7 +538,8 @@ func (s *LuKAStep) Attend(q []float32) ([]float32, error) {
 	}
 	h := s.dense.heads
 	out := make([]float32, h.Query*h.Dim)
-	return out, s.out.ReadFloat32(0, out)
+	o := s.OutputRange()
+	return out, o.Buffer.ReadFloat32(o.Offset, out)
 }
 
 // Logits returns the last step's cover logits, [Hq][nodes] (summaries,

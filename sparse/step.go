@@ -146,7 +146,8 @@ func (s *Step) Attend(q []float32) ([]float32, error) {
 		return nil, err
 	}
 	out := make([]float32, len(q))
-	return out, s.plan.out.ReadFloat32(0, out)
+	o := s.plan.OutputRange()
+	return out, o.Buffer.ReadFloat32(o.Offset, out)
 }
 
 // Rebalance divides the next steps' attention among workgroups by the
@@ -154,9 +155,18 @@ func (s *Step) Attend(q []float32) ([]float32, error) {
 // (DensePlan.Rebalance); Attend does it before every step.
 func (s *Step) Rebalance() error { return s.plan.Rebalance(1) }
 
-// Output returns the buffer the output lands in, float32 [Hq][D]
-// (TacticStep.SetClusters replaces it: ask again after).
+// Output returns the step's own output buffer, float32 [Hq][D], where the
+// output lands unless SetOutput sent it elsewhere (TacticStep.SetClusters
+// replaces it: ask again after).
 func (s *Step) Output() *vk.Buffer { return s.plan.Output() }
+
+// OutputRange returns where the step writes its output: its own buffer or
+// the range SetOutput gave.
+func (s *Step) OutputRange() vk.Range { return s.plan.OutputRange() }
+
+// SetOutput makes the step write its output, [Hq][D] float32, into r
+// (DensePlan.SetOutput).
+func (s *Step) SetOutput(r vk.Range) error { return s.plan.SetOutput(r) }
 
 // Time records warmup+reps back-to-back steps in one submission and
 // returns the timed ones' GPU times, sorted (as DensePlan.Time).

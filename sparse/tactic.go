@@ -280,6 +280,9 @@ func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
 		return err
 	}
 	plan, err := t.dense.PlanSelection(t.layer, Selection{Clusters: clusters, Rank: b.binOf.All(), Cut: b.cut.All()})
+	if err == nil && t.plan.outTo.Buffer != nil {
+		err = plan.SetOutput(t.plan.outTo) // the output stays where it was sent
+	}
 	if err == nil {
 		err = b.bindKernels(t.kernels, t.seq, plan.query.All())
 		if err == nil && t.Step.query != nil {
