@@ -25,20 +25,36 @@ layout(push_constant) uniform Push {
 } pc;
 
 shared float lse[HQ];
+shared vec2 parts[WG];
 shared float ts[WG];
 
 void main() {
 	uint tid = gl_LocalInvocationID.x;
-	if (tid < HQ) {
-		const float NEG = -1.0 / 0.0;
-		float M = NEG;
-		for (uint c = 0; c < pc.chunks; c++) M = max(M, ml[tid * pc.maxChunks + c].x);
-		float L = 0.0;
-		for (uint c = 0; c < pc.chunks; c++) {
-			vec2 x = ml[tid * pc.maxChunks + c];
-			if (x.x != NEG) L += exp(x.x - M) * x.y;
+	// The normalisers: WG / HQ threads a head each fold every
+	// (WG / HQ)-th chunk, then one folds their parts.
+	const float NEG = -1.0 / 0.0;
+	const uint PER = WG / HQ;
+	uint h = tid / PER, part = tid % PER;
+	vec2 acc = vec2(NEG, 0.0);  // (max, Σ exp(m − max)·l)
+	if (h < HQ) {
+		for (uint c = part; c < pc.chunks; c += PER) {
+			vec2 x = ml[h * pc.maxChunks + c];
+			if (x.x == NEG) continue;
+			float M = max(acc.x, x.x);
+			acc = vec2(M, acc.y * exp(acc.x - M) + x.y * exp(x.x - M));
 		}
-		lse[tid] = M + log(L);
+	}
+	parts[tid] = acc;
+	barrier();
+	if (tid < HQ) {
+		vec2 a = vec2(NEG, 0.0);
+		for (uint i = 0; i < PER; i++) {
+			vec2 x = parts[tid * PER + i];
+			if (x.x == NEG) continue;
+			float M = max(a.x, x.x);
+			a = vec2(M, a.y * exp(a.x - M) + x.y * exp(x.x - M));
+		}
+		lse[tid] = a.x + log(a.y);
 	}
 	barrier();
 	uint t = gl_WorkGroupID.x * WG + tid;

@@ -8,10 +8,12 @@
 // workgroup: an exact radix select of the threshold over the scores' bits
 // (non-negative floats order as their bits), 8 bits a pass; then each
 // thread takes a contiguous span of pages, counts its picks, and writes
-// them after the picks of the spans before it.
+// them after the picks of the spans before it. Up to HELD scores are read
+// once into shared memory (coalesced), more from the buffer each pass.
 
 layout(local_size_x_id = 0) in;
-layout(constant_id = 0) const uint WG = 256;  // threads, a power of two, at least 256
+layout(constant_id = 0) const uint WG = 256;     // threads, a power of two, at least 256
+layout(constant_id = 1) const uint HELD = 8192;  // scores held in shared memory
 
 layout(std430, binding = 0) readonly buffer Scores { uint score[]; };  // [C] float bits
 layout(std430, binding = 1) writeonly buffer Starts { uint starts[]; };  // [heads][min(C, budget)]
@@ -28,6 +30,10 @@ shared uint hist[256];
 shared uint prefix;  // the threshold's bits found so far
 shared uint want;    // how many of the pages matching prefix are still to pick
 shared uint sums[WG];
+shared uint held[HELD];
+
+// scoreOf returns page u's score bits.
+uint scoreOf(uint u) { return pc.C <= HELD ? held[u] : score[u]; }
 
 // exclusiveSum returns the sum of v over the threads below this one.
 uint exclusiveSum(uint v) {
@@ -51,6 +57,10 @@ void main() {
 	uint m = all ? 0 : pc.budget - pc.recent;  // of them, to pick by score
 	uint tau = 0xffffffffu;
 	uint needEq = 0;
+	if (C <= HELD) {
+		for (uint u = tid; u < C; u += WG) held[u] = score[u];
+		barrier();
+	}
 	if (!all && m > 0) {
 		if (tid == 0) {
 			prefix = 0;
@@ -63,7 +73,7 @@ void main() {
 			uint mask = shift == 24 ? 0u : (0xffffffffu << uint(shift + 8));
 			uint p = prefix;
 			for (uint u = tid; u < older; u += WG) {
-				uint s = score[u];
+				uint s = scoreOf(u);
 				if ((s & mask) == (p & mask)) atomicAdd(hist[(s >> uint(shift)) & 255u], 1);
 			}
 			barrier();
@@ -87,13 +97,13 @@ void main() {
 	uint span = (C + WG - 1) / WG;
 	uint lo = min(tid * span, C), hi = min(lo + span, C);
 	uint eq = 0;
-	for (uint u = lo; u < min(hi, older); u++) eq += uint(!all && score[u] == tau);
+	for (uint u = lo; u < min(hi, older); u++) eq += uint(!all && scoreOf(u) == tau);
 	uint seen = exclusiveSum(eq);
 	uint mine = 0;
 	for (uint u = lo; u < hi; u++) {
 		bool take = all || u >= older;
 		if (!take) {
-			uint s = score[u];
+			uint s = scoreOf(u);
 			take = s > tau && tau != 0xffffffffu;
 			if (s == tau) take = seen++ < needEq;
 		}
@@ -105,7 +115,7 @@ void main() {
 	for (uint u = lo; u < hi; u++) {
 		bool take = all || u >= older;
 		if (!take) {
-			uint s = score[u];
+			uint s = scoreOf(u);
 			take = s > tau && tau != 0xffffffffu;
 			if (s == tau) take = seen++ < needEq;
 		}

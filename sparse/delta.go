@@ -141,6 +141,12 @@ const deltaSelectWorkgroup = 256
 // among pages pages of pageSize tokens whose scores lie in scores
 // (float32 [pages]).
 func NewDeltaSelect(dense *Dense, scores vk.Range, pages, budget, recent, pageSize int) (*DeltaSelect, error) {
+	return newDeltaSelect(dense, scores, pages, budget, recent, pageSize, 0)
+}
+
+// newDeltaSelect is NewDeltaSelect with at most held scores in shared
+// memory (0: as many as fit, up to 8 192).
+func newDeltaSelect(dense *Dense, scores vk.Range, pages, budget, recent, pageSize, held int) (*DeltaSelect, error) {
 	h, dev := dense.heads, dense.dev
 	switch {
 	case pages <= 0 || scores.Buffer == nil || uint64(pages)*4 > scores.Size && scores.Size != 0:
@@ -153,7 +159,12 @@ func NewDeltaSelect(dense *Dense, scores vk.Range, pages, budget, recent, pageSi
 	k := min(pages, budget)
 	x := &DeltaSelect{dense: dense, pages: pages, budget: budget, recent: recent, pageSize: pageSize}
 	b := &builder{dev: dev, cache: &dense.kernels}
-	x.pipe = b.kernel("delta_select", 2, 5, deltaSelectWorkgroup)
+	// The scores it holds in shared memory beside its histogram and sums.
+	most := min(8192, max(int(dev.Info().SharedMemoryBytes)-4*(256+deltaSelectWorkgroup)-64, 4)/4)
+	if held <= 0 || held > most {
+		held = most
+	}
+	x.pipe = b.kernel("delta_select", 2, 5, deltaSelectWorkgroup, uint32(held))
 	err := b.err
 	if err == nil {
 		x.index, err = kvcache.NewPages(dev, h.KV, h.Dim, 0, k*pageSize, pageSize)

@@ -146,26 +146,28 @@ func TestDeltaSelectMatchesReference(t *testing.T) {
 			s64[i] = float64(s[i])
 		}
 		require.NoError(t, scores.WriteFloat32(0, s))
-		x, err := NewDeltaSelect(d, scores.All(), tc.pages, tc.budget, tc.recent, tc.size)
-		require.NoError(t, err)
-		nan := math.Float32bits(float32(math.NaN()))
-		require.NoError(t, dev.Run(func(c *vk.Commands) { c.Fill(x.Index().Starts.All(), nan) }))
-		require.NoError(t, runOnce(dev, x.Record))
-		want, err := DeltaSelectRef(s64, tc.budget, tc.recent)
-		require.NoError(t, err)
-		got, err := x.Picked()
-		require.NoError(t, err)
-		what := fmt.Sprintf("%d pages, K %d, L %d, %d distinct scores", tc.pages, tc.budget, tc.recent, tc.distinct)
-		require.Equal(t, want, got, what)
-		starts, err := readInts(x.Index().Starts, h.KV*len(want))
-		require.NoError(t, err)
-		for g := 0; g < h.KV; g++ {
-			for i, u := range want {
-				require.Equal(t, u*tc.size, starts[g*len(want)+i], "%s: KV head %d pick %d", what, g, i)
+		for _, held := range []int{0, 64} { // scores in shared memory, or read from the buffer past 64
+			x, err := newDeltaSelect(d, scores.All(), tc.pages, tc.budget, tc.recent, tc.size, held)
+			require.NoError(t, err)
+			nan := math.Float32bits(float32(math.NaN()))
+			require.NoError(t, dev.Run(func(c *vk.Commands) { c.Fill(x.Index().Starts.All(), nan) }))
+			require.NoError(t, runOnce(dev, x.Record))
+			want, err := DeltaSelectRef(s64, tc.budget, tc.recent)
+			require.NoError(t, err)
+			got, err := x.Picked()
+			require.NoError(t, err)
+			what := fmt.Sprintf("%d pages, K %d, L %d, %d distinct scores, %d held", tc.pages, tc.budget, tc.recent, tc.distinct, held)
+			require.Equal(t, want, got, what)
+			starts, err := readInts(x.Index().Starts, h.KV*len(want))
+			require.NoError(t, err)
+			for g := 0; g < h.KV; g++ {
+				for i, u := range want {
+					require.Equal(t, u*tc.size, starts[g*len(want)+i], "%s: KV head %d pick %d", what, g, i)
+				}
 			}
+			require.Equal(t, tc.pages*tc.size, x.Index().Count, what)
+			require.NoError(t, x.Release())
 		}
-		require.Equal(t, tc.pages*tc.size, x.Index().Count, what)
-		require.NoError(t, x.Release())
 	}
 	_, err = NewDeltaSelect(d, scores.All(), most+1, 64, 8, 16)
 	require.Error(t, err, "more pages than scores")
