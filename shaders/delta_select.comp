@@ -26,7 +26,9 @@ layout(push_constant) uniform Push {
 	uint pageSize;  // P
 } pc;
 
-shared uint hist[256];
+const uint COPIES = 8;  // histograms, so that threads counting one bin collide less
+shared uint hist[COPIES * 256];
+shared uint suffix[256];
 shared uint prefix;  // the threshold's bits found so far
 shared uint want;    // how many of the pages matching prefix are still to pick
 shared uint sums[WG];
@@ -66,26 +68,41 @@ void main() {
 			prefix = 0;
 			want = m;
 		}
-		// Radix select of the m-th greatest score among pages [0, older).
+		// Radix select of the m-th greatest score among pages [0, older):
+		// each pass counts the next 8 bits of the candidates (thread t into
+		// histogram t mod COPIES), sums the histograms, scans them from the
+		// top and takes the bin where the count from the top reaches want.
 		for (int shift = 24; shift >= 0; shift -= 8) {
-			hist[tid % 256] = 0;
+			for (uint i = tid; i < COPIES * 256; i += WG) hist[i] = 0;
 			barrier();
 			uint mask = shift == 24 ? 0u : (0xffffffffu << uint(shift + 8));
 			uint p = prefix;
+			uint copy = (tid % COPIES) * 256;
 			for (uint u = tid; u < older; u += WG) {
 				uint s = scoreOf(u);
-				if ((s & mask) == (p & mask)) atomicAdd(hist[(s >> uint(shift)) & 255u], 1);
+				if ((s & mask) == (p & mask)) atomicAdd(hist[copy + ((s >> uint(shift)) & 255u)], 1);
 			}
 			barrier();
-			if (tid == 0) {
-				uint left = want;
-				uint b = 255;
-				for (;; b--) {
-					if (hist[b] >= left || b == 0) break;
-					left -= hist[b];
+			if (tid < 256) {
+				uint c = 0;
+				for (uint k = 0; k < COPIES; k++) c += hist[k * 256 + tid];
+				suffix[tid] = c;
+			}
+			barrier();
+			for (uint o = 1; o < 256; o <<= 1) {
+				uint x = tid + o < 256 ? suffix[tid + o] : 0u;
+				barrier();
+				if (tid < 256) suffix[tid] += x;
+				barrier();
+			}
+			uint w = want;
+			barrier();
+			if (tid < 256) {
+				uint above = tid == 255 ? 0u : suffix[tid + 1];
+				if (suffix[tid] >= w && above < w) {
+					prefix = p | (tid << uint(shift));
+					want = w - above;
 				}
-				prefix = p | (b << uint(shift));
-				want = left;
 			}
 			barrier();
 		}

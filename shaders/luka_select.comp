@@ -17,7 +17,7 @@
 #extension GL_EXT_control_flow_attributes : enable
 
 layout(local_size_x_id = 0) in;
-layout(constant_id = 0) const uint WG = 256;     // threads, a power of two, at least 32
+layout(constant_id = 0) const uint WG = 256;     // threads, a power of two, at least 256
 layout(constant_id = 1) const uint HELD = 8192;  // logits held in shared memory (more are read from row)
 
 layout(std430, binding = 0) readonly buffer Rows { float row[]; };      // [Hq][R]
@@ -41,8 +41,10 @@ layout(push_constant) uniform Push {
 	uint maxList;    // list stride per query head
 } pc;
 
+const uint COPIES = 8;  // histograms, so that threads counting one bin collide less
 shared uint keys[HELD];
-shared uint hist[256];
+shared uint hist[COPIES * 256];
+shared uint suffix[256];
 shared uint sums[WG];
 shared uint digit, remaining;
 
@@ -100,24 +102,38 @@ void main() {
 	} else if (!all && pc.K > 0) {
 		uint prefix = 0, fixedMask = 0;
 		if (tid == 0) remaining = pc.K;
+		// Each pass counts the next 8 bits of the candidates (thread t into
+		// histogram t mod COPIES), sums the histograms, scans them from the
+		// top and takes the bin where the count from the top reaches the
+		// keys still wanted.
 		for (int shift = 24; shift >= 0; shift -= 8) {
-			for (uint b = tid; b < 256; b += WG) hist[b] = 0;
+			for (uint b = tid; b < COPIES * 256; b += WG) hist[b] = 0;
 			barrier();
+			uint copy = (tid % COPIES) * 256;
 			for (uint j = tid; j < pc.S; j += WG) {
 				uint o = key(h, j);
-				if ((o & fixedMask) == prefix) atomicAdd(hist[(o >> uint(shift)) & 255u], 1);
+				if ((o & fixedMask) == prefix) atomicAdd(hist[copy + ((o >> uint(shift)) & 255u)], 1);
 			}
 			barrier();
-			if (tid == 0) {
-				uint cum = 0, need = remaining;
-				for (int b = 255; b >= 0; b--) {
-					uint c = hist[b];
-					if (cum + c >= need) {
-						digit = uint(b);
-						remaining = need - cum;
-						break;
-					}
-					cum += c;
+			if (tid < 256) {
+				uint c = 0;
+				for (uint k = 0; k < COPIES; k++) c += hist[k * 256 + tid];
+				suffix[tid] = c;
+			}
+			barrier();
+			for (uint o = 1; o < 256; o <<= 1) {
+				uint x = tid + o < 256 ? suffix[tid + o] : 0u;
+				barrier();
+				if (tid < 256) suffix[tid] += x;
+				barrier();
+			}
+			uint need = remaining;
+			barrier();
+			if (tid < 256) {
+				uint above = tid == 255 ? 0u : suffix[tid + 1];
+				if (suffix[tid] >= need && above < need) {
+					digit = tid;
+					remaining = need - above;
 				}
 			}
 			barrier();

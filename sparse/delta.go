@@ -159,8 +159,9 @@ func newDeltaSelect(dense *Dense, scores vk.Range, pages, budget, recent, pageSi
 	k := min(pages, budget)
 	x := &DeltaSelect{dense: dense, pages: pages, budget: budget, recent: recent, pageSize: pageSize}
 	b := &builder{dev: dev, cache: &dense.kernels}
-	// The scores it holds in shared memory beside its histogram and sums.
-	most := min(8192, max(int(dev.Info().SharedMemoryBytes)-4*(256+deltaSelectWorkgroup)-64, 4)/4)
+	// The scores it holds in shared memory beside its 8 histograms of 256
+	// bins, their suffix sums and a word a thread.
+	most := min(8192, max(int(dev.Info().SharedMemoryBytes)-4*(8*256+256+deltaSelectWorkgroup)-64, 4)/4)
 	if held <= 0 || held > most {
 		held = most
 	}

@@ -274,7 +274,9 @@ func newLuKAStep(dense *Dense, layer *kvcache.Layer, opts LuKA, held int) (*LuKA
 	s.mask, s.refined, s.count = w(hq*s.maskWords()), w(hq*s.list), w(hq)
 	s.outPart, s.out = w(hq*s.items()*h.Dim), w(hq*h.Dim)
 	shared := dev.Info().SharedMemoryBytes
-	s.held = uint32(min(8192, max(int(shared)-256*4-lukaSelectThreads*4-64, 4)/4))
+	// luka_select's shared memory beside the logits: 8 histograms of 256
+	// bins, their suffix sums and a word a thread.
+	s.held = uint32(min(8192, max(int(shared)-(8*256+256+lukaSelectThreads)*4-64, 4)/4))
 	if held > 0 {
 		s.held = uint32(min(int(s.held), held))
 	}
