@@ -32,10 +32,12 @@ shared uint suffix[256];
 shared uint prefix;  // the threshold's bits found so far
 shared uint want;    // how many of the pages matching prefix are still to pick
 shared uint sums[WG];
-shared uint held[HELD];
+// The held scores, a word of padding after every 32, so that threads
+// reading contiguous spans of 32 hit distinct banks.
+shared uint held[HELD + HELD / 32];
 
 // scoreOf returns page u's score bits.
-uint scoreOf(uint u) { return pc.C <= HELD ? held[u] : score[u]; }
+uint scoreOf(uint u) { return pc.C <= HELD ? held[u + u / 32] : score[u]; }
 
 // exclusiveSum returns the sum of v over the threads below this one.
 uint exclusiveSum(uint v) {
@@ -60,7 +62,7 @@ void main() {
 	uint tau = 0xffffffffu;
 	uint needEq = 0;
 	if (C <= HELD) {
-		for (uint u = tid; u < C; u += WG) held[u] = score[u];
+		for (uint u = tid; u < C; u += WG) held[u + u / 32] = score[u];
 		barrier();
 	}
 	if (!all && m > 0) {

@@ -159,9 +159,10 @@ func newDeltaSelect(dense *Dense, scores vk.Range, pages, budget, recent, pageSi
 	k := min(pages, budget)
 	x := &DeltaSelect{dense: dense, pages: pages, budget: budget, recent: recent, pageSize: pageSize}
 	b := &builder{dev: dev, cache: &dense.kernels}
-	// The scores it holds in shared memory beside its 8 histograms of 256
-	// bins, their suffix sums and a word a thread.
-	most := min(8192, max(int(dev.Info().SharedMemoryBytes)-4*(8*256+256+deltaSelectWorkgroup)-64, 4)/4)
+	// The scores it holds in shared memory (a word of padding every 32)
+	// beside its 8 histograms of 256 bins, their suffix sums and a word a
+	// thread.
+	most := min(8192, max(int(dev.Info().SharedMemoryBytes)-4*(8*256+256+deltaSelectWorkgroup)-64, 4)*32/33/4)
 	if held <= 0 || held > most {
 		held = most
 	}
@@ -244,11 +245,12 @@ func (x *DeltaSelect) Release() error {
 // pages the Δ-layer's pick took (its index, shared), for every query head;
 // tokens past them are attended in full.
 type deltaReuse struct {
-	pick *DeltaSelect
+	pick     *DeltaSelect
+	runPages int // picked pages a workgroup of the attention takes
 }
 
 func (s *deltaReuse) Selection() Selection {
-	return Selection{Clusters: s.pick.index, Rank: s.pick.rank.All(), Cut: s.pick.cut.All(), RunClusters: deltaRunPages}
+	return Selection{Clusters: s.pick.index, Rank: s.pick.rank.All(), Cut: s.pick.cut.All(), RunClusters: s.runPages}
 }
 
 // deltaRunPages is the picked pages a workgroup of a reusing layer's
@@ -268,11 +270,19 @@ func (s *deltaReuse) Release() error { return nil }
 // before this step in the same command order) and every token past the
 // pick's pages. The pick must outlive the step.
 func NewDeltaReuseStep(dense *Dense, layer *kvcache.Layer, pick *DeltaSelect) (*Step, error) {
+	return NewDeltaReuseStepRuns(dense, layer, pick, deltaRunPages)
+}
+
+// NewDeltaReuseStepRuns is NewDeltaReuseStep with runPages picked pages a
+// workgroup of the attention (NewDeltaReuseStep takes 4).
+func NewDeltaReuseStepRuns(dense *Dense, layer *kvcache.Layer, pick *DeltaSelect, runPages int) (*Step, error) {
 	switch {
+	case runPages <= 0:
+		return nil, fmt.Errorf("sparse: %d picked pages a workgroup", runPages)
 	case pick == nil || pick.index == nil:
 		return nil, fmt.Errorf("sparse: a DELTA layer needs its Δ-layer's pick")
 	case pick.pages*pick.pageSize > layer.Len():
 		return nil, fmt.Errorf("sparse: a DELTA layer over %d pages of %d tokens of a layer of %d", pick.pages, pick.pageSize, layer.Len())
 	}
-	return NewStep(dense, layer, &deltaReuse{pick: pick})
+	return NewStep(dense, layer, &deltaReuse{pick: pick, runPages: runPages})
 }

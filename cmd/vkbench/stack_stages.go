@@ -95,18 +95,20 @@ func deltaStages(dev *vk.Device, heads sparse.Heads, tr *trace.Trace, d sparse.D
 		return nil, err
 	}
 	add("pick", times)
-	reuse, err := sparse.NewDeltaReuseStep(dense, layer, pick)
-	if err != nil {
-		return nil, err
+	for _, run := range []int{2, 4, 8, 16} {
+		reuse, err := sparse.NewDeltaReuseStepRuns(dense, layer, pick, run)
+		if err != nil {
+			return nil, err
+		}
+		owned = append(owned, reuse)
+		if _, err := reuse.Attend(q); err != nil {
+			return nil, err
+		}
+		if times, err = reuse.Time(warmup, reps); err != nil {
+			return nil, err
+		}
+		add(fmt.Sprintf("a layer reusing the pick, %d pages a workgroup", run), times)
 	}
-	owned = append(owned, reuse)
-	if _, err := reuse.Attend(q); err != nil {
-		return nil, err
-	}
-	if times, err = reuse.Time(warmup, reps); err != nil {
-		return nil, err
-	}
-	add("a layer reusing the pick", times)
 	// The floor of the reuse: dense attention over as many tokens.
 	n := min(d.Pages, pages)*d.PageSize + tr.Tokens - pages*d.PageSize
 	small, err := kvcache.NewLayer(dev, heads.KV, heads.Dim, n)
