@@ -254,9 +254,10 @@ func (s *deltaReuse) Selection() Selection {
 }
 
 // deltaRunPages is the picked pages a workgroup of a reusing layer's
-// attention takes: 64 tokens of pages of 16, so that a pick of 64 pages
-// spreads over 16 workgroups a head block.
-const deltaRunPages = 4
+// attention takes: on the H100 (Hq 32, Hkv 8, D 128, 131 072 tokens, K 64
+// pages of 16) a reusing layer took 16.2, 15.5, 12.8 and 14.2 µs with 2,
+// 4, 8 and 16 (bench/results/2026-11-27-nvidia-h100-delta-stack.json).
+const deltaRunPages = 8
 
 func (s *deltaReuse) Bind(vk.Range) error { return nil }
 func (s *deltaReuse) Stages() []string    { return nil }
@@ -274,7 +275,7 @@ func NewDeltaReuseStep(dense *Dense, layer *kvcache.Layer, pick *DeltaSelect) (*
 }
 
 // NewDeltaReuseStepRuns is NewDeltaReuseStep with runPages picked pages a
-// workgroup of the attention (NewDeltaReuseStep takes 4).
+// workgroup of the attention (NewDeltaReuseStep takes 8).
 func NewDeltaReuseStepRuns(dense *Dense, layer *kvcache.Layer, pick *DeltaSelect, runPages int) (*Step, error) {
 	switch {
 	case runPages <= 0:
