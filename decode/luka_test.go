@@ -77,7 +77,7 @@ func TestModelLuKAMatchesReference(t *testing.T) {
 					}
 					o, _, _, err := sparse.LuKAAttendRef(q64, d.keys[g*d.n*h.Dim:(g*d.n+n)*h.Dim], d.values[g*d.n*h.Dim:(g*d.n+n)*h.Dim],
 						sparse.HalvesToFloat64(sk[g*sums*h.Dim:(g+1)*sums*h.Dim]), sparse.HalvesToFloat64(sv[g*sums*h.Dim:(g+1)*sums*h.Dim]),
-						h.Dim, resolved.Segment, scale, refined[hh])
+						h.Dim, resolved.Segment, scale, resolved.SummaryBias(), refined[hh])
 					require.NoError(t, err)
 					require.Len(t, refined[hh], min(2, sums), "%s: head %d refines the top 2", name, hh)
 					want = append(want, o...)

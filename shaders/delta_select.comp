@@ -28,7 +28,9 @@ layout(push_constant) uniform Push {
 
 const uint COPIES = 8;  // histograms, so that threads counting one bin collide less
 shared uint hist[COPIES * 256];
-shared uint suffix[256];
+shared uint bins[256];       // a pass's counts per bin
+shared uint binGroups[16];   // their sums, 16 bins a group
+shared uint groupSums[WG / 16];  // exclusiveSum's, 16 threads a group
 shared uint prefix;  // the threshold's bits found so far
 shared uint want;    // how many of the pages matching prefix are still to pick
 shared uint sums[WG];
@@ -39,18 +41,24 @@ shared uint held[HELD + HELD / 32];
 // scoreOf returns page u's score bits.
 uint scoreOf(uint u) { return pc.C <= HELD ? held[u + u / 32] : score[u]; }
 
-// exclusiveSum returns the sum of v over the threads below this one.
+// exclusiveSum returns the sum of v over the threads below this one:
+// sums of 16 threads a group, then each thread adds the groups and the
+// threads of its group below it.
 uint exclusiveSum(uint v) {
 	uint tid = gl_LocalInvocationID.x;
 	sums[tid] = v;
 	barrier();
-	for (uint o = 1; o < WG; o <<= 1) {
-		uint x = tid >= o ? sums[tid - o] : 0u;
-		barrier();
-		sums[tid] += x;
-		barrier();
+	if (tid < WG / 16) {
+		uint c = 0;
+		for (uint i = 0; i < 16; i++) c += sums[tid * 16 + i];
+		groupSums[tid] = c;
 	}
-	return sums[tid] - v;
+	barrier();
+	uint before = 0;
+	for (uint g = 0; g < tid / 16; g++) before += groupSums[g];
+	for (uint i = tid / 16 * 16; i < tid; i++) before += sums[i];
+	barrier();  // sums and groupSums are written again by the next call
+	return before;
 }
 
 void main() {
@@ -88,20 +96,23 @@ void main() {
 			if (tid < 256) {
 				uint c = 0;
 				for (uint k = 0; k < COPIES; k++) c += hist[k * 256 + tid];
-				suffix[tid] = c;
-			}
-			barrier();
-			for (uint o = 1; o < 256; o <<= 1) {
-				uint x = tid + o < 256 ? suffix[tid + o] : 0u;
-				barrier();
-				if (tid < 256) suffix[tid] += x;
-				barrier();
+				bins[tid] = c;
 			}
 			uint w = want;
 			barrier();
+			if (tid < 16) {
+				uint c = 0;
+				for (uint i = 0; i < 16; i++) c += bins[tid * 16 + i];
+				binGroups[tid] = c;
+			}
+			barrier();
+			// The bin where the count from the top first reaches w.
 			if (tid < 256) {
-				uint above = tid == 255 ? 0u : suffix[tid + 1];
-				if (suffix[tid] >= w && above < w) {
+				uint incl = 0;  // bins tid .. 255
+				for (uint i = tid; i < (tid / 16 + 1) * 16; i++) incl += bins[i];
+				for (uint g = tid / 16 + 1; g < 16; g++) incl += binGroups[g];
+				uint above = incl - bins[tid];
+				if (incl >= w && above < w) {
 					prefix = p | (tid << uint(shift));
 					want = w - above;
 				}

@@ -6,8 +6,8 @@
 // then its raw tokens from slot tail = S·P on (node S + i is slot tail + i),
 // pc.nodes nodes in all. A workgroup takes SPAN consecutive nodes for the
 // GROUP query heads of KV head gl_WorkGroupID.y, writes
-// row[h][j] = scale · q_h · k_j, LANES lanes sharing a node, and its heads'
-// partial (max, Σ exp(l − max)). The last workgroup of the KV head to
+// row[h][j] = scale · q_h · k_j (+ pc.bias for a summary), LANES lanes
+// sharing a node, and its heads' partial (max, Σ exp(l − max)). The last workgroup of the KV head to
 // arrive (an arrival counter; no workgroup waits for another) merges them
 // into mz[h] = (m, z), the cover's normaliser Z_h = z·exp(m), and resets
 // the counter.
@@ -42,6 +42,7 @@ layout(push_constant) uniform Push {
 	uint sumStride;   // uvec4 words between the summaries' KV heads
 	uint R;           // row stride per query head
 	uint W;           // partial stride per query head: the most workgroups in x
+	float bias;       // added to the summaries' logits
 } pc;
 
 shared vec4 qs[GROUP][D4];
@@ -95,7 +96,7 @@ void main() {
 		if (lane < GROUP) {
 			float l = NEG;
 			if (j < pc.nodes) {
-				l = 0.0;
+				l = j < pc.S ? pc.bias : 0.0;
 				uint at = lane * WG + (tid / LANES) * LANES;
 				[[unroll]] for (uint u = 0; u < LANES; u++) l += scratch[at + u];
 				row[(h0 + lane) * pc.R + j] = l;

@@ -44,7 +44,9 @@ layout(push_constant) uniform Push {
 const uint COPIES = 8;  // histograms, so that threads counting one bin collide less
 shared uint keys[HELD];
 shared uint hist[COPIES * 256];
-shared uint suffix[256];
+shared uint bins[256];       // a pass's counts per bin
+shared uint binGroups[16];   // their sums, 16 bins a group
+shared uint groupSums[WG / 16];  // exclusiveSum's, 16 threads a group
 shared uint sums[WG];
 shared uint digit, remaining;
 
@@ -57,24 +59,26 @@ uint ordered(float f) {
 uint key(uint h, uint j) { return pc.S <= HELD ? keys[j] : ordered(row[h * pc.R + j]); }
 
 // exclusiveSum returns the sum of v over the threads below this one, and
-// in total the sum over all threads.
+// in total the sum over all threads: sums of 16 threads a group, then each
+// thread adds the groups and the threads of its group below it.
 uint exclusiveSum(uint v, out uint total) {
 	uint tid = gl_LocalInvocationID.x;
 	sums[tid] = v;
 	barrier();
-	if (tid == 0) {
-		uint run = 0;
-		for (uint i = 0; i < WG; i++) {
-			uint x = sums[i];
-			sums[i] = run;
-			run += x;
-		}
-		remaining = run;  // reused as the total here
+	if (tid < WG / 16) {
+		uint c = 0;
+		for (uint i = 0; i < 16; i++) c += sums[tid * 16 + i];
+		groupSums[tid] = c;
 	}
 	barrier();
-	uint before = sums[tid];
-	total = remaining;
-	barrier();
+	uint before = 0;
+	total = 0;
+	for (uint g = 0; g < WG / 16; g++) {
+		if (g < tid / 16) before += groupSums[g];
+		total += groupSums[g];
+	}
+	for (uint i = tid / 16 * 16; i < tid; i++) before += sums[i];
+	barrier();  // sums and groupSums are written again by the next call
 	return before;
 }
 
@@ -118,22 +122,25 @@ void main() {
 			if (tid < 256) {
 				uint c = 0;
 				for (uint k = 0; k < COPIES; k++) c += hist[k * 256 + tid];
-				suffix[tid] = c;
+				bins[tid] = c;
+			}
+			uint w = remaining;
+			barrier();
+			if (tid < 16) {
+				uint c = 0;
+				for (uint i = 0; i < 16; i++) c += bins[tid * 16 + i];
+				binGroups[tid] = c;
 			}
 			barrier();
-			for (uint o = 1; o < 256; o <<= 1) {
-				uint x = tid + o < 256 ? suffix[tid + o] : 0u;
-				barrier();
-				if (tid < 256) suffix[tid] += x;
-				barrier();
-			}
-			uint need = remaining;
-			barrier();
+			// The bin where the count from the top first reaches w.
 			if (tid < 256) {
-				uint above = tid == 255 ? 0u : suffix[tid + 1];
-				if (suffix[tid] >= need && above < need) {
+				uint incl = 0;  // bins tid .. 255
+				for (uint i = tid; i < (tid / 16 + 1) * 16; i++) incl += bins[i];
+				for (uint g = tid / 16 + 1; g < 16; g++) incl += binGroups[g];
+				uint above = incl - bins[tid];
+				if (incl >= w && above < w) {
 					digit = tid;
-					remaining = need - above;
+					remaining = w - above;
 				}
 			}
 			barrier();

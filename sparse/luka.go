@@ -79,6 +79,11 @@ type LuKA struct {
 	Epsilon    float64        // RefineThreshold's mass, in (0, 1]; 1 refines nothing
 	Rho        float64        // RefineFraction's share, in (0, 1]
 	Seed       uint32         // LuKARandom's
+	// LogSize adds ln Segment to every summary's logit, so that a summary
+	// weighs in the cover as its tokens would if their keys were equal
+	// (the size term of Double-P's centroid scores). The paper's Eq. 1
+	// weighs a summary as one token: false.
+	LogSize bool
 }
 
 // DefaultLuKA is the paper's configuration: segments of 16 tokens, the
@@ -153,6 +158,9 @@ func (o LuKA) String() string {
 	if o.Compressor == LuKAWeighted {
 		c = fmt.Sprintf("weighted τ %g", o.Tau)
 	}
+	if o.LogSize {
+		c += ", + ln P"
+	}
 	return fmt.Sprintf("LuKA P %d, recent %d, %s, %s", o.Segment, o.Recent, c, rule)
 }
 
@@ -182,6 +190,15 @@ func (o LuKA) maxRefined(s int) int {
 // of two above the longest raw tail the segmenter leaves.
 func (o LuKA) ringSlots() int {
 	return 1 << bits.Len(uint(o.Recent+o.Segment+o.Every))
+}
+
+// SummaryBias returns what a summary's logit gets added: ln Segment under
+// LogSize, else 0.
+func (o LuKA) SummaryBias() float64 {
+	if o.LogSize {
+		return math.Log(float64(o.Segment))
+	}
+	return 0
 }
 
 // Summaries returns how many summaries the segmenter keeps over n tokens:
@@ -275,12 +292,12 @@ func newLuKAStep(dense *Dense, layer *kvcache.Layer, opts LuKA, held int) (*LuKA
 	s.outPart, s.out = w(hq*s.items()*h.Dim), w(hq*h.Dim)
 	shared := dev.Info().SharedMemoryBytes
 	// luka_select's shared memory beside the logits: 8 histograms of 256
-	// bins, their suffix sums and a word a thread.
-	s.held = uint32(min(8192, max(int(shared)-(8*256+256+lukaSelectThreads)*4-64, 4)/4))
+	// bins, their sums and a word a thread.
+	s.held = uint32(min(8192, max(int(shared)-(8*256+256+32+lukaSelectThreads)*4-64, 4)/4))
 	if held > 0 {
 		s.held = uint32(min(int(s.held), held))
 	}
-	s.score = b.kernel("luka_score", 7, 8, lukaScoreThreads, uint32(h.Dim), uint32(h.Group()), lukaScoreSpan)
+	s.score = b.kernel("luka_score", 7, 9, lukaScoreThreads, uint32(h.Dim), uint32(h.Group()), lukaScoreSpan)
 	s.choose = b.kernel("luka_select", 6, 11, lukaSelectThreads, s.held)
 	s.attend = b.kernel("luka_attend", 12, 12, lukaAttendThreads, uint32(h.Dim), uint32(h.Group()), lukaChunk, uint32(opts.Segment))
 	s.compress = b.kernel("luka_compress", 5, 7, uint32(max(half, opts.Segment)), uint32(h.Dim), uint32(h.Group()), uint32(opts.Segment))
@@ -463,7 +480,7 @@ func (s *LuKAStep) RecordStage(c *vk.Commands, stage int) error {
 	switch stage {
 	case 0:
 		push := []uint32{uint32(s.S), uint32(nodes), uint32(tail), scale, uint32(s.layer.HeadBytes() / 16),
-			uint32(max(s.maxS, 1) * half / 4), uint32(rows), uint32(ceilDiv(rows, lukaScoreSpan))}
+			uint32(max(s.maxS, 1) * half / 4), uint32(rows), uint32(ceilDiv(rows, lukaScoreSpan)), math.Float32bits(float32(s.opts.SummaryBias()))}
 		c.Dispatch(s.score, s.scoreBind, push, uint32(ceilDiv(nodes, lukaScoreSpan)), uint32(h.KV), 1)
 	case 1:
 		rule, k := uint32(0), s.opts.Refines(s.S)

@@ -91,20 +91,21 @@ func LuKARefineRef(logits []float64, logZ float64, o LuKA) []int {
 // head q over a layer's rows keys and values ([n][d]), the summaries sumK
 // and sumV ([S][d], summary c standing for rows [cP, cP+P)) and the
 // refined summaries, with the cover logits (S summaries, then rows
-// [S·P, n)) and the cover's log normaliser:
+// [S·P, n); a summary's logit gets bias added, LuKA.SummaryBias) and the
+// cover's log normaliser:
 //
 //	o = Σ_{j not refined} α_j v_j + Σ_{c refined} α_c Σ_u β_u v_{cP+u},
 //
 // α = softmax of scale·q·k over the cover and β the local softmax of
 // scale·q·k over c's rows (Eqs. 1–4 of the paper).
-func LuKAAttendRef(q, keys, values, sumK, sumV []float64, d, p int, scale float64, refined []int) (out, logits []float64, logZ float64, err error) {
+func LuKAAttendRef(q, keys, values, sumK, sumV []float64, d, p int, scale, bias float64, refined []int) (out, logits []float64, logZ float64, err error) {
 	n, s := len(keys)/d, len(sumK)/d
 	if len(q) != d || len(values) != n*d || len(sumV) != s*d || s*p > n {
 		return nil, nil, 0, fmt.Errorf("sparse: LuKA over %d rows and %d summaries of %d tokens", n, s, p)
 	}
 	logits = make([]float64, 0, s+n-s*p)
 	for c := 0; c < s; c++ {
-		logits = append(logits, scale*dot(q, sumK[c*d:(c+1)*d]))
+		logits = append(logits, scale*dot(q, sumK[c*d:(c+1)*d])+bias)
 	}
 	for t := s * p; t < n; t++ {
 		logits = append(logits, scale*dot(q, keys[t*d:(t+1)*d]))

@@ -142,7 +142,7 @@ func testLuKA(t *testing.T, dev *vk.Device, dense *Dense, h Heads, opts LuKA, n,
 				qh[i] = float64(q[hh*h.Dim+i])
 			}
 			out, ls, lz, err := LuKAAttendRef(qh, rows(keys, g, 0, cur), rows(values, g, 0, cur),
-				HalvesToFloat64(sk[g*s*h.Dim:(g+1)*s*h.Dim]), HalvesToFloat64(sv[g*s*h.Dim:(g+1)*s*h.Dim]), h.Dim, p, scale, refined[hh])
+				HalvesToFloat64(sk[g*s*h.Dim:(g+1)*s*h.Dim]), HalvesToFloat64(sv[g*s*h.Dim:(g+1)*s*h.Dim]), h.Dim, p, scale, opts.SummaryBias(), refined[hh])
 			require.NoError(t, err)
 			require.Len(t, ls, nodes)
 			gotLogits := make([]float64, nodes)

@@ -25,7 +25,7 @@ import (
 const defaultLayouts = "tactic:0.9; tactic:0.9@2-5; doublep:0.95/0.7; doublep:0.95/0.7@2-5; oracle:0.9; oracle:0.9@2-5; " +
 	"quest:tactic; quest:tactic@2-5; streaming:tactic; streaming:tactic@2-5; h2o:tactic; h2o:tactic@2-5; " +
 	"delta:64/8@2; delta:64/8@2,4; delta:16/4@2,4; delta:tactic/8@2; " +
-	"luka; luka@2-5; luka:mixed; luka:tactic; luka:tactic@2-5"
+	"luka; luka@2-5; luka:mixed; luka:tactic; luka:tactic@2-5; luka:logsize; luka:logsize/tactic; luka:logsize/tactic@2-5"
 
 // generateLayer is one layer's figures under a layout.
 type generateLayer struct {

@@ -48,8 +48,9 @@ func (l layoutSpec) matchSpec() string {
 // luka:OPT/OPT/… with OPT one of topN, epsX, rhoX (the refinement rule;
 // top3 by default), mean, weighted or random (the compressor; weighted
 // by default), tactic or doublep (top-K with K matched per layer to that
-// layout's tokens), mixed (LuKA's mixed mode: H2O in the first and last
-// layers, LAYERS ignored) and h2o=B (the mixed mode's H2O budget, 2 048
+// layout's tokens), logsize (summaries weigh ln P more: sparse.LuKA.LogSize),
+// mixed (LuKA's mixed mode: H2O in the first and last layers, LAYERS
+// ignored) and h2o=B (the mixed mode's H2O budget, 2 048
 // by default); LAYERS is all (the default), a range a-b or a list a,b,c
 // of layers in [0, layers).
 func parseLayouts(s string, layers int) ([]layoutSpec, error) {
@@ -173,6 +174,8 @@ func (l *layoutSpec) parseLuKA(args string, layers int) error {
 		case opt == "tactic" || opt == "doublep":
 			l.BudgetFrom = opt
 			l.LuKA.Rule = sparse.RefineTopK
+		case opt == "logsize":
+			l.LuKA.LogSize = true
 		case opt == "mixed":
 			l.Mixed = true
 			l.LayerSpec = "all"
@@ -191,7 +194,7 @@ func (l *layoutSpec) parseLuKA(args string, layers int) error {
 				err = fmt.Errorf("the H2O budget %d must be positive", l.LinedBudget)
 			}
 		default:
-			return fmt.Errorf("luka option %q: topN, epsX, rhoX, mean, weighted, random, tactic, doublep, mixed or h2o=B", opt)
+			return fmt.Errorf("luka option %q: topN, epsX, rhoX, mean, weighted, random, tactic, doublep, logsize, mixed or h2o=B", opt)
 		}
 		if err == nil && (l.LuKA.K < 1 || !(l.LuKA.Epsilon > 0) || !(l.LuKA.Rho > 0)) {
 			err = fmt.Errorf("K, ε and ρ must be positive")

@@ -13,7 +13,7 @@ import (
 func TestParseLayouts(t *testing.T) {
 	specs, err := parseLayouts(defaultLayouts, 6)
 	require.NoError(t, err)
-	require.Len(t, specs, 21)
+	require.Len(t, specs, 24)
 	require.Equal(t, []int{2, 4}, specs[13].Delta.Refresh)
 	require.Equal(t, 2, specs[13].Delta.Warmup)
 	require.Equal(t, 4, specs[13].sparseLayers())
@@ -40,7 +40,7 @@ func TestParseLayouts(t *testing.T) {
 	require.True(t, pols[0].IsDense())
 	require.Zero(t, specs[2].sparseLayers())
 
-	specs, err = parseLayouts("luka:eps0.02/mean@1-4; luka:mixed/random/h2o=500; luka:tactic/top9; delta:tactic/8", 6)
+	specs, err = parseLayouts("luka:eps0.02/mean@1-4; luka:mixed/random/h2o=500; luka:tactic/top9; delta:tactic/8; luka:logsize", 6)
 	require.NoError(t, err)
 	require.Equal(t, sparse.RefineThreshold, specs[0].LuKA.Rule)
 	require.Equal(t, 0.02, specs[0].LuKA.Epsilon)
@@ -63,6 +63,8 @@ func TestParseLayouts(t *testing.T) {
 	require.Equal(t, "DELTA Δ-layer (K 26, L 8)", pols[2].String())
 	require.Equal(t, "DELTA (the pick of layer 2)", pols[3].String())
 	require.True(t, pols[1].IsDense())
+	require.True(t, specs[4].LuKA.LogSize)
+	require.False(t, specs[0].LuKA.LogSize)
 }
 
 // TestParseLayoutsRejectsBadInput checks the errors.
