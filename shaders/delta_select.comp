@@ -11,6 +11,8 @@
 // them after the picks of the spans before it. Up to HELD scores are read
 // once into shared memory (coalesced), more from the buffer each pass.
 
+#extension GL_EXT_control_flow_attributes : enable
+
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 256;     // threads, a power of two, at least 256
 layout(constant_id = 1) const uint HELD = 8192;  // scores held in shared memory
@@ -70,7 +72,16 @@ void main() {
 	uint tau = 0xffffffffu;
 	uint needEq = 0;
 	if (C <= HELD) {
-		for (uint u = tid; u < C; u += WG) held[u + u / 32] = score[u];
+		// All loads in flight at once, then the stores.
+		uint v[(HELD + WG - 1) / WG];
+		[[unroll]] for (uint k = 0; k < (HELD + WG - 1) / WG; k++) {
+			uint u = tid + k * WG;
+			v[k] = u < C ? score[u] : 0u;
+		}
+		[[unroll]] for (uint k = 0; k < (HELD + WG - 1) / WG; k++) {
+			uint u = tid + k * WG;
+			if (u < C) held[u + u / 32] = v[k];
+		}
 		barrier();
 	}
 	if (!all && m > 0) {

@@ -94,7 +94,16 @@ void main() {
 		}
 	}
 	if (pc.S <= HELD) {
-		for (uint j = tid; j < pc.S; j += WG) keys[j] = ordered(row[h * pc.R + j]);
+		// All loads in flight at once, then the stores.
+		float v[(HELD + WG - 1) / WG];
+		[[unroll]] for (uint k = 0; k < (HELD + WG - 1) / WG; k++) {
+			uint j = tid + k * WG;
+			v[k] = j < pc.S ? row[h * pc.R + j] : 0.0;
+		}
+		[[unroll]] for (uint k = 0; k < (HELD + WG - 1) / WG; k++) {
+			uint j = tid + k * WG;
+			if (j < pc.S) keys[j] = ordered(v[k]);
+		}
 	}
 	barrier();
 
