@@ -6,7 +6,7 @@
 // ascending order, min(C, budget) of them, for every KV head g:
 // starts[g][i] (the page index the layers after it attend). One
 // workgroup: an exact radix select of the threshold over the scores' bits
-// (non-negative floats order as their bits), 8 bits a pass; then each
+// (non-negative floats order as their bits), 11 bits a pass; then each
 // thread takes a contiguous span of pages, counts its picks, and writes
 // them after the picks of the spans before it. Up to HELD scores are read
 // once into shared memory (coalesced), more from the buffer each pass.
@@ -14,7 +14,7 @@
 #extension GL_EXT_control_flow_attributes : enable
 
 layout(local_size_x_id = 0) in;
-layout(constant_id = 0) const uint WG = 256;     // threads, a power of two, at least 256
+layout(constant_id = 0) const uint WG = 256;     // threads, a power of two from 256 to 2048
 layout(constant_id = 1) const uint HELD = 8192;  // scores held in shared memory
 
 layout(std430, binding = 0) readonly buffer Scores { uint score[]; };  // [C] float bits
@@ -28,10 +28,8 @@ layout(push_constant) uniform Push {
 	uint pageSize;  // P
 } pc;
 
-const uint COPIES = 8;  // histograms, so that threads counting one bin collide less
-shared uint hist[COPIES * 256];
-shared uint bins[256];       // a pass's counts per bin
-shared uint binGroups[16];   // their sums, 16 bins a group
+const uint NB = 2048;  // bins of a radix pass: 11 bits
+shared uint hist[NB];
 shared uint groupSums[WG / 16];  // exclusiveSum's, 16 threads a group
 shared uint prefix;  // the threshold's bits found so far
 shared uint want;    // how many of the pages matching prefix are still to pick
@@ -43,10 +41,10 @@ shared uint held[HELD + HELD / 32];
 // scoreOf returns page u's score bits.
 uint scoreOf(uint u) { return pc.C <= HELD ? held[u + u / 32] : score[u]; }
 
-// exclusiveSum returns the sum of v over the threads below this one:
-// sums of 16 threads a group, then each thread adds the groups and the
-// threads of its group below it.
-uint exclusiveSum(uint v) {
+// exclusiveSum returns the sum of v over the threads below this one, and
+// in total the sum over all threads: sums of 16 threads a group, then each
+// thread adds the groups and the threads of its group below it.
+uint exclusiveSum(uint v, out uint total) {
 	uint tid = gl_LocalInvocationID.x;
 	sums[tid] = v;
 	barrier();
@@ -57,7 +55,11 @@ uint exclusiveSum(uint v) {
 	}
 	barrier();
 	uint before = 0;
-	for (uint g = 0; g < tid / 16; g++) before += groupSums[g];
+	total = 0;
+	for (uint g = 0; g < WG / 16; g++) {
+		if (g < tid / 16) before += groupSums[g];
+		total += groupSums[g];
+	}
 	for (uint i = tid / 16 * 16; i < tid; i++) before += sums[i];
 	barrier();  // sums and groupSums are written again by the next call
 	return before;
@@ -90,43 +92,37 @@ void main() {
 			want = m;
 		}
 		// Radix select of the m-th greatest score among pages [0, older):
-		// each pass counts the next 8 bits of the candidates (thread t into
-		// histogram t mod COPIES), sums the histograms, scans them from the
-		// top and takes the bin where the count from the top reaches want.
-		for (int shift = 24; shift >= 0; shift -= 8) {
-			for (uint i = tid; i < COPIES * 256; i += WG) hist[i] = 0;
+		// each pass counts the next 11 bits (10 in the last) of the
+		// candidates into NB bins; each thread owns NB / WG consecutive
+		// bins, and the one holding the bin where the count from the top
+		// reaches want takes it.
+		for (uint pass = 0; pass < 3; pass++) {
+			uint width = pass == 2 ? 10u : 11u;
+			uint shift = 21u - 11u * pass;  // 21, 10, 0
+			for (uint i = tid; i < NB; i += WG) hist[i] = 0;
 			barrier();
-			uint mask = shift == 24 ? 0u : (0xffffffffu << uint(shift + 8));
+			uint mask = pass == 0 ? 0u : (0xffffffffu << (shift + width));
 			uint p = prefix;
-			uint copy = (tid % COPIES) * 256;
+			uint w = want;
 			for (uint u = tid; u < older; u += WG) {
 				uint s = scoreOf(u);
-				if ((s & mask) == (p & mask)) atomicAdd(hist[copy + ((s >> uint(shift)) & 255u)], 1);
+				if ((s & mask) == (p & mask)) atomicAdd(hist[(s >> shift) & ((1u << width) - 1u)], 1);
 			}
 			barrier();
-			if (tid < 256) {
-				uint c = 0;
-				for (uint k = 0; k < COPIES; k++) c += hist[k * 256 + tid];
-				bins[tid] = c;
-			}
-			uint w = want;
-			barrier();
-			if (tid < 16) {
-				uint c = 0;
-				for (uint i = 0; i < 16; i++) c += bins[tid * 16 + i];
-				binGroups[tid] = c;
-			}
-			barrier();
-			// The bin where the count from the top first reaches w.
-			if (tid < 256) {
-				uint incl = 0;  // bins tid .. 255
-				for (uint i = tid; i < (tid / 16 + 1) * 16; i++) incl += bins[i];
-				for (uint g = tid / 16 + 1; g < 16; g++) incl += binGroups[g];
-				uint above = incl - bins[tid];
-				if (incl >= w && above < w) {
-					prefix = p | (tid << uint(shift));
-					want = w - above;
+			const uint PB = NB / WG;
+			uint own = 0;
+			for (uint i = 0; i < PB; i++) own += hist[tid * PB + i];
+			uint total;
+			uint below = exclusiveSum(own, total);
+			uint running = total - below - own;  // the bins above this thread's
+			for (int i = int(PB) - 1; i >= 0; i--) {
+				uint b = tid * PB + uint(i);
+				uint c = hist[b];
+				if (running < w && running + c >= w) {
+					prefix = p | (b << shift);
+					want = w - running;
 				}
+				running += c;
 			}
 			barrier();
 		}
@@ -139,7 +135,8 @@ void main() {
 	uint lo = min(tid * span, C), hi = min(lo + span, C);
 	uint eq = 0;
 	for (uint u = lo; u < min(hi, older); u++) eq += uint(!all && scoreOf(u) == tau);
-	uint seen = exclusiveSum(eq);
+	uint total;
+	uint seen = exclusiveSum(eq, total);
 	uint mine = 0;
 	for (uint u = lo; u < hi; u++) {
 		bool take = all || u >= older;
@@ -150,7 +147,7 @@ void main() {
 		}
 		mine += uint(take);
 	}
-	uint at = exclusiveSum(mine);
+	uint at = exclusiveSum(mine, total);
 	uint K = min(C, pc.budget);
 	seen -= eq;  // back to this span's first equal page
 	for (uint u = lo; u < hi; u++) {

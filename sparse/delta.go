@@ -160,9 +160,9 @@ func newDeltaSelect(dense *Dense, scores vk.Range, pages, budget, recent, pageSi
 	x := &DeltaSelect{dense: dense, pages: pages, budget: budget, recent: recent, pageSize: pageSize}
 	b := &builder{dev: dev, cache: &dense.kernels}
 	// The scores it holds in shared memory (a word of padding every 32)
-	// beside its 8 histograms of 256 bins, their sums and a word a
+	// beside its histogram of 2 048 bins, its group sums and a word a
 	// thread.
-	most := min(8192, max(int(dev.Info().SharedMemoryBytes)-4*(8*256+256+32+deltaSelectWorkgroup)-64, 4)*32/33/4)
+	most := min(8192, max(int(dev.Info().SharedMemoryBytes)-4*(2048+16+deltaSelectWorkgroup)-64, 4)*32/33/4)
 	if held <= 0 || held > most {
 		held = most
 	}
