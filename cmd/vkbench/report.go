@@ -39,7 +39,15 @@ type report struct {
 // by its base name only, so that results carry no directories of the
 // machine they ran on.
 func writeJSON(path, command string, info vk.Info, results any) error {
-	command = strings.ReplaceAll(command, path, filepath.Base(path))
+	// Files named by absolute paths are named by their base: where a run
+	// kept them is nobody else's business.
+	fields := strings.Fields(command)
+	for i, f := range fields {
+		if f == path || filepath.IsAbs(f) {
+			fields[i] = filepath.Base(f)
+		}
+	}
+	command = strings.Join(fields, " ")
 	b, err := json.MarshalIndent(report{Tool: "vkbench", Command: command, Date: time.Now().UTC().Format(time.RFC3339), Device: info, Results: results}, "", "  ")
 	if err != nil {
 		return err

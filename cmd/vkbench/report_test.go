@@ -1,9 +1,12 @@
 package main
 
 import (
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"testing"
+
+	"github.com/vksparse/vksparse/vk"
 )
 
 func TestProgressMode(t *testing.T) {
@@ -44,5 +47,27 @@ func TestIsTerminalFalseForFilesAndPipes(t *testing.T) {
 	defer w.Close()
 	if isTerminal(w) {
 		t.Error("a pipe counts as a terminal")
+	}
+}
+
+// TestWriteJSONNamesFilesByBase checks that the command a result records
+// names the files it was given by absolute paths by their base only.
+func TestWriteJSONNamesFilesByBase(t *testing.T) {
+	dir := t.TempDir()
+	out := filepath.Join(dir, "r.json")
+	plot := filepath.Join(dir, "sub", "p.png")
+	if err := writeJSON(out, "vkbench generate -json "+out+" -plot "+plot+" -layouts a; b", vk.Info{}, 1); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep struct{ Command string }
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatal(err)
+	}
+	if want := "vkbench generate -json r.json -plot p.png -layouts a; b"; rep.Command != want {
+		t.Errorf("command %q, want %q", rep.Command, want)
 	}
 }
