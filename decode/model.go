@@ -741,7 +741,7 @@ func (m *Model) build(layer int) error {
 		steps := make([]*sparse.Step, 0, len(caches))
 		for i := range caches {
 			var st *sparse.Step
-			if st, err = sparse.NewDeltaReuseStep(m.dense, caches[i], src.delta.picks[i]); err != nil {
+			if st, err = sparse.NewDeltaReuseStepRuns(m.dense, caches[i], src.delta.picks[i], pol.delta.RunPages); err != nil {
 				err = fmt.Errorf("slot %d: %w", m.active[i], err)
 				break
 			}

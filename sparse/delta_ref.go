@@ -19,6 +19,10 @@ type Delta struct {
 	Pages    int   // K: pages the sparse layers attend; 0 = 64
 	Recent   int   // L: of them, the most recent; 0 = 8
 	PageSize int   // P: tokens a page; 0 = 16
+	// RunPages is the picked pages a workgroup of a reusing layer's
+	// attention takes (how the work is divided, not what is attended);
+	// 0 = 8.
+	RunPages int
 }
 
 // DefaultDelta returns the paper's setting: warm-up depth 2, Δ-layer {2},
@@ -46,7 +50,12 @@ func (d Delta) Resolve(layers int) (Delta, error) {
 	if d.PageSize == 0 {
 		d.PageSize = def.PageSize
 	}
+	if d.RunPages == 0 {
+		d.RunPages = deltaRunPages
+	}
 	switch {
+	case d.RunPages < 0:
+		return d, fmt.Errorf("sparse: DELTA's reusing layers with %d pages a workgroup", d.RunPages)
 	case d.Warmup < 0 || d.Warmup >= layers:
 		return d, fmt.Errorf("sparse: DELTA's warm-up depth %d outside [0, %d)", d.Warmup, layers)
 	case d.Pages < 1 || d.Recent < 0 || d.PageSize < 1:

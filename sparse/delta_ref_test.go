@@ -12,7 +12,7 @@ import (
 func TestDeltaResolve(t *testing.T) {
 	d, err := Delta{}.Resolve(6)
 	require.NoError(t, err)
-	require.Equal(t, Delta{Warmup: 2, Refresh: []int{2}, Pages: 64, Recent: 8, PageSize: 16}, d)
+	require.Equal(t, Delta{Warmup: 2, Refresh: []int{2}, Pages: 64, Recent: 8, PageSize: 16, RunPages: 8}, d)
 	d, err = Delta{Warmup: 1, Refresh: []int{1, 4}, Pages: 10, Recent: 3, PageSize: 8}.Resolve(6)
 	require.NoError(t, err)
 	require.Equal(t, []int{1, 4}, d.Refresh)
@@ -30,6 +30,7 @@ func TestDeltaResolve(t *testing.T) {
 		"first Δ-layer late":  {Warmup: 2, Refresh: []int{3}},
 		"negative recent":     {Recent: -1},
 		"negative warm-up":    {Warmup: -1, Refresh: []int{0}},
+		"negative run pages":  {RunPages: -2},
 	} {
 		_, err := bad.Resolve(6)
 		require.Error(t, err, name)

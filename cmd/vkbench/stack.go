@@ -115,6 +115,7 @@ func stack(args []string) error {
 	pages := fs.Int("pages", 64, "K: pages each DELTA layer attends (0: sparse.DefaultDelta's)")
 	recent := fs.Int("recent", 8, "L: of them, the most recent pages, always taken (0: sparse.DefaultDelta's)")
 	pageSize := fs.Int("page", 16, "tokens a page (0: sparse.DefaultDelta's)")
+	runPages := fs.Int("run-pages", 0, "picked pages a workgroup of a reusing layer's attention takes (0: sparse.Delta's default)")
 	warmup := fs.Int("warmup", 3, "untimed runs before the timed ones")
 	reps := fs.Int("reps", 20, "timed runs of the stack and of each layer")
 	target := fs.Float64("target", 4, "the dense/DELTA ratio the report compares with")
@@ -144,7 +145,7 @@ func stack(args []string) error {
 	if err := heads.Validate(); err != nil {
 		return err
 	}
-	opts := sparse.Delta{Warmup: refresh[0], Refresh: refresh, Pages: *pages, Recent: *recent, PageSize: *pageSize}
+	opts := sparse.Delta{Warmup: refresh[0], Refresh: refresh, Pages: *pages, Recent: *recent, PageSize: *pageSize, RunPages: *runPages}
 	resolved, err := opts.Resolve(*layers)
 	if err != nil {
 		return err

@@ -95,7 +95,7 @@ func deltaStages(dev *vk.Device, heads sparse.Heads, tr *trace.Trace, d sparse.D
 		return nil, err
 	}
 	add("pick", times)
-	for _, run := range []int{2, 4, 8, 16} {
+	for _, run := range []int{4, 6, 8, 10, 12, 16} {
 		reuse, err := sparse.NewDeltaReuseStepRuns(dense, layer, pick, run)
 		if err != nil {
 			return nil, err
