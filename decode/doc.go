@@ -11,7 +11,10 @@
 // is one Config. DeltaLayout gives DELTA's layout: dense warm-up layers,
 // Δ-layers that attend densely and pick pages, and layers that attend the
 // pick of the Δ-layer before them in the same step (attend the layers in
-// order). A slot is idle until each of its layers is prefilled
+// order). LuKA's layers (LuKA, or LuKALayout's modes with H2O as the lined
+// layers) keep summaries of each slot's older tokens, made at the prefill
+// and every Every appended tokens, and attend them with the raw tokens,
+// refining some into their tokens. A slot is idle until each of its layers is prefilled
 // (Prefill; under a clustered policy each layer is then clustered past its
 // sinks and stored in cluster order, as sparse.NewTacticDecoder does); it
 // is then active: Append or AppendAll add a token's keys and values (under
@@ -26,8 +29,10 @@
 //
 // A layer's attention is one batch over the active slots: Tactic runs one
 // sparse.TacticBatch per layer, every other sparse policy one sparse.Batch
-// of its steps, and dense attention one sparse.DensePlan; each stage is
-// dispatched for every sequence, then one barrier for the whole batch.
+// of its steps (LuKA its slots' sparse.LuKAStep), and dense attention one
+// sparse.DensePlan; each stage is dispatched for every sequence, then one
+// barrier for the whole batch. Every sequence's step writes its output
+// into its place in the layer's output buffer (Output).
 // Every layer's kernels are compiled once for the model (its sparse.Dense
 // holds them), and the partial results of every layer's attention share
 // one workspace, a region per slot (sparse.Workspace). The batches are built at a layer's first
