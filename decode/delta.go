@@ -3,7 +3,6 @@ package decode
 import (
 	"errors"
 	"fmt"
-	"slices"
 	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
@@ -125,38 +124,5 @@ func (b *deltaBatch) release() error {
 // timeRecord runs the layer's Record warmup+reps times in one submission,
 // a timestamp after each, and returns the timed runs' GPU times, sorted.
 func (m *Model) timeRecord(layer, warmup, reps int) ([]time.Duration, error) {
-	if reps <= 0 || warmup < 0 {
-		return nil, fmt.Errorf("decode: timing needs at least one timed run")
-	}
-	stamps, err := m.dev.NewTimestamps(warmup + reps + 1)
-	if err != nil {
-		return nil, err
-	}
-	defer stamps.Release()
-	c := m.cmd
-	if err := c.Begin(); err != nil {
-		return nil, err
-	}
-	c.Reset(stamps)
-	c.Timestamp(stamps, 0)
-	for r := 0; r < warmup+reps; r++ {
-		if err := m.record(layer, c); err != nil {
-			c.End()
-			return nil, err
-		}
-		c.Timestamp(stamps, r+1)
-	}
-	if err := c.End(); err != nil {
-		return nil, err
-	}
-	if err := c.Submit(); err != nil {
-		return nil, err
-	}
-	d, err := stamps.Durations(warmup + reps + 1)
-	if err != nil {
-		return nil, err
-	}
-	times := slices.Clone(d[1+warmup:])
-	slices.Sort(times)
-	return times, nil
+	return m.dev.TimeRuns(m.cmd, warmup, reps, func(c *vk.Commands) error { return m.record(layer, c) })
 }

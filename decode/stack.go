@@ -2,17 +2,18 @@ package decode
 
 import (
 	"fmt"
-	"slices"
 	"time"
+
+	"github.com/vksparse/vksparse/vk"
 )
 
 // TimeStack times the attention of one decoded token across the whole
 // model: a pass records every layer, 0 to Layers−1 in order, as Record
-// records it (barriers and output copies included), for the queries of
+// records it (its barriers included), for the queries of
 // each layer's last SetQuery, so that a DELTA layer attends the pick its
 // Δ-layer made earlier in the same pass. It records warmup+reps passes
 // back to back in one command buffer and one submission, each pass after
-// a full barrier (ordering it after the previous pass's copies) and
+// a full barrier (ordering it after the previous pass) and
 // followed by a timestamp, and returns the timed passes' GPU times,
 // sorted. Every layer must have had its SetQuery since the active slots
 // changed. Output holds what the last pass left, as after Record; H2O's
@@ -31,38 +32,13 @@ func (m *Model) TimeStack(warmup, reps int) ([]time.Duration, error) {
 			return nil, fmt.Errorf("decode: TimeStack before the SetQuery of layer %d (every layer's queries are set again after the active slots change)", l)
 		}
 	}
-	stamps, err := m.dev.NewTimestamps(warmup + reps + 1)
-	if err != nil {
-		return nil, err
-	}
-	defer stamps.Release()
-	c := m.cmd
-	if err := c.Begin(); err != nil {
-		return nil, err
-	}
-	c.Reset(stamps)
-	c.Timestamp(stamps, 0)
-	for r := 0; r < warmup+reps; r++ {
+	return m.dev.TimeRuns(m.cmd, warmup, reps, func(c *vk.Commands) error {
 		c.Barrier()
 		for l := range m.layers {
 			if err := m.record(l, c); err != nil {
-				c.End()
-				return nil, err
+				return err
 			}
 		}
-		c.Timestamp(stamps, r+1)
-	}
-	if err := c.End(); err != nil {
-		return nil, err
-	}
-	if err := c.Submit(); err != nil {
-		return nil, err
-	}
-	d, err := stamps.Durations(warmup + reps + 1)
-	if err != nil {
-		return nil, err
-	}
-	times := slices.Clone(d[1+warmup:])
-	slices.Sort(times)
-	return times, nil
+		return nil
+	})
 }

@@ -3,6 +3,7 @@ package vk
 import (
 	"fmt"
 	"math"
+	"slices"
 	"time"
 	"unsafe"
 
@@ -329,4 +330,44 @@ func (t *Timestamps) Release() error {
 	t.pool = nil
 	t.dev.untrack(t)
 	return nil
+}
+
+// TimeRuns records record warmup+reps times into c, back to back in one
+// submission, a timestamp after each run, and returns the timed runs' GPU
+// times, sorted. c must not be recording; record orders each run after the
+// one before as it needs (a barrier of its own).
+func (d *Device) TimeRuns(c *Commands, warmup, reps int, record func(*Commands) error) ([]time.Duration, error) {
+	if reps <= 0 || warmup < 0 {
+		return nil, fmt.Errorf("vk: timing %d warm-up and %d timed runs: at least one timed run, no negative warm-up", warmup, reps)
+	}
+	stamps, err := d.NewTimestamps(warmup + reps + 1)
+	if err != nil {
+		return nil, err
+	}
+	defer stamps.Release()
+	if err := c.Begin(); err != nil {
+		return nil, err
+	}
+	c.Reset(stamps)
+	c.Timestamp(stamps, 0)
+	for r := 0; r < warmup+reps; r++ {
+		if err := record(c); err != nil {
+			c.End()
+			return nil, err
+		}
+		c.Timestamp(stamps, r+1)
+	}
+	if err := c.End(); err != nil {
+		return nil, err
+	}
+	if err := c.Submit(); err != nil {
+		return nil, err
+	}
+	all, err := stamps.Durations(warmup + reps + 1)
+	if err != nil {
+		return nil, err
+	}
+	times := slices.Clone(all[1+warmup:])
+	slices.Sort(times)
+	return times, nil
 }

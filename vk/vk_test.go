@@ -298,3 +298,39 @@ func TestAllocatedCountsLiveBuffers(t *testing.T) {
 	require.NoError(t, b.Release())
 	require.Equal(t, before, dev.Allocated())
 }
+
+// TestTimeRuns times runs of a fill that grows with the run, and checks
+// that every timed run is reported, sorted, that the runs ran (the buffer
+// holds the last run's word) and that bad counts and a failing run are
+// refused.
+func TestTimeRuns(t *testing.T) {
+	dev := vktest.Open(t)
+	buf, err := dev.NewBuffer(1<<20, vk.DeviceLocal)
+	require.NoError(t, err)
+	defer buf.Release()
+	c, err := dev.NewCommands()
+	require.NoError(t, err)
+	defer c.Release()
+	runs := 0
+	times, err := dev.TimeRuns(c, 2, 5, func(c *vk.Commands) error {
+		runs++
+		c.Barrier()
+		c.Fill(buf.All(), uint32(runs))
+		return nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, 7, runs, "warm-up and timed runs recorded")
+	require.Len(t, times, 5)
+	require.True(t, slices.IsSorted(times))
+	word := make([]uint32, 1)
+	require.NoError(t, buf.ReadUint32(1<<20-4, word))
+	require.Equal(t, uint32(7), word[0], "the last run's fill")
+	_, err = dev.TimeRuns(c, 0, 0, func(*vk.Commands) error { return nil })
+	require.Error(t, err)
+	_, err = dev.TimeRuns(c, -1, 3, func(*vk.Commands) error { return nil })
+	require.Error(t, err)
+	_, err = dev.TimeRuns(c, 0, 3, func(*vk.Commands) error { return fmt.Errorf("broken") })
+	require.ErrorContains(t, err, "broken")
+	_, err = dev.TimeRuns(c, 0, 1, func(*vk.Commands) error { return nil })
+	require.NoError(t, err, "the command buffer is usable after a failed run")
+}

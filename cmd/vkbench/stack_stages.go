@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"slices"
 	"time"
 
 	"github.com/vksparse/vksparse/kvcache"
@@ -143,42 +142,15 @@ func deltaStages(dev *vk.Device, heads sparse.Heads, tr *trace.Trace, d sparse.D
 // compute barrier before each and a timestamp after, and returns the timed
 // runs' GPU times, sorted.
 func timeCommands(dev *vk.Device, warmup, reps int, record func(*vk.Commands) error) ([]time.Duration, error) {
-	stamps, err := dev.NewTimestamps(warmup + reps + 1)
-	if err != nil {
-		return nil, err
-	}
-	defer stamps.Release()
 	c, err := dev.NewCommands()
 	if err != nil {
 		return nil, err
 	}
 	defer c.Release()
-	if err := c.Begin(); err != nil {
-		return nil, err
-	}
-	c.Reset(stamps)
-	c.Timestamp(stamps, 0)
-	for r := 0; r < warmup+reps; r++ {
+	return dev.TimeRuns(c, warmup, reps, func(c *vk.Commands) error {
 		c.ComputeBarrier()
-		if err := record(c); err != nil {
-			c.End()
-			return nil, err
-		}
-		c.Timestamp(stamps, r+1)
-	}
-	if err := c.End(); err != nil {
-		return nil, err
-	}
-	if err := c.Submit(); err != nil {
-		return nil, err
-	}
-	d, err := stamps.Durations(warmup + reps + 1)
-	if err != nil {
-		return nil, err
-	}
-	times := append([]time.Duration(nil), d[1+warmup:]...)
-	slices.Sort(times)
-	return times, nil
+		return record(c)
+	})
 }
 
 // printDeltaStages prints the stages' medians.
