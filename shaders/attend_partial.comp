@@ -270,22 +270,14 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 			uint t = pass + r * STRIDE + tid / TPR;
 			if (e < RPT * GROUP && t < len) {
 				sc[t * GROUP + g] = s[i];
+				if (LOGITS != 0) taken[(pc.seq * pc.qHeads + blockHead + g) * pc.n + t0 + t] = floatBitsToUint(s[i]);
 				[[unroll]] for (uint x = 0; x < GROUP; x++) {
 					if (x == g) mt[x] = max(mt[x], s[i]);
 				}
 			}
 		}
 	}
-	combine(mt, 0);  // the new running max (its barrier: every score is in sc)
-	if (LOGITS != 0) {
-		// The tile's logits, each head's row of them written by adjacent
-		// threads, before sc turns into weights.
-		for (uint x = tid; x < GROUP * len; x += WG) {
-			uint g = x / len, t = x % len;
-			taken[(pc.seq * pc.qHeads + blockHead + g) * pc.n + t0 + t] = floatBitsToUint(sc[t * GROUP + g]);
-		}
-		barrier();
-	}
+	combine(mt, 0);  // the new running max
 
 	// Rescale what came before to the new max; weights p = exp(s - m).
 	// Each thread sums the weights it computes; the sums are combined

@@ -134,12 +134,8 @@ type DeltaSelect struct {
 	pageSize              int
 }
 
-// selectThreads is the threads of a one-workgroup selection (delta_select,
-// luka_select): 1 024 where the device allows, so that each thread's share
-// of the passes over the scores is short; at least 256.
-func selectThreads(info vk.Info) int {
-	return max(256, min(1024, int(info.MaxWorkgroupInvocations)))
-}
+// deltaSelectWorkgroup is the threads of the delta_select workgroup.
+const deltaSelectWorkgroup = 256
 
 // NewDeltaSelect prepares the pick of budget pages, the last recent always,
 // among pages pages of pageSize tokens whose scores lie in scores
@@ -166,12 +162,11 @@ func newDeltaSelect(dense *Dense, scores vk.Range, pages, budget, recent, pageSi
 	// The scores it holds in shared memory (a word of padding every 32)
 	// beside its histogram of 2 048 bins, its group sums and a word a
 	// thread.
-	threads := selectThreads(dev.Info())
-	most := min(8192, max(int(dev.Info().SharedMemoryBytes)-4*(2048+threads/16+threads)-64, 4)*32/33/4)
+	most := min(8192, max(int(dev.Info().SharedMemoryBytes)-4*(2048+16+deltaSelectWorkgroup)-64, 4)*32/33/4)
 	if held <= 0 || held > most {
 		held = most
 	}
-	x.pipe = b.kernel("delta_select", 2, 5, uint32(threads), uint32(held))
+	x.pipe = b.kernel("delta_select", 2, 5, deltaSelectWorkgroup, uint32(held))
 	err := b.err
 	if err == nil {
 		x.index, err = kvcache.NewPages(dev, h.KV, h.Dim, 0, k*pageSize, pageSize)

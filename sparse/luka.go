@@ -209,6 +209,7 @@ func (o LuKA) Summaries(n int) int { return max(n-o.Recent, 0) / o.Segment }
 const (
 	lukaScoreThreads  = 256
 	lukaScoreSpan     = 512 // nodes a workgroup of luka_score takes
+	lukaSelectThreads = 256
 	lukaAttendThreads = 256
 	lukaChunk         = 128 // nodes a chunk workgroup of luka_attend takes
 )
@@ -292,13 +293,12 @@ func newLuKAStep(dense *Dense, layer *kvcache.Layer, opts LuKA, held int) (*LuKA
 	shared := dev.Info().SharedMemoryBytes
 	// luka_select's shared memory beside the logits: 8 histograms of 256
 	// bins, their sums and a word a thread.
-	threads := selectThreads(dev.Info())
-	s.held = uint32(min(8192, max(int(shared)-(8*256+256+16+threads/16+threads)*4-64, 4)/4))
+	s.held = uint32(min(8192, max(int(shared)-(8*256+256+32+lukaSelectThreads)*4-64, 4)/4))
 	if held > 0 {
 		s.held = uint32(min(int(s.held), held))
 	}
 	s.score = b.kernel("luka_score", 7, 9, lukaScoreThreads, uint32(h.Dim), uint32(h.Group()), lukaScoreSpan)
-	s.choose = b.kernel("luka_select", 6, 11, uint32(threads), s.held)
+	s.choose = b.kernel("luka_select", 6, 11, lukaSelectThreads, s.held)
 	s.attend = b.kernel("luka_attend", 12, 12, lukaAttendThreads, uint32(h.Dim), uint32(h.Group()), lukaChunk, uint32(opts.Segment))
 	s.compress = b.kernel("luka_compress", 5, 7, uint32(max(half, opts.Segment)), uint32(h.Dim), uint32(h.Group()), uint32(opts.Segment))
 	err = b.err
