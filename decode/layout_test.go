@@ -156,6 +156,7 @@ func TestLayoutRejectsBadPolicies(t *testing.T) {
 	bad := map[string][]Policy{
 		"short layout":       {Dense()},
 		"Quest budget 0":     {Dense(), Quest(0)},
+		"H2O past capacity":  {Dense(), H2O(1 << 30)},
 		"H2O budget -1":      {H2O(-1), Dense()},
 		"StreamingLLM 0":     {StreamingLLM(0), Dense()},
 		"Double-P P1 0":      {DoubleP(sparse.DoubleP{P1: 0, P2: 0.7}, sparse.TacticDecoderOptions{}), Dense()},

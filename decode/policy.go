@@ -265,8 +265,8 @@ func (p Policy) resolve(capacity int) (Policy, error) {
 			return p, fmt.Errorf("Double-P targets (%v, %v): each must lie in (0, 1]", t.P1, t.P2)
 		}
 	case kindQuest, kindStreaming, kindH2O:
-		if p.budget <= 0 {
-			return p, fmt.Errorf("%s: the budget must be positive", p)
+		if p.budget <= 0 || p.budget > capacity {
+			return p, fmt.Errorf("%s: the budget must lie in [1, %d] (the capacity)", p, capacity)
 		}
 	case kindLuKA:
 		if p.luka, err = p.luka.Resolve(); err != nil {

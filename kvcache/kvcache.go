@@ -100,10 +100,13 @@ func (l *Layer) HeadDim() int { return l.headDim }
 // Capacity returns the most tokens the cache holds.
 func (l *Layer) Capacity() int { return l.capacity }
 
-// Len returns the number of tokens stored.
+// Len returns the number of tokens stored (0 once released).
 func (l *Layer) Len() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.keys == nil {
+		return 0 // released
+	}
 	return l.n
 }
 

@@ -117,8 +117,8 @@ func NewH2OStep(dense *Dense, layer *kvcache.Layer, budget int) (*Step, error) {
 
 // newH2OStep is NewH2OStep with h2o_select of the given shape.
 func newH2OStep(dense *Dense, layer *kvcache.Layer, budget int, shape h2oSelectShape) (*Step, error) {
-	if budget < 0 {
-		return nil, fmt.Errorf("sparse: H2O budget %d is negative", budget)
+	if err := checkLayerBudget("H2O", budget, layer); err != nil {
+		return nil, err
 	}
 	tokens, err := baselinePages(dense, layer, 1)
 	if err != nil {

@@ -73,7 +73,7 @@ func TestH2OStepMatchesReference(t *testing.T) {
 		observe       bool
 		shape         h2oSelectShape
 		shared        bool
-	}{{120, 5, false, h2oSelectShape{}, false}, {121, 4, true, h2oSelectShape{}, false}, {0, 2, false, h2oSelectShape{}, false}, {m, 2, true, h2oSelectShape{}, false},
+	}{{120, 5, false, h2oSelectShape{}, false}, {121, 4, true, h2oSelectShape{}, false}, {1, 2, false, h2oSelectShape{}, false}, {m, 2, true, h2oSelectShape{}, false},
 		{121, 3, true, small, false}, {120, 4, false, small, false}, {121, 4, true, h2oSelectShape{}, true}} {
 		what := fmt.Sprintf("budget %d observe %v shape %+v shared %v", c.budget, c.observe, c.shape, c.shared)
 		step, err := newH2OStep(dense, layer, c.budget, c.shape)

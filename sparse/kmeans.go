@@ -184,11 +184,15 @@ func (km *KMeans) SetTensor(on bool) bool {
 
 // Release destroys the kernels and the scratch buffers.
 func (km *KMeans) Release() error {
+	if km.scan == nil {
+		return vk.ErrReleased
+	}
 	for _, p := range []*vk.Pipeline{km.assign, km.scan, km.scatter, km.sort, km.update} {
 		if p != nil {
 			p.Release()
 		}
 	}
+	km.assign, km.scan, km.scatter, km.sort, km.update = nil, nil, nil, nil, nil
 	km.releaseTensor()
 	for _, b := range []**vk.Buffer{&km.changed, &km.cursor, &km.halves, &km.readback} {
 		if *b != nil {
@@ -225,6 +229,9 @@ func (km *KMeans) scratch(b **vk.Buffer, size uint64, kind vk.Memory) (*vk.Buffe
 // learns the number of steps at the end: Iterations is the most any span
 // ran.
 func (km *KMeans) Cluster(layer *kvcache.Layer, first, count int, opts KMeansOptions) (*kvcache.Clusters, error) {
+	if km.scan == nil {
+		return nil, vk.ErrReleased
+	}
 	start := time.Now()
 	if opts.AvgClusterSize == 0 {
 		opts.AvgClusterSize = KMeansDefaultAvgClusterSize

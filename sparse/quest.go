@@ -25,6 +25,9 @@ type QuestSelector struct{ *binSelector }
 // budget covers the middle. The sinks and every token after the middle
 // (the recent window, then the tokens appended later) are attended.
 func NewQuestStep(dense *Dense, layer *kvcache.Layer, budget int) (*Step, error) {
+	if err := checkLayerBudget("Quest", budget, layer); err != nil {
+		return nil, err
+	}
 	pages, err := baselinePages(dense, layer, QuestPageSize)
 	if err != nil {
 		return nil, err
@@ -43,6 +46,15 @@ func NewQuestStep(dense *Dense, layer *kvcache.Layer, budget int) (*Step, error)
 
 // baselinePages returns a page index of pageSize over the middle of
 // DefaultBaselineLayout at the layer's length.
+// checkLayerBudget refuses a fixed budget of middle tokens outside [1, the
+// layer's capacity].
+func checkLayerBudget(policy string, budget int, layer *kvcache.Layer) error {
+	if budget < 1 || budget > layer.Capacity() {
+		return fmt.Errorf("sparse: %s budget of %d tokens outside [1, %d] (the layer's capacity)", policy, budget, layer.Capacity())
+	}
+	return nil
+}
+
 func baselinePages(dense *Dense, layer *kvcache.Layer, pageSize int) (*kvcache.Clusters, error) {
 	lo, hi := DefaultBaselineLayout().Middle(layer.Len())
 	if hi <= lo {

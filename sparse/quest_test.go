@@ -97,7 +97,7 @@ func (f *baselineFixture) run(t *testing.T, step *Step, poison ...*vk.Buffer) []
 func TestQuestStepMatchesReference(t *testing.T) {
 	f := newBaselineFixture(t, 3000)
 	h, d := f.h, f.h.Dim
-	for _, budget := range []int{0, 100, 512, f.hi - f.lo} {
+	for _, budget := range []int{15, 100, 512, f.hi - f.lo} { // 15: less than a page, none taken
 		step, err := NewQuestStep(f.dense, f.layer, budget)
 		require.NoError(t, err)
 		sel := step.Selector().(*QuestSelector)

@@ -86,10 +86,18 @@ func (s *Step) Selector() Selector { return s.sel }
 
 // Stages names the step's dependent dispatches: the selector's, then
 // "attend".
-func (s *Step) Stages() []string { return append(append([]string(nil), s.sel.Stages()...), "attend") }
+func (s *Step) Stages() []string {
+	if s.sel == nil {
+		return nil
+	}
+	return append(append([]string(nil), s.sel.Stages()...), "attend")
+}
 
 // SetQuery uploads the queries, [Hq][D] float32, after checking them.
 func (s *Step) SetQuery(q []float32) error {
+	if s.plan == nil {
+		return vk.ErrReleased
+	}
 	if err := s.plan.SetQuery(q); err != nil {
 		return err
 	}
@@ -103,6 +111,9 @@ func (s *Step) Record(c *vk.Commands) error { return s.record(c, func(int) {}) }
 
 // record appends the stages, calling mark(i) after stage i's dispatches.
 func (s *Step) record(c *vk.Commands, mark func(stage int)) error {
+	if s.plan == nil {
+		return vk.ErrReleased
+	}
 	return recordSteps(c, []*Step{s}, mark)
 }
 
@@ -153,24 +164,47 @@ func (s *Step) Attend(q []float32) ([]float32, error) {
 // Rebalance divides the next steps' attention among workgroups by the
 // rows each head block attended in the last step that ran
 // (DensePlan.Rebalance); Attend does it before every step.
-func (s *Step) Rebalance() error { return s.plan.Rebalance(1) }
+func (s *Step) Rebalance() error {
+	if s.plan == nil {
+		return vk.ErrReleased
+	}
+	return s.plan.Rebalance(1)
+}
 
 // Output returns the step's own output buffer, float32 [Hq][D], where the
 // output lands unless SetOutput sent it elsewhere (TacticStep.SetClusters
 // replaces it: ask again after).
-func (s *Step) Output() *vk.Buffer { return s.plan.Output() }
+func (s *Step) Output() *vk.Buffer {
+	if s.plan == nil {
+		return nil
+	}
+	return s.plan.Output()
+}
 
 // OutputRange returns where the step writes its output: its own buffer or
 // the range SetOutput gave.
-func (s *Step) OutputRange() vk.Range { return s.plan.OutputRange() }
+func (s *Step) OutputRange() vk.Range {
+	if s.plan == nil {
+		return vk.Range{}
+	}
+	return s.plan.OutputRange()
+}
 
 // SetOutput makes the step write its output, [Hq][D] float32, into r
 // (DensePlan.SetOutput).
-func (s *Step) SetOutput(r vk.Range) error { return s.plan.SetOutput(r) }
+func (s *Step) SetOutput(r vk.Range) error {
+	if s.plan == nil {
+		return vk.ErrReleased
+	}
+	return s.plan.SetOutput(r)
+}
 
 // Time records warmup+reps back-to-back steps in one submission and
 // returns the timed ones' GPU times, sorted (as DensePlan.Time).
 func (s *Step) Time(warmup, reps int) ([]time.Duration, error) {
+	if s.plan == nil {
+		return nil, vk.ErrReleased
+	}
 	return s.clock.time(s.dense.dev, warmup, reps, s.Record)
 }
 
@@ -178,6 +212,9 @@ func (s *Step) Time(warmup, reps int) ([]time.Duration, error) {
 // untimed ones, with a timestamp after every stage, and returns each
 // stage's median GPU time (Stages order) and the median whole step.
 func (s *Step) TimeStages(warmup, reps int) (stages []time.Duration, total time.Duration, err error) {
+	if s.plan == nil {
+		return nil, 0, vk.ErrReleased
+	}
 	return timeStages(s.dense.dev, len(s.Stages()), warmup, reps, s.record)
 }
 
@@ -235,6 +272,9 @@ func timeStages(dev *vk.Device, ns, warmup, reps int, record func(c *vk.Commands
 // Release frees the step, its plan and its selector (not the layer, the
 // index or the dense kernels).
 func (s *Step) Release() error {
+	if s.plan == nil && s.sel == nil {
+		return vk.ErrReleased
+	}
 	s.clock.release()
 	var errs []error
 	if s.plan != nil {

@@ -47,12 +47,11 @@ func attn(args []string) error {
 	warmup := fs.Int("warmup", 10, "untimed runs before timing")
 	check := fs.Bool("check", true, "compare the first sequence with the float64 reference")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
-	selectFrac := fs.Float64("select", 0, "if in (0, 1): attend only this share of each KV head's tokens, chosen at random, through token lists (the gathered attention of sparse policies); batch 1")
+	selectFrac := fs.Float64("select", 0, "attend only this share, in (0, 1], of each KV head's tokens, chosen at random, through token lists (the gathered attention of sparse policies); batch 1 (left out: dense attention)")
 	fs.Parse(args)
-	if *selectFrac < 0 || *selectFrac >= 1 {
-		return fmt.Errorf("-select %v: want a share in [0, 1)", *selectFrac)
+	if err := checkOutputs(output{"json", *jsonPath}); err != nil {
+		return err
 	}
-	gatherShare = *selectFrac
 	nList, err := ints(*ns)
 	if err != nil {
 		return fmt.Errorf("-n: %v", err)
@@ -60,6 +59,13 @@ func attn(args []string) error {
 	bList, err := ints(*batches)
 	if err != nil {
 		return fmt.Errorf("-batch: %v", err)
+	}
+	gatherShare = 0
+	if flagGiven(fs, "select") {
+		if err := checkSelect(*selectFrac, bList); err != nil {
+			return err
+		}
+		gatherShare = *selectFrac
 	}
 	cList, err := intsFrom(*chunks, 0)
 	if err != nil {

@@ -47,7 +47,7 @@ func cluster(args []string) error {
 	ns := fs.String("n", "32768", "context lengths (comma-separated)")
 	kvHeads := fs.Int("kv-heads", 8, "KV heads")
 	dim := fs.Int("dim", 128, "head dimension")
-	size := fs.Int("cluster-size", 16, "average tokens per cluster")
+	size := fs.Int("cluster-size", sparse.KMeansDefaultAvgClusterSize, "average tokens per cluster")
 	iters := fs.Int("iters", 10, "at most this many K-means steps")
 	reps := fs.Int("reps", 5, "timed clusterings per row")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
@@ -55,6 +55,12 @@ func cluster(args []string) error {
 	float32Only := fs.Bool("float32", false, "assign with the float32 kernel even where cooperative matrices exist")
 	spanFlag := fs.String("span", fmt.Sprint(sparse.KMeansDefaultSpan), "cluster within spans of this many tokens, each separately (0: the whole context at once; comma-separated to compare)")
 	fs.Parse(args)
+	if err := checkOutputs(output{"json", *jsonPath}); err != nil {
+		return err
+	}
+	if err := checkClusterSize(*size); err != nil {
+		return err
+	}
 	nList, err := ints(*ns)
 	if err != nil {
 		return fmt.Errorf("-n: %v", err)

@@ -54,6 +54,12 @@ func compare(args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("compare: unexpected arguments %q", fs.Args())
 	}
+	if err := checkOutputs(output{"json", *jsonPath}, output{"plot", *plotPath}); err != nil {
+		return err
+	}
+	if err := checkClusterSize(*clusterSize); err != nil {
+		return err
+	}
 	pList, err := floats(*ps)
 	if err != nil {
 		return fmt.Errorf("-p: %v", err)

@@ -12,6 +12,9 @@ func devices(args []string) error {
 	fs := flag.NewFlagSet("devices", flag.ExitOnError)
 	jsonPath := fs.String("json", "", "also write the list as JSON to this file")
 	fs.Parse(args)
+	if err := checkOutputs(output{"json", *jsonPath}); err != nil {
+		return err
+	}
 	infos, err := vk.Devices()
 	if err != nil {
 		return err

@@ -84,7 +84,7 @@ func fidelity(args []string) error {
 	queries := fs.Int("queries", 0, "decode queries: the generator makes this many; of a trace, the last this many of its consecutive tail (0: 8, or the whole tail)")
 	seed := fs.Int64("seed", 1, "seed of the generated layers")
 	kindsName := fs.String("kinds", "mixed", kindsUsage)
-	heads := fs.Bool("heads", false, "also print the figures of every query head")
+	perHead := fs.Bool("per-head", false, "also print a table of every query head's figures")
 	initial := fs.Float64("initial", sparse.DefaultTacticFit().InitialFrac, "share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)")
 	spans := fs.String("span", "0", fmt.Sprintf("K-means within spans of this many tokens (comma-separated to compare; 0: whole prefill, the paper's clustering; %d recommended)", sparse.KMeansDefaultSpan))
 	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
@@ -103,6 +103,15 @@ func fidelity(args []string) error {
 	fs.Parse(args)
 	if fs.NArg() > 0 {
 		return fmt.Errorf("fidelity: unexpected arguments %q", fs.Args())
+	}
+	if err := checkOutputs(output{"json", *jsonPath}, output{"plot", *plotPath}); err != nil {
+		return err
+	}
+	if err := checkClusterSize(*clusterSize); err != nil {
+		return err
+	}
+	if err := checkFit(*initial, *maxWindow, *windowStride); err != nil {
+		return err
 	}
 	pList, err := floats(*ps)
 	if err != nil {
@@ -210,7 +219,7 @@ func fidelity(args []string) error {
 	}
 	prog.finish()
 
-	printTactic(results, *heads)
+	printTactic(results, *perHead)
 	for _, r := range results {
 		if r.BoundWorst > 1 {
 			fmt.Fprintf(os.Stderr, "vkbench: %s n=%d P=%g: output error exceeds the bound 2(1 − p(I))·max‖v‖ (worst ratio %.3g)\n", r.Source, r.Tokens, r.P, r.BoundWorst)

@@ -78,6 +78,9 @@ func generate(args []string) error {
 	jsonPath := fs.String("json", "", "write the results as JSON to this file")
 	plotPath := fs.String("plot", "", "draw KL against tokens attended, a point per layout, into this PNG")
 	fs.Parse(args)
+	if err := checkOutputs(output{"json", *jsonPath}, output{"plot", *plotPath}); err != nil {
+		return err
+	}
 
 	w, err := lm.LoadWeights(*weights)
 	if err != nil {

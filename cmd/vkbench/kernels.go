@@ -19,6 +19,9 @@ func kernels(args []string) error {
 	dim := fs.Int("dim", 128, "head dimension")
 	jsonPath := fs.String("json", "", "also write the statistics as JSON to this file")
 	fs.Parse(args)
+	if err := checkOutputs(output{"json", *jsonPath}); err != nil {
+		return err
+	}
 	opts := vk.OptionsFromEnv()
 	opts.Statistics = true
 	dev, err := vk.Open(opts)

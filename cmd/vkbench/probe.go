@@ -30,6 +30,9 @@ func probe(args []string) error {
 	step := fs.String("step", "", "instead: time skeleton steps, dependent dispatches that only stream the given MB each; cases NAME=MB,MB,... separated by ';'")
 	stepGroups := fs.String("step-groups", "264,528,1056,2112,4224", "workgroups of 256 threads tried for every -step case (the fastest is reported)")
 	fs.Parse(args)
+	if err := checkOutputs(output{"json", *jsonPath}); err != nil {
+		return err
+	}
 	if *chain != "" {
 		return probeChain(*chain, *reps, *groups, *jsonPath)
 	}

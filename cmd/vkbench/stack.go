@@ -5,7 +5,6 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 	"time"
 
@@ -157,8 +156,8 @@ func stack(args []string) error {
 	if *tokens <= resolved.PageSize {
 		return fmt.Errorf("-tokens %d: DELTA needs more than a page of %d", *tokens, resolved.PageSize)
 	}
-	if err := checkOutputDir(*jsonPath); err != nil {
-		return fmt.Errorf("-json: %w", err)
+	if err := checkOutputs(output{"json", *jsonPath}); err != nil {
+		return err
 	}
 
 	prog := &progress{total: 1 + 2*(*layers+1)}
@@ -210,23 +209,6 @@ func stack(args []string) error {
 	printDeltaStages(rep.Stages)
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "vkbench stack "+strings.Join(args, " "), dev.Info(), rep)
-	}
-	return nil
-}
-
-// checkOutputDir refuses an output path whose folder does not exist, so
-// that a long run does not end unable to write its results.
-func checkOutputDir(path string) error {
-	if path == "" {
-		return nil
-	}
-	dir := filepath.Dir(path)
-	fi, err := os.Stat(dir)
-	switch {
-	case err != nil:
-		return err
-	case !fi.IsDir():
-		return fmt.Errorf("%s is not a folder", dir)
 	}
 	return nil
 }

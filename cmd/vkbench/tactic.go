@@ -39,6 +39,18 @@ func tactic(args []string) error {
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	plotPath := fs.String("plot", "", "draw speed-up and tokens selected against N into this PNG file")
 	fs.Parse(args)
+	if err := checkOutputs(output{"json", *jsonPath}, output{"plot", *plotPath}); err != nil {
+		return err
+	}
+	if err := checkClusterSize(*clusterSize); err != nil {
+		return err
+	}
+	if *span < 0 {
+		return fmt.Errorf("-span %d: must not be negative", *span)
+	}
+	if err := checkFit(*initial, *maxWindow, *windowStride); err != nil {
+		return err
+	}
 	pList, err := floats(*ps)
 	if err != nil {
 		return fmt.Errorf("-p: %v", err)

@@ -1,0 +1,78 @@
+package sparse
+
+import (
+	"math/rand"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/vk"
+	"github.com/vksparse/vksparse/vk/vktest"
+)
+
+// TestStepUseAfterRelease checks that a released step refuses every call
+// with vk.ErrReleased (none panics) and that releasing it, or K-means,
+// twice says so.
+func TestStepUseAfterRelease(t *testing.T) {
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(5))
+	h := Heads{Query: 8, KV: 2, Dim: 64}
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer dense.Release()
+	layer, _, _ := randomLayer(t, dev, rng, h, 300, 300, 1)
+	defer layer.Release()
+	step, err := NewQuestStep(dense, layer, 64)
+	require.NoError(t, err)
+	q := randomQueries(rng, h.Query*h.Dim, 1)
+	_, err = step.Attend(q)
+	require.NoError(t, err)
+	require.NoError(t, step.Release())
+	require.ErrorIs(t, step.Release(), vk.ErrReleased, "released twice")
+	_, err = step.Attend(q)
+	require.ErrorIs(t, err, vk.ErrReleased)
+	require.ErrorIs(t, step.SetQuery(q), vk.ErrReleased)
+	require.ErrorIs(t, step.Rebalance(), vk.ErrReleased)
+	require.ErrorIs(t, runOnce(dev, step.Record), vk.ErrReleased)
+	_, err = step.Time(0, 1)
+	require.ErrorIs(t, err, vk.ErrReleased)
+	_, _, err = step.TimeStages(0, 1)
+	require.ErrorIs(t, err, vk.ErrReleased)
+	_, err = step.Attended()
+	require.ErrorIs(t, err, vk.ErrReleased)
+	require.Nil(t, step.Output())
+	require.Nil(t, step.Stages())
+
+	km, err := NewKMeans(dev, h.KV, h.Dim)
+	require.NoError(t, err)
+	require.NoError(t, km.Release())
+	require.ErrorIs(t, km.Release(), vk.ErrReleased, "released twice")
+	_, err = km.Cluster(layer, 4, 200, KMeansOptions{})
+	require.ErrorIs(t, err, vk.ErrReleased)
+}
+
+// TestFixedBudgetsRefused checks that Quest and H2O refuse budgets of no
+// token, negative ones and ones beyond the layer's capacity, and take the
+// edges.
+func TestFixedBudgetsRefused(t *testing.T) {
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(6))
+	h := Heads{Query: 8, KV: 2, Dim: 64}
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer dense.Release()
+	layer, _, _ := randomLayer(t, dev, rng, h, 300, 320, 1)
+	defer layer.Release()
+	for name, make := range map[string]func(*Dense, *kvcache.Layer, int) (*Step, error){"Quest": NewQuestStep, "H2O": NewH2OStep} {
+		for _, bad := range []int{0, -1, 321, 1e9} {
+			_, err := make(dense, layer, bad)
+			require.Error(t, err, "%s budget %d", name, bad)
+		}
+		for _, good := range []int{1, 320} {
+			step, err := make(dense, layer, good)
+			require.NoError(t, err, "%s budget %d", name, good)
+			require.NoError(t, step.Release())
+		}
+	}
+}
