@@ -578,3 +578,22 @@ func TestModelConcurrentUse(t *testing.T) {
 	}
 	require.Equal(t, [][]int{{300 + steps, 300 + steps}, {200 + steps, 200 + steps}}, snap(m).Lens)
 }
+
+// TestDeviceReleaseUnderModel checks that releasing the device while a
+// model holds objects on it is refused and leaves the model working.
+func TestDeviceReleaseUnderModel(t *testing.T) {
+	dev, err := vk.Open(vk.OptionsFromEnv())
+	if err != nil {
+		vktest.Open(t) // skips or fails as the environment says
+		t.Fatal(err)
+	}
+	f := newFixture(t, testHeads, 1, []int{300})
+	m, err := New(dev, Config{Heads: testHeads, Layers: 1, Slots: 1, Capacity: 300, Policy: Dense()})
+	require.NoError(t, err)
+	f.prefill(t, m, 0, 200)
+	require.ErrorContains(t, dev.Release(), "not released", "refused while the model lives")
+	_, err = m.Attend(0, f.queries(m, 0, 0))
+	require.NoError(t, err, "the model still works")
+	require.NoError(t, m.Release())
+	require.NoError(t, dev.Release())
+}

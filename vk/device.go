@@ -513,9 +513,10 @@ func (d *Device) WaitIdle() error {
 	return check("vkDeviceWaitIdle", vk.DeviceWaitIdle(d.device))
 }
 
-// Release destroys the device. It returns an error naming any object still
-// alive (which it does not destroy) and, under validation, any error the
-// layer reported while the device was torn down.
+// Release destroys the device. While some object made from it is still
+// alive it refuses, naming them, and the device stays open (release them,
+// then the device); under validation it also reports any error the layer
+// raised while the device was torn down.
 func (d *Device) Release() error {
 	if d.device == nil {
 		return ErrReleased
@@ -533,7 +534,11 @@ func (d *Device) Release() error {
 	d.mu.Unlock()
 	sort.Strings(leaked)
 	if len(leaked) > 0 {
-		errs = append(errs, fmt.Sprintf("%d objects not released: %s", len(leaked), strings.Join(leaked, ", ")))
+		// Destroying the device under live objects would leave them
+		// pointing at nothing: the next call on one would crash. The
+		// device stays open until they are released.
+		errs = append(errs, fmt.Sprintf("%d objects not released: %s; the device stays open until they are", len(leaked), strings.Join(leaked, ", ")))
+		return fmt.Errorf("vk: releasing device: %s", strings.Join(errs, "; "))
 	}
 	before := uint64(C.vks_messages_errors())
 	vk.DestroyDevice(d.device, nil)

@@ -144,16 +144,26 @@ func TestDispatchAndTimestamps(t *testing.T) {
 	require.Error(t, err)
 }
 
+// TestReleaseReportsLeaks checks that releasing a device under a live
+// object reports it and keeps the device open until the object goes.
 func TestReleaseReportsLeaks(t *testing.T) {
 	dev, err := vk.Open(vk.OptionsFromEnv())
 	if errors.Is(err, vk.ErrNoDevice) || errors.Is(err, vk.ErrNoLoader) {
 		vktest.Open(t) // skips or fails as the environment says
 	}
 	require.NoError(t, err)
-	_, err = dev.NewBuffer(64, vk.DeviceLocal)
+	buf, err := dev.NewBuffer(64, vk.DeviceLocal)
 	require.NoError(t, err)
 	err = dev.Release()
 	require.ErrorContains(t, err, "1 objects not released")
+	// The device stays open for the object still alive.
+	require.NoError(t, buf.WriteUint32(0, []uint32{7}))
+	got := make([]uint32, 1)
+	require.NoError(t, buf.ReadUint32(0, got))
+	require.Equal(t, uint32(7), got[0])
+	require.NoError(t, buf.Release())
+	require.NoError(t, dev.Release())
+	require.ErrorIs(t, dev.Release(), vk.ErrReleased)
 }
 
 // TestOpenReleaseMany opens and releases a device more times than NVIDIA's
