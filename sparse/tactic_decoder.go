@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/vk"
 )
 
 // TacticDefaultRecluster is how many tokens the unclustered tail gathers
@@ -38,7 +39,14 @@ type TacticDecoder struct {
 	opts     TacticDecoderOptions
 	clusters *kvcache.Clusters
 	step     *TacticStep
+	// pending is a tail clustered and stored in cluster order whose join
+	// to the index failed; the next Append joins it.
+	pending *kvcache.Clusters
 }
+
+// joinClusters joins a clustered tail to an index (kvcache.Clusters.Join);
+// a variable, so that tests can make it fail.
+var joinClusters = (*kvcache.Clusters).Join
 
 // NewTacticDecoder clusters the layer's tokens past the sinks and prepares
 // decode steps at target mass p. The decoder uses dense, km and layer but
@@ -77,35 +85,47 @@ func (d *TacticDecoder) Clusters() *kvcache.Clusters { return d.clusters }
 func (d *TacticDecoder) Tail() int { return d.layer.Len() - d.clusters.First - d.clusters.Count }
 
 // Append stores one token's k and v ([KVHeads][HeadDim] fp16 each) and,
-// when the tail reaches Recluster tokens, clusters the tail and joins it to
-// the index. On error the cache and the index are as they were.
+// when the tail reaches Recluster tokens, clusters the tail, stores it in
+// cluster order and joins it to the index. When the clustering or the
+// reorder fails, the token is dropped again and the cache and the index
+// are as they were. When the join fails after the reorder, the token
+// stays stored, the reordered tail waits (attended in full, as every
+// token past the index) and the next Append joins it; the error says so.
 func (d *TacticDecoder) Append(k, v []uint16) error {
+	if d.step == nil {
+		return vk.ErrReleased
+	}
 	if err := d.layer.Append(k, v); err != nil {
 		return err
 	}
-	if d.Tail() < d.opts.Recluster {
-		return nil
+	if d.pending == nil {
+		if d.Tail() < d.opts.Recluster {
+			return nil
+		}
+		tail, err := d.km.Cluster(d.layer, d.clusters.First+d.clusters.Count, d.Tail(), d.opts.KMeans)
+		if err != nil {
+			return d.undo(err)
+		}
+		if err := d.layer.Reorder(tail); err != nil {
+			tail.Release()
+			return d.undo(err)
+		}
+		d.pending = tail
 	}
-	tail, err := d.km.Cluster(d.layer, d.clusters.First+d.clusters.Count, d.Tail(), d.opts.KMeans)
+	fail := func(err error) error {
+		return fmt.Errorf("sparse: the token is stored, but joining the clustered tail to the index failed (tried again at the next Append): %w", err)
+	}
+	joined, err := joinClusters(d.clusters, d.dense.dev, d.pending)
 	if err != nil {
-		return d.undo(err)
-	}
-	if err := d.layer.Reorder(tail); err != nil {
-		tail.Release()
-		return d.undo(err)
-	}
-	joined, err := d.clusters.Join(d.dense.dev, tail)
-	tail.Release()
-	if err != nil {
-		return d.undo(err)
+		return fail(err)
 	}
 	if err := d.step.SetClusters(joined); err != nil {
 		joined.Release()
-		return d.undo(err)
+		return fail(err)
 	}
-	old := d.clusters
-	d.clusters = joined
-	return old.Release()
+	err = errors.Join(d.clusters.Release(), d.pending.Release())
+	d.clusters, d.pending = joined, nil
+	return err
 }
 
 // undo drops the token just appended and returns err.
@@ -122,7 +142,13 @@ func (d *TacticDecoder) Step() *TacticStep { return d.step }
 
 // Release frees the index and the step (not the layer or the kernels).
 func (d *TacticDecoder) Release() error {
+	if d.step == nil {
+		return vk.ErrReleased
+	}
 	err := errors.Join(d.step.Release(), d.clusters.Release())
-	d.step, d.clusters = nil, nil
+	if d.pending != nil {
+		err = errors.Join(err, d.pending.Release())
+	}
+	d.step, d.clusters, d.pending = nil, nil, nil
 	return err
 }

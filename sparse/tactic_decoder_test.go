@@ -1,6 +1,7 @@
 package sparse
 
 import (
+	"errors"
 	"math/rand"
 	"sort"
 	"testing"
@@ -8,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/vk"
 	"github.com/vksparse/vksparse/vk/vktest"
 )
 
@@ -84,4 +86,78 @@ func TestTacticDecoderReclustersTheTail(t *testing.T) {
 	require.Error(t, dec.Append(make([]uint16, 3), make([]uint16, 3)))
 	require.Equal(t, before, layer.Len())
 	require.Same(t, x, dec.Clusters())
+}
+
+// TestTacticDecoderJoinFailure makes the join of a clustered tail fail
+// once and checks that the token stays stored, the step still attends
+// every token (dense at P = 1), the next Append joins the waiting tail,
+// and appends go on; it failed before the decoder kept the tail waiting
+// (its undo truncated inside the reordered range, and every later append
+// failed).
+func TestTacticDecoderJoinFailure(t *testing.T) {
+	dev := vktest.Open(t)
+	const n, prefill, recluster, sinks = 700, 400, 128, 4
+	h := Heads{Query: 8, KV: 2, Dim: 64}
+	tr := generated(t, h, n, 1)
+	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
+	require.NoError(t, err)
+	defer layer.Release()
+	rows := func(from, to int) (k, v []uint16) {
+		for g := 0; g < h.KV; g++ {
+			k = append(k, tr.K[(g*n+from)*h.Dim:(g*n+to)*h.Dim]...)
+			v = append(v, tr.V[(g*n+from)*h.Dim:(g*n+to)*h.Dim]...)
+		}
+		return k, v
+	}
+	k, v := rows(0, prefill)
+	require.NoError(t, layer.Prefill(k, v, prefill))
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer dense.Release()
+	km, err := NewKMeans(dev, h.KV, h.Dim)
+	require.NoError(t, err)
+	defer km.Release()
+	dec, err := NewTacticDecoder(dense, km, layer, 1, TacticDecoderOptions{Sinks: sinks, Recluster: recluster, KMeans: KMeansOptions{Seed: 5}})
+	require.NoError(t, err)
+	defer dec.Release()
+
+	real := joinClusters
+	defer func() { joinClusters = real }()
+	failed := false
+	joinClusters = func(x *kvcache.Clusters, d *vk.Device, next *kvcache.Clusters) (*kvcache.Clusters, error) {
+		if !failed {
+			failed = true
+			return nil, errors.New("injected")
+		}
+		return real(x, d, next)
+	}
+	keys, values := HalvesToFloat64(tr.K), HalvesToFloat64(tr.V)
+	rng := rand.New(rand.NewSource(9))
+	for tok := prefill; tok < n; tok++ {
+		k, v := rows(tok, tok+1)
+		err := dec.Append(k, v)
+		if tok == prefill+recluster-1 {
+			require.ErrorContains(t, err, "injected", "the first join fails")
+			require.Equal(t, tok+1, layer.Len(), "the token stays stored")
+			q := randomQueries(rng, h.Query*h.Dim, 1.5)
+			got, err := dec.Attend(q)
+			require.NoError(t, err)
+			m := layer.Len()
+			var km64, vm64 []float64 // the first m tokens of every KV head
+			for g := 0; g < h.KV; g++ {
+				km64 = append(km64, keys[g*n*h.Dim:(g*n+m)*h.Dim]...)
+				vm64 = append(vm64, values[g*n*h.Dim:(g*n+m)*h.Dim]...)
+			}
+			requireDense(t, h, q, km64, vm64, m, got, "P = 1 with the tail waiting")
+			continue
+		}
+		require.NoError(t, err, "token %d", tok)
+	}
+	require.True(t, failed)
+	require.Equal(t, n, layer.Len())
+	require.Less(t, dec.Tail(), recluster, "the waiting tail joined")
+	q := randomQueries(rng, h.Query*h.Dim, 1.5)
+	got, err := dec.Attend(q)
+	require.NoError(t, err)
+	requireDense(t, h, q, keys, values, n, got, "P = 1 after the join")
 }
