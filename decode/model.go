@@ -345,21 +345,22 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 }
 
 // releaseLayer releases a layer's batch, and with a Δ-layer's the batches
-// of the layers that reuse its pick (they bind its buffers).
+// of the layers that reuse its pick, those first (they hold its index).
 func (m *Model) releaseLayer(layer int) error {
-	errs := []error{m.layers[layer].release()}
+	var errs []error
 	for l := layer + 1; l < len(m.layers); l++ {
 		if p := m.policy[l]; p.kind == kindDeltaReuse && p.source == layer {
 			errs = append(errs, m.layers[l].release())
 		}
 	}
-	return errors.Join(errs...)
+	return errors.Join(append(errs, m.layers[layer].release())...)
 }
 
-// invalidate releases every layer's batch (the active slots changed).
+// invalidate releases every layer's batch (the active slots changed), the
+// last layer first: a layer reusing a Δ-layer's pick holds its index.
 func (m *Model) invalidate() error {
 	var errs []error
-	for l := range m.layers {
+	for l := len(m.layers) - 1; l >= 0; l-- {
 		errs = append(errs, m.layers[l].release())
 	}
 	return errors.Join(errs...)

@@ -37,6 +37,19 @@ type Clusters struct {
 	// and Starts and Counts say the rest.
 	Members *vk.Buffer
 	Assign  *vk.Buffer
+
+	holds int // readers binding the buffers (Hold); Release refuses while any
+}
+
+// Hold records a reader that binds the index's buffers (a plan): until
+// its Drop, Release refuses. An index belongs to one goroutine at a time.
+func (x *Clusters) Hold() { x.holds++ }
+
+// Drop ends a Hold.
+func (x *Clusters) Drop() {
+	if x.holds > 0 {
+		x.holds--
+	}
 }
 
 // NewClusters allocates an index of c clusters over count tokens from first.
@@ -78,8 +91,11 @@ func newClusters(dev *vk.Device, kvHeads, headDim, c, first, count int, summarie
 	return x, nil
 }
 
-// Release frees the index's buffers.
+// Release frees the index's buffers; it refuses while a plan holds them.
 func (x *Clusters) Release() error {
+	if x.holds > 0 {
+		return fmt.Errorf("kvcache: the index is read by %d plans: release them first", x.holds)
+	}
 	for _, b := range []*vk.Buffer{x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
 		if b != nil {
 			b.Release()

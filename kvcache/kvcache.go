@@ -49,6 +49,9 @@ type Layer struct {
 	// reordered lists the slot ranges [from, to) that Reorder put in
 	// cluster order.
 	reordered [][2]int
+	// holds counts the plans and steps that bind the layer's buffers
+	// (Hold): Release and Prefill refuse while there are any.
+	holds int
 }
 
 // NewLayer allocates a cache for capacity tokens of kvHeads heads of headDim.
@@ -99,6 +102,28 @@ func (l *Layer) HeadDim() int { return l.headDim }
 
 // Capacity returns the most tokens the cache holds.
 func (l *Layer) Capacity() int { return l.capacity }
+
+// Hold records a reader that binds the layer's buffers (a plan or a
+// step): until its Drop, Release and Prefill refuse. A released layer
+// refuses the hold.
+func (l *Layer) Hold() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.keys == nil {
+		return vk.ErrReleased
+	}
+	l.holds++
+	return nil
+}
+
+// Drop ends a Hold.
+func (l *Layer) Drop() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.holds > 0 {
+		l.holds--
+	}
+}
 
 // Len returns the number of tokens stored (0 once released).
 func (l *Layer) Len() int {
@@ -180,6 +205,9 @@ func (l *Layer) Prefill(k, v []uint16, n int) error {
 	defer l.mu.Unlock()
 	if l.keys == nil {
 		return vk.ErrReleased
+	}
+	if l.holds > 0 {
+		return fmt.Errorf("kvcache: Prefill of a new sequence while %d plans or steps read the layer's old one: release them first", l.holds)
 	}
 	if err := checkPrefill(l.kvHeads, l.headDim, l.capacity, k, v, n); err != nil {
 		return err
@@ -350,6 +378,9 @@ func (l *Layer) Release() error {
 	defer l.mu.Unlock()
 	if l.keys == nil {
 		return vk.ErrReleased
+	}
+	if l.holds > 0 {
+		return fmt.Errorf("kvcache: the layer is read by %d plans or steps: release them first", l.holds)
 	}
 	err := errors.Join(l.keys.Release(), l.values.Release())
 	if l.positions != nil {

@@ -266,3 +266,25 @@ func flatten(perHead [][]uint16, from, to, dim int) []uint16 {
 	}
 	return out
 }
+
+// TestLayerHolds checks that a held layer refuses Release and the Prefill
+// of a new sequence until every hold is dropped, and that a released
+// layer refuses holds.
+func TestLayerHolds(t *testing.T) {
+	dev := vktest.Open(t)
+	l, err := NewLayer(dev, 1, 8, 4)
+	require.NoError(t, err)
+	one := make([]uint16, 8)
+	require.NoError(t, l.Prefill(one, one, 1))
+	require.NoError(t, l.Hold())
+	require.NoError(t, l.Hold())
+	require.ErrorContains(t, l.Release(), "read by 2")
+	require.ErrorContains(t, l.Prefill(one, one, 1), "release them first")
+	require.NoError(t, l.Append(one, one), "appends go on under readers")
+	l.Drop()
+	require.Error(t, l.Release(), "one hold left")
+	l.Drop()
+	require.NoError(t, l.Prefill(one, one, 1))
+	require.NoError(t, l.Release())
+	require.ErrorIs(t, l.Hold(), vk.ErrReleased)
+}

@@ -389,6 +389,9 @@ type DensePlan struct {
 	// logits, with PlanLogits, receives every logit, float32 [Hq][Len] of
 	// the one sequence (rows of Len floats from the start).
 	logits *vk.Buffer
+	// held: the plan holds its sequences and index (kvcache Hold), so
+	// that they are not released under it.
+	held bool
 }
 
 type segment struct {
@@ -487,7 +490,27 @@ func (p *DensePlan) allocate() error {
 	if err != nil {
 		return err
 	}
-	return p.bind()
+	if err := p.bind(); err != nil {
+		return err
+	}
+	return p.hold()
+}
+
+// hold holds the plan's sequences and index until Release.
+func (p *DensePlan) hold() error {
+	for i, s := range p.seqs {
+		if err := s.Hold(); err != nil {
+			for _, t := range p.seqs[:i] {
+				t.Drop()
+			}
+			return err
+		}
+	}
+	if p.clusters != nil {
+		p.clusters.Hold()
+	}
+	p.held = true
+	return nil
 }
 
 // partBytes returns the bytes of the partials of one sequence: output,
@@ -553,6 +576,15 @@ func (p *DensePlan) Release() error {
 		p.ws = nil
 	}
 	p.clock.release()
+	if p.held {
+		for _, s := range p.seqs {
+			s.Drop()
+		}
+		if p.clusters != nil {
+			p.clusters.Drop()
+		}
+		p.held = false
+	}
 	for _, r := range []interface{ Release() error }{p.query, p.partO, p.partML, p.arrivals, p.taken, p.out, p.tokens, p.tokCounts, p.logits} {
 		r.Release() // each tolerates a nil receiver
 	}

@@ -76,3 +76,33 @@ func TestFixedBudgetsRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestInputsOutliveSteps checks that a layer and an index cannot be
+// released, nor the layer prefilled anew, while a step reads them, and
+// can once the step is released.
+func TestInputsOutliveSteps(t *testing.T) {
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(8))
+	h := Heads{Query: 8, KV: 2, Dim: 64}
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer dense.Release()
+	layer, k, _ := randomLayer(t, dev, rng, h, 400, 400, 1)
+	km, err := NewKMeans(dev, h.KV, h.Dim)
+	require.NoError(t, err)
+	defer km.Release()
+	x, err := km.Cluster(layer, 4, 300, KMeansOptions{})
+	require.NoError(t, err)
+	require.NoError(t, layer.Reorder(x))
+	step, err := NewDoublePStep(dense, layer, x, DefaultDoubleP())
+	require.NoError(t, err)
+	require.ErrorContains(t, layer.Release(), "release them first")
+	require.ErrorContains(t, x.Release(), "release them first")
+	halves := make([]uint16, len(k))
+	require.ErrorContains(t, layer.Prefill(halves, halves, 400), "release them first")
+	_, err = step.Attend(randomQueries(rng, h.Query*h.Dim, 1))
+	require.NoError(t, err, "the step still reads live buffers")
+	require.NoError(t, step.Release())
+	require.NoError(t, x.Release())
+	require.NoError(t, layer.Release())
+}

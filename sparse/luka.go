@@ -249,6 +249,7 @@ type LuKAStep struct {
 	held                                        uint32 // luka_select's logits in shared memory
 	clock                                       stopwatch
 	outTo                                       vk.Range // where the output goes (SetOutput); none when Buffer is nil
+	holding                                     bool     // the step holds its layer (kvcache.Layer.Hold)
 }
 
 // NewLuKAStep prepares LuKA over layer and runs the segmenter over what
@@ -276,7 +277,10 @@ func newLuKAStep(dense *Dense, layer *kvcache.Layer, opts LuKA, held int) (*LuKA
 	case dev.Info().MaxWorkgroupInvocations < lukaAttendThreads:
 		return nil, fmt.Errorf("%w: LuKA needs workgroups of %d threads", vk.ErrUnsupported, lukaAttendThreads)
 	}
-	s := &LuKAStep{dense: dense, layer: layer, opts: opts}
+	if err := layer.Hold(); err != nil {
+		return nil, err
+	}
+	s := &LuKAStep{dense: dense, layer: layer, opts: opts, holding: true}
 	s.maxS = layer.Capacity() / opts.Segment
 	s.ring = opts.ringSlots()
 	s.list = opts.maxRefined(max(s.maxS, 1))
@@ -672,6 +676,10 @@ func (s *LuKAStep) Release() error {
 		return vk.ErrReleased
 	}
 	s.clock.release()
+	if s.holding {
+		s.layer.Drop()
+		s.holding = false
+	}
 	err := errors.Join(releaseAll(s.scoreBind, s.chooseBind, s.attendBind, s.compBind), releaseAll(s.bufs...))
 	s.scoreBind, s.chooseBind, s.attendBind, s.compBind, s.bufs = nil, nil, nil, nil, nil
 	s.sumK, s.sumV, s.acc, s.query, s.row, s.part, s.mz, s.out = nil, nil, nil, nil, nil, nil, nil, nil
