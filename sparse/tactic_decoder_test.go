@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/vk"
 	"github.com/vksparse/vksparse/vk/vktest"
 )
@@ -18,28 +19,9 @@ import (
 // past the sinks in exactly one cluster, members ascending) and that the
 // step still attends every token at P = 1.
 func TestTacticDecoderReclustersTheTail(t *testing.T) {
-	dev := vktest.Open(t)
 	const n, prefill, recluster, sinks = 1500, 900, 256, 4
 	h := Heads{Query: 8, KV: 2, Dim: 64}
-	tr := generated(t, h, n, 1)
-	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
-	require.NoError(t, err)
-	defer layer.Release()
-	rows := func(from, to int) (k, v []uint16) { // tokens [from, to) of every KV head
-		for g := 0; g < h.KV; g++ {
-			k = append(k, tr.K[(g*n+from)*h.Dim:(g*n+to)*h.Dim]...)
-			v = append(v, tr.V[(g*n+from)*h.Dim:(g*n+to)*h.Dim]...)
-		}
-		return k, v
-	}
-	k, v := rows(0, prefill)
-	require.NoError(t, layer.Prefill(k, v, prefill))
-	dense, err := NewDense(dev, h)
-	require.NoError(t, err)
-	defer dense.Release()
-	km, err := NewKMeans(dev, h.KV, h.Dim)
-	require.NoError(t, err)
-	defer km.Release()
+	tr, layer, dense, km, rows := decoderFixture(t, h, n, prefill)
 	dec, err := NewTacticDecoder(dense, km, layer, 1, TacticDecoderOptions{Sinks: sinks, Recluster: recluster, KMeans: KMeansOptions{Seed: 3}})
 	require.NoError(t, err)
 	defer dec.Release()
@@ -95,28 +77,9 @@ func TestTacticDecoderReclustersTheTail(t *testing.T) {
 // (its undo truncated inside the reordered range, and every later append
 // failed).
 func TestTacticDecoderJoinFailure(t *testing.T) {
-	dev := vktest.Open(t)
 	const n, prefill, recluster, sinks = 700, 400, 128, 4
 	h := Heads{Query: 8, KV: 2, Dim: 64}
-	tr := generated(t, h, n, 1)
-	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
-	require.NoError(t, err)
-	defer layer.Release()
-	rows := func(from, to int) (k, v []uint16) {
-		for g := 0; g < h.KV; g++ {
-			k = append(k, tr.K[(g*n+from)*h.Dim:(g*n+to)*h.Dim]...)
-			v = append(v, tr.V[(g*n+from)*h.Dim:(g*n+to)*h.Dim]...)
-		}
-		return k, v
-	}
-	k, v := rows(0, prefill)
-	require.NoError(t, layer.Prefill(k, v, prefill))
-	dense, err := NewDense(dev, h)
-	require.NoError(t, err)
-	defer dense.Release()
-	km, err := NewKMeans(dev, h.KV, h.Dim)
-	require.NoError(t, err)
-	defer km.Release()
+	tr, layer, dense, km, rows := decoderFixture(t, h, n, prefill)
 	dec, err := NewTacticDecoder(dense, km, layer, 1, TacticDecoderOptions{Sinks: sinks, Recluster: recluster, KMeans: KMeansOptions{Seed: 5}})
 	require.NoError(t, err)
 	defer dec.Release()
@@ -160,4 +123,34 @@ func TestTacticDecoderJoinFailure(t *testing.T) {
 	got, err := dec.Attend(q)
 	require.NoError(t, err)
 	requireDense(t, h, q, keys, values, n, got, "P = 1 after the join")
+}
+
+// decoderFixture generates n tokens, prefills the first prefill of them
+// into a layer of capacity n, and returns the trace, the layer, the dense
+// kernels, K-means and rows(from, to), the tokens [from, to) of every KV
+// head as fp16 keys and values; all released when the test ends.
+func decoderFixture(t *testing.T, h Heads, n, prefill int) (*trace.Trace, *kvcache.Layer, *Dense, *KMeans, func(from, to int) (k, v []uint16)) {
+	dev := vktest.Open(t)
+	tr := generated(t, h, n, 1)
+	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
+	require.NoError(t, err)
+	rows := func(from, to int) (k, v []uint16) {
+		for g := 0; g < h.KV; g++ {
+			k = append(k, tr.K[(g*n+from)*h.Dim:(g*n+to)*h.Dim]...)
+			v = append(v, tr.V[(g*n+from)*h.Dim:(g*n+to)*h.Dim]...)
+		}
+		return k, v
+	}
+	k, v := rows(0, prefill)
+	require.NoError(t, layer.Prefill(k, v, prefill))
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	km, err := NewKMeans(dev, h.KV, h.Dim)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		km.Release()
+		dense.Release()
+		layer.Release()
+	})
+	return tr, layer, dense, km, rows
 }
