@@ -83,8 +83,9 @@ func NewLayer(dev *vk.Device, kvHeads, headDim, capacity int) (*Layer, error) {
 func checkCapacity(info vk.Info, kvHeads, headDim, capacity int) error {
 	row := uint64(headDim) * 2
 	if maxTokens := info.MaxStorageBufferRange / row; uint64(capacity) > maxTokens {
-		return fmt.Errorf("kvcache: %w: a KV head of %d tokens × %d dims takes %d bytes, beyond the device's maxStorageBufferRange of %d bytes (at most %d tokens per layer)",
-			vk.ErrUnsupported, capacity, headDim, uint64(capacity)*row, info.MaxStorageBufferRange, maxTokens)
+		// The head's bytes as a float: capacity·row may pass 2⁶⁴.
+		return fmt.Errorf("kvcache: %w: a KV head of %d tokens × %d dims takes %.4g bytes, beyond the device's maxStorageBufferRange of %d bytes (at most %d tokens per layer)",
+			vk.ErrUnsupported, capacity, headDim, float64(capacity)*float64(row), info.MaxStorageBufferRange, maxTokens)
 	}
 	head := uint64(capacity) * row
 	if maxHeads := info.MaxAllocation / head; uint64(kvHeads) > maxHeads {

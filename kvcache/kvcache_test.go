@@ -145,6 +145,11 @@ func TestCapacityBeyondDeviceLimits(t *testing.T) {
 	require.ErrorContains(t, err, "maxStorageBufferRange")
 	require.ErrorContains(t, err, fmt.Sprintf("at most %d tokens", fits))
 
+	// 2⁶² tokens of 512 bytes pass 2⁶⁴ bytes: the message still says how many.
+	_, err = NewLayer(dev, 1, dim, 1<<62)
+	require.ErrorIs(t, err, vk.ErrUnsupported)
+	require.ErrorContains(t, err, "takes 2.361e+21 bytes")
+
 	heads := int(info.MaxAllocation/(64*dim*2)) + 1
 	_, err = NewLayer(dev, heads, dim, 64)
 	require.ErrorIs(t, err, vk.ErrUnsupported)
