@@ -871,21 +871,17 @@ func (m *Model) record(layer int, c *vk.Commands) error {
 	// Every layer's partials lie in the one workspace: order this layer's
 	// attention after whatever c recorded before.
 	c.ComputeBarrier()
-	if b.plan != nil {
-		return b.plan.Record(c)
-	}
-	var err error
 	switch {
+	case b.plan != nil:
+		return b.plan.Record(c)
 	case b.tactic != nil:
-		err = b.tactic.Record(c)
+		return b.tactic.Record(c)
 	case b.delta != nil:
-		err = b.delta.record(c)
+		return b.delta.record(c)
 	case b.luka != nil:
-		err = recordLuKA(b.luka, c)
-	default:
-		err = b.steps.Record(c)
+		return recordLuKA(b.luka, c)
 	}
-	return err
+	return b.steps.Record(c)
 }
 
 // recordLuKA appends LuKA's steps of a batch stage by stage: each stage of

@@ -5,12 +5,11 @@ import (
 	"math"
 	"time"
 
-	"github.com/x448/float16"
-
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/vk"
+	"github.com/vksparse/vksparse/workload"
 )
 
 // Stepper is a decode step of any policy on the GPU (sparse.Step,
@@ -377,7 +376,7 @@ func LuKAPolicy(name string, opts sparse.LuKA) Policy {
 
 // lukaRead reports the rows a LuKA step read and the true mass of its raw
 // tail and refined summaries' tokens.
-func lukaRead(s Stepper, l *Layers, q []float32) (float64, float64, error) {
+func lukaRead(s Stepper, l *Layers, _ []float32) (float64, float64, error) {
 	st := s.(*sparse.LuKAStep)
 	rows, err := st.Attended()
 	if err != nil {
@@ -392,9 +391,14 @@ func lukaRead(s Stepper, l *Layers, q []float32) (float64, float64, error) {
 	tail := st.Summaries() * p
 	mass := 0.0
 	for hh := 0; hh < h.Query; hh++ {
-		probs := headSoftmax(t, q[hh*h.Dim:(hh+1)*h.Dim], hh/h.Group(), t.Tokens)
+		// The query Steps checks and times is the trace's last.
+		a, err := workload.HeadAttention(t, t.Queries()-1, hh)
+		if err != nil {
+			return 0, 0, err
+		}
+		probs := a.Probs
 		m := 0.0
-		for tok := tail; tok < t.Tokens; tok++ {
+		for tok := tail; tok < len(probs); tok++ {
 			m += probs[tok]
 		}
 		for _, c := range refined[hh] {
@@ -406,42 +410,6 @@ func lukaRead(s Stepper, l *Layers, q []float32) (float64, float64, error) {
 	}
 	return rows, mass, nil
 }
-
-// headSoftmax returns the softmax of q·k/√D over the first n tokens of
-// KV head g of t, in float64.
-func headSoftmax(t *trace.Trace, q []float32, g, n int) []float64 {
-	d := t.HeadDim
-	scale := 1 / math.Sqrt(float64(d))
-	out := make([]float64, n)
-	top := math.Inf(-1)
-	for tok := range out {
-		row := t.K[(g*t.Tokens+tok)*d : (g*t.Tokens+tok+1)*d]
-		dot := 0.0
-		for i, x := range row {
-			dot += float64(halfTable[x]) * float64(q[i])
-		}
-		out[tok] = dot * scale
-		top = max(top, out[tok])
-	}
-	z := 0.0
-	for i, l := range out {
-		out[i] = math.Exp(l - top)
-		z += out[i]
-	}
-	for i := range out {
-		out[i] /= z
-	}
-	return out
-}
-
-// halfTable maps every fp16 bit pattern to its value.
-var halfTable = func() []float32 {
-	t := make([]float32, 1<<16)
-	for i := range t {
-		t[i] = float16.Frombits(uint16(i)).Float32()
-	}
-	return t
-}()
 
 // doubleP is Double-P with targets opts.
 func doubleP(name string, opts sparse.DoubleP) Policy {

@@ -279,7 +279,11 @@ func (l layoutSpec) policies(budgets []int, group int) []decode.Policy {
 			for _, b := range budgets {
 				sum += b + middle
 			}
-			d.Pages = max(d.Recent+1, int(float64(sum)/float64(len(budgets)*16)+0.5))
+			size := d.PageSize
+			if size == 0 {
+				size = sparse.DefaultDelta().PageSize
+			}
+			d.Pages = max(d.Recent+1, int(float64(sum)/float64(len(budgets)*size)+0.5))
 		}
 		out, _ := decode.DeltaLayout(len(l.Layers), d) // checked when parsed
 		return out
