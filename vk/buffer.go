@@ -49,6 +49,9 @@ func (d *Device) NewBuffer(size uint64, kind Memory) (*Buffer, error) {
 	if size > d.info.MaxAllocation {
 		return nil, fmt.Errorf("%w: buffer of %d bytes exceeds the device's largest allocation (%d bytes)", ErrUnsupported, size, d.info.MaxAllocation)
 	}
+	if err := d.Lost(); err != nil {
+		return nil, err
+	}
 	usage := vk.BufferUsageStorageBufferBit | vk.BufferUsageTransferSrcBit | vk.BufferUsageTransferDstBit | vk.BufferUsageIndirectBufferBit
 	var buf vk.Buffer
 	bci := vk.BufferCreateInfo{
@@ -88,7 +91,11 @@ func (d *Device) NewBuffer(size uint64, kind Memory) (*Buffer, error) {
 	}
 	var mem vk.DeviceMemory
 	mai := vk.MemoryAllocateInfo{SType: vk.StructureTypeMemoryAllocateInfo, AllocationSize: req.Size, MemoryTypeIndex: typ}
-	if err := check("vkAllocateMemory", vk.AllocateMemory(d.device, &mai, nil, &mem)); err != nil {
+	err := d.call(Allocation, "vkAllocateMemory")
+	if err == nil {
+		err = d.result("vkAllocateMemory", vk.AllocateMemory(d.device, &mai, nil, &mem))
+	}
+	if err != nil {
 		vk.DestroyBuffer(d.device, buf, nil)
 		return nil, fmt.Errorf("vk: allocating a buffer of %d bytes: %w", size, err)
 	}
@@ -100,7 +107,11 @@ func (d *Device) NewBuffer(size uint64, kind Memory) (*Buffer, error) {
 	b := &Buffer{dev: d, buffer: buf, memory: mem, size: size, held: uint64(req.Size), kind: kind}
 	if kind == HostVisible {
 		var p unsafe.Pointer
-		if err := check("vkMapMemory", vk.MapMemory(d.device, mem, 0, vk.DeviceSize(size), 0, &p)); err != nil {
+		err := d.call(Mapping, "vkMapMemory")
+		if err == nil {
+			err = d.result("vkMapMemory", vk.MapMemory(d.device, mem, 0, vk.DeviceSize(size), 0, &p))
+		}
+		if err != nil {
 			vk.FreeMemory(d.device, mem, nil)
 			vk.DestroyBuffer(d.device, buf, nil)
 			return nil, err
@@ -162,6 +173,9 @@ func (b *Buffer) Write(offset uint64, data []byte) error {
 	if err := b.inRange("Write", offset, uint64(len(data))); err != nil || len(data) == 0 {
 		return err
 	}
+	if err := b.dev.Lost(); err != nil {
+		return err
+	}
 	if b.kind == HostVisible {
 		copy(unsafe.Slice((*byte)(b.mapped), b.size)[offset:], data)
 		return nil
@@ -181,6 +195,9 @@ func (b *Buffer) Write(offset uint64, data []byte) error {
 // Read copies len(out) bytes from the buffer at offset into out.
 func (b *Buffer) Read(offset uint64, out []byte) error {
 	if err := b.inRange("Read", offset, uint64(len(out))); err != nil || len(out) == 0 {
+		return err
+	}
+	if err := b.dev.Lost(); err != nil {
 		return err
 	}
 	if b.kind == HostVisible {

@@ -25,6 +25,9 @@ type Commands struct {
 
 // NewCommands allocates a command buffer.
 func (d *Device) NewCommands() (*Commands, error) {
+	if err := d.Lost(); err != nil {
+		return nil, err
+	}
 	var pool vk.CommandPool
 	pci := vk.CommandPoolCreateInfo{
 		SType:            vk.StructureTypeCommandPoolCreateInfo,
@@ -36,7 +39,11 @@ func (d *Device) NewCommands() (*Commands, error) {
 	}
 	cbs := make([]vk.CommandBuffer, 1)
 	cbai := vk.CommandBufferAllocateInfo{SType: vk.StructureTypeCommandBufferAllocateInfo, CommandPool: pool, Level: vk.CommandBufferLevelPrimary, CommandBufferCount: 1}
-	if err := check("vkAllocateCommandBuffers", vk.AllocateCommandBuffers(d.device, &cbai, cbs)); err != nil {
+	err := d.call(Allocation, "vkAllocateCommandBuffers")
+	if err == nil {
+		err = d.result("vkAllocateCommandBuffers", vk.AllocateCommandBuffers(d.device, &cbai, cbs))
+	}
+	if err != nil {
 		vk.DestroyCommandPool(d.device, pool, nil)
 		return nil, err
 	}
@@ -200,17 +207,20 @@ func (c *Commands) Submit() error {
 	si := []vk.SubmitInfo{{SType: vk.StructureTypeSubmitInfo, CommandBufferCount: 1, PCommandBuffers: []vk.CommandBuffer{c.cb}}}
 	// The queue is shared by every goroutine using the device; Vulkan wants
 	// its submissions serialized. The wait below needs no lock.
+	if err := c.dev.call(Submission, "vkQueueSubmit"); err != nil {
+		return err
+	}
 	c.dev.queueMu.Lock()
-	err := check("vkQueueSubmit", vk.QueueSubmit(c.dev.queue, 1, si, c.fence))
+	err := c.dev.result("vkQueueSubmit", vk.QueueSubmit(c.dev.queue, 1, si, c.fence))
 	c.dev.queueMu.Unlock()
 	if err != nil {
 		return err
 	}
 	fences := []vk.Fence{c.fence}
-	if err := check("vkWaitForFences", vk.WaitForFences(c.dev.device, 1, fences, vk.True, uint64(SubmitTimeout.Nanoseconds()))); err != nil {
+	if err := c.dev.result("vkWaitForFences", vk.WaitForFences(c.dev.device, 1, fences, vk.True, uint64(SubmitTimeout.Nanoseconds()))); err != nil {
 		return err
 	}
-	return check("vkResetFences", vk.ResetFences(c.dev.device, 1, fences))
+	return c.dev.result("vkResetFences", vk.ResetFences(c.dev.device, 1, fences))
 }
 
 // once records fn between Begin and End and submits it.

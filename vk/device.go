@@ -38,6 +38,7 @@ package vk
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"sort"
@@ -99,6 +100,9 @@ type Options struct {
 	// the driver reports them (Info.ExecutableStatistics), for
 	// Pipeline.Statistics.
 	Statistics bool
+	// Faults lets tests inject failures (Device.InjectFault) and counts
+	// the calls that can fail (Device.Calls).
+	Faults bool
 }
 
 // OptionsFromEnv reads VKSPARSE_DEVICE, VKSPARSE_VALIDATE and
@@ -379,6 +383,8 @@ type Device struct {
 	stageMu  sync.Mutex // serializes transfers through stage
 	stage    *Buffer    // host-visible staging of Buffer.Read and Write, kept
 	stageCmd *Commands  // their command buffer
+
+	faults faults // injected failures, and whether the device is lost
 }
 
 // Open creates a device as opts say, on the process's instance for
@@ -389,6 +395,7 @@ func Open(opts Options) (*Device, error) {
 		return nil, err
 	}
 	d := &Device{instance: inst, validate: opts.Validate, live: map[any]string{}}
+	d.faults.on = opts.Faults
 	if opts.Validate {
 		d.firstMsg = uint64(C.vks_messages_total())
 		d.firstErr = uint64(C.vks_messages_errors())
@@ -510,7 +517,10 @@ func (d *Device) Allocated() uint64 {
 func (d *Device) WaitIdle() error {
 	d.queueMu.Lock()
 	defer d.queueMu.Unlock()
-	return check("vkDeviceWaitIdle", vk.DeviceWaitIdle(d.device))
+	if err := d.Lost(); err != nil {
+		return err
+	}
+	return d.result("vkDeviceWaitIdle", vk.DeviceWaitIdle(d.device))
 }
 
 // Release destroys the device. While some object made from it is still
@@ -521,9 +531,11 @@ func (d *Device) Release() error {
 	if d.device == nil {
 		return ErrReleased
 	}
-	var errs []string
-	if err := d.WaitIdle(); err != nil {
-		errs = append(errs, err.Error())
+	var errs []error
+	if d.Lost() == nil { // a lost device has nothing left to wait for
+		if err := d.WaitIdle(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	d.releaseStaging()
 	d.mu.Lock()
@@ -537,8 +549,8 @@ func (d *Device) Release() error {
 		// Destroying the device under live objects would leave them
 		// pointing at nothing: the next call on one would crash. The
 		// device stays open until they are released.
-		errs = append(errs, fmt.Sprintf("%d objects not released: %s; the device stays open until they are", len(leaked), strings.Join(leaked, ", ")))
-		return fmt.Errorf("vk: releasing device: %s", strings.Join(errs, "; "))
+		errs = append(errs, fmt.Errorf("%d objects not released: %s; the device stays open until they are", len(leaked), strings.Join(leaked, ", ")))
+		return fmt.Errorf("vk: releasing device: %w", errors.Join(errs...))
 	}
 	before := uint64(C.vks_messages_errors())
 	vk.DestroyDevice(d.device, nil)
@@ -546,10 +558,10 @@ func (d *Device) Release() error {
 	after := uint64(C.vks_messages_errors())
 	if after > before {
 		msgs, _ := d.ValidationMessages()
-		errs = append(errs, fmt.Sprintf("validation reported %d errors while releasing the device: %s", after-before, strings.Join(msgs, "\n")))
+		errs = append(errs, fmt.Errorf("validation reported %d errors while releasing the device: %s", after-before, strings.Join(msgs, "\n")))
 	}
 	if len(errs) > 0 {
-		return fmt.Errorf("vk: releasing device: %s", strings.Join(errs, "; "))
+		return fmt.Errorf("vk: releasing device: %w", errors.Join(errs...))
 	}
 	return nil
 }

@@ -41,6 +41,9 @@ type Pipeline struct {
 
 // NewPipeline compiles a kernel for the device.
 func (d *Device) NewPipeline(k Kernel) (*Pipeline, error) {
+	if err := d.Lost(); err != nil {
+		return nil, err
+	}
 	if len(k.SPIRV) == 0 || len(k.SPIRV)%4 != 0 {
 		return nil, fmt.Errorf("vk: kernel %s: SPIR-V of %d bytes is not a whole number of words", k.Name, len(k.SPIRV))
 	}
@@ -176,6 +179,9 @@ type Binding struct {
 // A range of size 0 means the rest of its buffer from its offset.
 func (p *Pipeline) Bind(ranges ...Range) (*Binding, error) {
 	d := p.dev
+	if err := d.Lost(); err != nil {
+		return nil, err
+	}
 	if len(ranges) != p.bindings {
 		return nil, fmt.Errorf("vk: kernel %s has %d bindings, got %d ranges", p.name, p.bindings, len(ranges))
 	}
@@ -212,7 +218,11 @@ func (p *Pipeline) Bind(ranges ...Range) (*Binding, error) {
 	b.pool = pool
 	sets := make([]vk.DescriptorSet, 1)
 	dsai := vk.DescriptorSetAllocateInfo{SType: vk.StructureTypeDescriptorSetAllocateInfo, DescriptorPool: b.pool, DescriptorSetCount: 1, PSetLayouts: []vk.DescriptorSetLayout{p.setLayout}}
-	if err := check("vkAllocateDescriptorSets", vk.AllocateDescriptorSets(d.device, &dsai, &sets[0])); err != nil {
+	err := d.call(Allocation, "vkAllocateDescriptorSets")
+	if err == nil {
+		err = d.result("vkAllocateDescriptorSets", vk.AllocateDescriptorSets(d.device, &dsai, &sets[0]))
+	}
+	if err != nil {
 		vk.DestroyDescriptorPool(d.device, b.pool, nil)
 		return nil, err
 	}
