@@ -226,12 +226,12 @@ func New(dev *vk.Device, cfg Config) (*Model, error) {
 // Config returns the configuration the Model was built with.
 func (m *Model) Config() Config { return m.cfg }
 
-// live refuses a released model.
+// live refuses a released model, and one whose device was lost.
 func (m *Model) live() error {
 	if m.dev == nil {
 		return vk.ErrReleased
 	}
-	return nil
+	return m.dev.Lost()
 }
 
 // checkSlot refuses a slot out of range.
@@ -782,7 +782,9 @@ func (m *Model) build(layer int) error {
 		err = b.direct(uint64(m.cfg.Heads.Query*m.cfg.Heads.Dim) * 4)
 	}
 	if err != nil {
-		return fmt.Errorf("decode: layer %d: %w", layer, err)
+		// A batch half made (not moved into the workspace, say) would
+		// attend wrongly: it is built again at the next call.
+		return fmt.Errorf("decode: layer %d: %w", layer, errors.Join(err, m.releaseLayer(layer)))
 	}
 	return nil
 }
@@ -1046,12 +1048,12 @@ func (m *Model) Time(layer, warmup, reps int) ([]time.Duration, error) {
 }
 
 // Release frees everything the Model holds: batches, indexes, caches and
-// kernels (not the device).
+// kernels (not the device). It works on a lost device too.
 func (m *Model) Release() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if err := m.live(); err != nil {
-		return err
+	if m.dev == nil {
+		return vk.ErrReleased
 	}
 	return m.release()
 }

@@ -322,6 +322,9 @@ func newLuKAStep(dense *Dense, layer *kvcache.Layer, opts LuKA, held int) (*LuKA
 		return x
 	}
 	all := func(bs ...*vk.Buffer) []vk.Range {
+		if err != nil { // some buffer may be missing; bind does nothing then
+			return nil
+		}
 		out := make([]vk.Range, len(bs))
 		for i, x := range bs {
 			out[i] = x.All()

@@ -280,21 +280,20 @@ func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
 		return err
 	}
 	plan, err := t.dense.PlanSelection(t.layer, Selection{Clusters: clusters, Rank: b.binOf.All(), Cut: b.cut.All()})
-	if err == nil && t.plan.outTo.Buffer != nil {
+	if err != nil {
+		return errors.Join(err, b.release())
+	}
+	if t.plan.outTo.Buffer != nil {
 		err = plan.SetOutput(t.plan.outTo) // the output stays where it was sent
 	}
 	if err == nil {
 		err = b.bindKernels(t.kernels, t.seq, plan.query.All())
-		if err == nil && t.Step.query != nil {
-			err = plan.SetQuery(t.Step.query)
-		}
-		if err != nil {
-			plan.Release()
-		}
+	}
+	if err == nil && t.Step.query != nil {
+		err = plan.SetQuery(t.Step.query)
 	}
 	if err != nil {
-		b.release()
-		return err
+		return errors.Join(err, plan.Release(), b.release())
 	}
 	// The runs of the next step follow the old index's last union (where
 	// that cannot be read, they start equal).
