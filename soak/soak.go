@@ -6,9 +6,10 @@
 // that is idle (sometimes of only some of its layers, leaving it partly
 // prefilled, completed by a later prefill), a burst of appends to an
 // active slot (Append layer by layer or AppendAll; bursts cross the
-// reclustering boundaries of the clustered layers), an attention of every
-// layer's random queries, a free of a slot, or a drain that frees every
-// slot. Every model (one per Config.Layers policies) receives the same
+// reclustering boundaries of the clustered layers), an attention of a
+// layer's random queries (by Attend, or by SetQuery and Record into a
+// command buffer of the soak's), a free of a slot, or a drain that frees
+// every slot. Every model (one per Config.Layers policies) receives the same
 // operations, and the float64 model records what each slot's layers
 // should store: the fp16 keys and values given, in token order.
 //
@@ -18,7 +19,8 @@
 // under a clustered policy, within the range that was clustered with it;
 // it compares the slots' states, attends every layer and compares each
 // query head's output with float64 dense attention over the stored tokens
-// (see Policy for the tolerance), and requires the validation layer, when
+// (see Policy for the tolerance), requires the device to hold exactly
+// the memory the models' Memory reports, and the validation layer, when
 // on, to have reported no error. Between checks, outputs must be finite.
 //
 // Device memory: a warm-up fills every slot to the capacity and attends
@@ -101,6 +103,9 @@ type Config struct {
 // cross it often.
 const recluster = 16
 
+// maxBurst is the most tokens one append operation adds to a slot.
+const maxBurst = 12
+
 // DefaultPolicies returns the policies DefaultConfig soaks for a capacity:
 // dense; Tactic at P = 1 and at P = 0.9; Double-P; Quest, StreamingLLM and
 // H2O with budgets past the capacity (they attend every token) and
@@ -182,6 +187,12 @@ type PolicyReport struct {
 	WorstShare    float64 `json:"worst_share_of_tolerance"`
 }
 
+// Validate refuses a config that cannot run, saying why.
+func (cfg Config) Validate() error {
+	_, err := cfg.validate()
+	return err
+}
+
 // validate refuses a config that cannot run, and fills its defaults.
 func (cfg Config) validate() (Config, error) {
 	if err := cfg.Heads.Validate(); err != nil {
@@ -240,6 +251,7 @@ type runner struct {
 	dev    *vk.Device
 	rng    *rand.Rand
 	models []*decode.Model
+	cmd    *vk.Commands // what record records into
 	st     *state
 	rep    *Report
 	before uint64 // dev.Allocated() before the models
@@ -267,6 +279,9 @@ func Run(dev *vk.Device, cfg Config, progress func(done, total int)) (Report, er
 	_, r.errs = dev.ValidationMessages()
 	err = r.run(progress)
 	var errs []error
+	if r.cmd != nil {
+		errs = append(errs, r.cmd.Release())
+	}
 	for _, m := range r.models {
 		errs = append(errs, m.Release())
 	}
@@ -295,6 +310,10 @@ func (r *runner) held() uint64 {
 
 func (r *runner) run(progress func(done, total int)) error {
 	cfg := r.cfg
+	var err error
+	if r.cmd, err = r.dev.NewCommands(); err != nil {
+		return fmt.Errorf("soak: %w", err)
+	}
 	for i := range cfg.models() {
 		layout := make([]decode.Policy, cfg.Layers)
 		for l := range layout {
@@ -408,7 +427,7 @@ func (r *runner) operate() error {
 	case len(growing) > 0 && x < 0.6:
 		r.rep.Operations["append"]++
 		s := growing[r.rng.Intn(len(growing))]
-		count := min(1+r.rng.Intn(24), r.cfg.Capacity-r.st.tokens(s, 0))
+		count := min(1+r.rng.Intn(maxBurst), r.cfg.Capacity-r.st.tokens(s, 0))
 		return r.append(s, count)
 	case len(active) > 0:
 		r.rep.Operations["attend"]++
@@ -497,23 +516,20 @@ func (r *runner) append(slot, count int) error {
 		}
 		for l := range cfg.Layers {
 			r.st.store(slot, l, k[l*per:(l+1)*per], v[l*per:(l+1)*per], 1)
-			ls := r.st.slots[slot][l]
-			if (r.st.tokens(slot, l)-ls.prefill)%recluster == 0 {
-				r.rep.Reclusters += r.clusteredAt(l)
-			}
+			r.rep.Reclusters += r.reclusteredAt(l, r.st.tokens(slot, l)-r.st.slots[slot][l].prefill)
 		}
 		r.rep.Appended++
 	}
 	return nil
 }
 
-// clusteredAt returns how many models cluster layer l every recluster
-// tokens.
-func (r *runner) clusteredAt(l int) int {
+// reclusteredAt returns how many models cluster layer l's tail once
+// appended tokens have been appended to it.
+func (r *runner) reclusteredAt(l, appended int) int {
 	n := 0
 	for i := range r.models {
 		p := r.cfg.Policies[r.cfg.policy(i, l)].Policy
-		if opts, _ := p.Options().Resolve(); p.Clustered() && opts.Recluster == recluster {
+		if opts, _ := p.Options().Resolve(); p.Clustered() && appended%opts.Recluster == 0 {
 			n++
 		}
 	}
@@ -549,19 +565,35 @@ func (r *runner) drain() error {
 	return nil
 }
 
-// attend attends every layer of every model with random queries; checked,
-// it compares the outputs with dense attention, else requires them finite.
+// attend attends layers (every one of them when checked, else one at
+// random) of every model with random queries, by Attend or by SetQuery
+// and Record at random; checked, it compares the outputs with dense
+// attention, else requires them finite.
 func (r *runner) attend(checked bool) error {
 	cfg := r.cfg
+	layers := []int{r.rng.Intn(cfg.Layers)}
+	if checked {
+		layers = make([]int, cfg.Layers)
+		for l := range layers {
+			layers[l] = l
+		}
+	}
 	active := r.st.active()
 	per := cfg.Heads.Query * cfg.Heads.Dim
 	q := make([]float32, len(active)*per)
-	for l := range cfg.Layers {
+	for _, l := range layers {
 		for i := range q {
 			q[i] = 2*r.rng.Float32() - 1
 		}
+		record := r.rng.Intn(2) == 0
 		for i, m := range r.models {
-			out, err := m.Attend(l, q)
+			var out []float32
+			var err error
+			if record {
+				out, err = r.record(m, l, q)
+			} else {
+				out, err = m.Attend(l, q)
+			}
 			if err != nil {
 				return r.fail(fmt.Sprintf("model %d: attention of layer %d", i, l), err)
 			}
@@ -585,6 +617,27 @@ func (r *runner) attend(checked bool) error {
 		}
 	}
 	return nil
+}
+
+// record attends layer l of m through SetQuery and Record into the
+// runner's own command buffer, and reads the output back.
+func (r *runner) record(m *decode.Model, l int, q []float32) ([]float32, error) {
+	if err := m.SetQuery(l, q); err != nil {
+		return nil, err
+	}
+	if err := r.cmd.Begin(); err != nil {
+		return nil, err
+	}
+	if err := m.Record(l, r.cmd); err != nil {
+		return nil, errors.Join(err, r.cmd.End())
+	}
+	if err := r.cmd.End(); err != nil {
+		return nil, err
+	}
+	if err := r.cmd.Submit(); err != nil {
+		return nil, err
+	}
+	return m.ReadOutput(l)
 }
 
 // compare checks one slot's output of a layer (out, [Hq][D]) for queries
@@ -691,6 +744,17 @@ func (r *runner) check() error {
 		if err := r.attend(true); err != nil {
 			return err
 		}
+	}
+	var held uint64
+	for i, m := range r.models {
+		mem, err := m.Memory()
+		if err != nil {
+			return r.fail(fmt.Sprintf("model %d: memory", i), err)
+		}
+		held += mem.Caches + mem.Other
+	}
+	if held != r.held() {
+		return r.mismatch("the models say they hold %d bytes of device memory, the device counts %d", held, r.held())
 	}
 	if msgs, errs := r.dev.ValidationMessages(); errs > r.errs {
 		r.rep.ValidationErrors = errs - r.errs

@@ -11,7 +11,7 @@ import (
 
 // ciSteps is the short soak's length: under a few minutes on a software
 // renderer.
-const ciSteps = 400
+const ciSteps = 300
 
 // TestSoak runs the short seeded soak: every check passes, every kind of
 // operation ran, reclustering boundaries were crossed, and the device's
@@ -48,8 +48,8 @@ func TestSoakFailsOnDrift(t *testing.T) {
 		"value":   func(ls *layerState) { ls.vf[1][5] += 0.5 },
 	} {
 		t.Run(name, func(t *testing.T) {
-			cfg := DefaultConfig(60, 7)
-			cfg.CheckEvery = 10
+			cfg := DefaultConfig(40, 7)
+			cfg.Slots, cfg.Policies, cfg.CheckEvery = 4, cfg.Policies[:4], 10
 			done := false
 			// The check that follows the step sees the change.
 			cfg.tamper = func(step int, s *state) {

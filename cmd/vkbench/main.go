@@ -10,6 +10,7 @@
 //	vkbench kernels [flags]         the compiler's statistics of every step kernel (registers, memory)
 //	vkbench generate [flags]        the project's model decoding through the library: what each policy layout costs its output
 //	vkbench stack [flags]           attention per decoded token across a whole model: dense against DELTA's layout
+//	vkbench soak [flags]            a long random run of decode models checked against a float64 model
 //
 // The global flag -progress=auto|always|never (before the command) says
 // whether to draw progress lines on stderr; auto, the default, draws them
@@ -52,6 +53,9 @@ commands:
             131 072 tokens by default), layer by layer and in one pass,
             dense against DELTA's layout, and which part bounds DELTA
             ("vkbench stack -h" for flags)
+  soak      a long random run of decode models (prefills, appends, attends,
+            frees) checked against a float64 model: caches, outputs,
+            validation errors, device memory ("vkbench soak -h" for flags)
 
 global flags:
   -progress auto|always|never
@@ -94,6 +98,8 @@ func main() {
 		err = generate(args[1:])
 	case "stack":
 		err = stack(args[1:])
+	case "soak":
+		err = soakCmd(args[1:])
 	case "help":
 		fmt.Print(usage)
 		return
