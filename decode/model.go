@@ -661,30 +661,6 @@ func (m *Model) Len(slot, layer int) int {
 	return m.slots[slot].seq[layer].cache.Len()
 }
 
-// ReadCache reads slot's layer back from the device: its keys and values
-// (fp16 bit patterns, [KVHeads][Len][Dim]) in storage order, and the token
-// position each stored row holds ([KVHeads][Len]; a clustered policy
-// stores its clustered ranges in cluster order). A layer not prefilled
-// holds nothing.
-func (m *Model) ReadCache(slot, layer int) (k, v []uint16, pos []int32, err error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if err := errors.Join(m.live(), m.checkSlot(slot), m.checkLayer(layer)); err != nil {
-		return nil, nil, nil, err
-	}
-	sl := &m.slots[slot].seq[layer]
-	if !sl.filled {
-		return nil, nil, nil, nil
-	}
-	if k, v, err = sl.cache.Read(); err == nil {
-		pos, err = sl.cache.ReadPositions()
-	}
-	if err != nil {
-		return nil, nil, nil, fmt.Errorf("decode: slot %d layer %d: %w", slot, layer, err)
-	}
-	return k, v, pos, nil
-}
-
 // checkQuery refuses queries for the active slots of the wrong length or
 // not finite.
 func (m *Model) checkQuery(q []float32) error {

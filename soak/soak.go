@@ -14,10 +14,8 @@
 // should store: the fp16 keys and values given, in token order.
 //
 // Every CheckEvery steps, and after the last, a check reads every
-// model's caches back (decode.Model.ReadCache) and compares them with the
-// float64 model bit for bit, each token once per head, in its own row or,
-// under a clustered policy, within the range that was clustered with it;
-// it compares the slots' states, attends every layer and compares each
+// model's caches back in sequence order (decode.Model.ReadSequence) and
+// compares them with the float64 model bit for bit; it compares the slots' states, attends every layer and compares each
 // query head's output with float64 dense attention over the stored tokens
 // (see Policy for the tolerance), requires the device to hold exactly
 // the memory the models' Memory reports, and the validation layer, when
@@ -436,17 +434,6 @@ func (r *runner) operate() error {
 	return r.drain()
 }
 
-// slotPrefill returns the prefill length of slot's prefilled layers (0:
-// none).
-func (s *state) slotPrefill(slot int) int {
-	for _, ls := range s.slots[slot] {
-		if ls != nil {
-			return ls.prefill
-		}
-	}
-	return 0
-}
-
 // halves returns n random fp16 values, uniform in [-1, 1).
 func (r *runner) halves(n int) ([]uint16, error) {
 	f := make([]float32, n)
@@ -724,16 +711,11 @@ func (r *runner) check() error {
 				if ls == nil {
 					continue
 				}
-				k, v, pos, err := m.ReadCache(s, l)
+				k, v, err := m.ReadSequence(s, l)
 				if err != nil {
 					return r.fail(fmt.Sprintf("model %d: reading slot %d layer %d", i, s, l), err)
 				}
-				var segs [][2]int
-				if p := cfg.Policies[cfg.policy(i, l)].Policy; p.Clustered() {
-					opts, _ := p.Options().Resolve()
-					segs = segments(r.st.tokens(s, l), ls.prefill, opts.Sinks, opts.Recluster)
-				}
-				if err := ls.checkCache(k, v, pos, cfg.Heads.KV, cfg.Heads.Dim, segs); err != nil {
+				if err := ls.checkCache(k, v, cfg.Heads.KV, cfg.Heads.Dim); err != nil {
 					return r.mismatch("model %d slot %d layer %d: %v", i, s, l, err)
 				}
 			}

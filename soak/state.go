@@ -17,7 +17,7 @@ type state struct {
 }
 
 // layerState is one slot's layer: keys and values per KV head, in token
-// order, and n, the prefill length (the tail appended after it).
+// order, and the prefill's length (the tokens after it were appended).
 type layerState struct {
 	prefill int
 	k, v    [][]uint16  // [KV][tokens·Dim]
@@ -62,6 +62,17 @@ func (s *state) active() []int {
 	return out
 }
 
+// slotPrefill returns the prefill length of slot's prefilled layers (0:
+// none).
+func (s *state) slotPrefill(slot int) int {
+	for _, ls := range s.slots[slot] {
+		if ls != nil {
+			return ls.prefill
+		}
+	}
+	return 0
+}
+
 // store adds tokens to slot's layer: k and v are [KV][count][Dim] fp16.
 func (s *state) store(slot, layer int, k, v []uint16, count int) {
 	ls := s.slots[slot][layer]
@@ -86,54 +97,18 @@ func (s *state) free(slot int) {
 	}
 }
 
-// segments returns the ranges of a layer of n tokens prefilled with
-// prefill whose rows a clustered policy stores in some order of their own
-// (sinks sinks, a tail clustered every recluster appended tokens): each
-// stored row lies in its token's range.
-func segments(n, prefill, sinks, recluster int) [][2]int {
-	out := [][2]int{{sinks, prefill}}
-	for a := prefill; a+recluster <= n; a += recluster {
-		out = append(out, [2]int{a, a + recluster})
-	}
-	return out
-}
-
-// checkCache compares what the device stores for a layer (k, v
-// [KV][n][Dim] in storage order, pos the token of each row) with ls:
-// every token once per head, bit for bit, each in its own range of segs
-// (or its own row outside them).
-func (ls *layerState) checkCache(k, v []uint16, pos []int32, kv, dim int, segs [][2]int) error {
+// checkCache compares what the device stores for a layer, read back in
+// sequence order (k and v [KV][n][Dim]), with ls bit for bit.
+func (ls *layerState) checkCache(k, v []uint16, kv, dim int) error {
 	n := len(ls.k[0]) / dim
-	if len(k) != kv*n*dim || len(v) != len(k) || len(pos) != kv*n {
-		return fmt.Errorf("the cache holds %d rows of keys, %d of values and %d positions, want %d tokens × %d heads", len(k)/max(dim, 1), len(v)/max(dim, 1), len(pos), n, kv)
+	if len(k) != kv*n*dim || len(v) != len(k) {
+		return fmt.Errorf("the cache holds %d rows of keys and %d of values, want %d tokens × %d heads", len(k)/max(dim, 1), len(v)/max(dim, 1), n, kv)
 	}
-	seg := make([]int, n) // segment of each token; -1: its own row
-	for t := range seg {
-		seg[t] = -1
-	}
-	for i, r := range segs {
-		for t := r[0]; t < r[1] && t < n; t++ {
-			seg[t] = i
-		}
-	}
-	seen := make([]bool, n)
 	for g := 0; g < kv; g++ {
-		clear(seen)
-		for row := 0; row < n; row++ {
-			p := int(pos[g*n+row])
-			switch {
-			case p < 0 || p >= n:
-				return fmt.Errorf("head %d row %d holds token %d of %d", g, row, p, n)
-			case seen[p]:
-				return fmt.Errorf("head %d holds token %d twice (row %d)", g, p, row)
-			case seg[p] != seg[row] || (seg[p] < 0 && p != row):
-				return fmt.Errorf("head %d row %d holds token %d, outside the row's range", g, row, p)
-			}
-			seen[p] = true
-			got := k[(g*n+row)*dim : (g*n+row+1)*dim]
-			gotV := v[(g*n+row)*dim : (g*n+row+1)*dim]
-			if !slices.Equal(got, ls.k[g][p*dim:(p+1)*dim]) || !slices.Equal(gotV, ls.v[g][p*dim:(p+1)*dim]) {
-				return fmt.Errorf("head %d row %d (token %d): the stored keys or values differ from those given", g, row, p)
+		for t := 0; t < n; t++ {
+			at := (g*n + t) * dim
+			if !slices.Equal(k[at:at+dim], ls.k[g][t*dim:(t+1)*dim]) || !slices.Equal(v[at:at+dim], ls.v[g][t*dim:(t+1)*dim]) {
+				return fmt.Errorf("head %d token %d: the stored keys or values differ from those given", g, t)
 			}
 		}
 	}
