@@ -49,7 +49,9 @@ func TestSoakFailsOnDrift(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			cfg := DefaultConfig(40, 7)
-			cfg.Slots, cfg.Policies, cfg.CheckEvery = 4, cfg.Policies[:4], 10
+			// One model of the first four policies (none takes a budget
+			// from the capacity), small enough to warm up fast.
+			cfg.Slots, cfg.Capacity, cfg.MaxPrefill, cfg.Policies, cfg.CheckEvery = 4, 128, 100, cfg.Policies[:4], 10
 			done := false
 			// The check that follows the step sees the change.
 			cfg.tamper = func(step int, s *state) {
