@@ -75,7 +75,7 @@ func (p *placed) attend(t *testing.T, i int) map[int][][]uint32 {
 // TestBatchInvariance runs, for every policy decode offers, one sequence
 // alone in slot 0 of a model, and the same sequence in slot 2 of another
 // model beside two sequences of other lengths (slots 0 and 1), through a
-// prefill and appends that cross reclustering boundaries, attending every
+// prefill and appends that cross a reclustering boundary, attending every
 // layer after each; and the batch of three again in a third model. The
 // sequence's outputs must be bit-identical alone and in the batch, and the
 // two batched runs bit-identical to each other (run to run).
@@ -96,7 +96,7 @@ func TestBatchInvariance(t *testing.T) {
 				r.prefill(t, n)
 				runs = append(runs, r)
 			}
-			for step := range 2 * faultRecluster {
+			for step := range faultRecluster + 2 { // crosses a reclustering boundary
 				if step > 0 {
 					for _, r := range runs {
 						r.appendAll(t)
