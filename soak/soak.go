@@ -91,6 +91,9 @@ type Config struct {
 	Steps      int
 	Seed       int64
 	CheckEvery int // a full check every this many steps, and after the last
+	// Duration, when positive, ends the soak at the first step that
+	// finishes past it (checked like a last step), even short of Steps.
+	Duration time.Duration
 
 	// tamper, when set (tests), may change the float64 model after each
 	// step, so that a check must fail.
@@ -326,22 +329,27 @@ func (r *runner) run(progress func(done, total int)) error {
 	if err := r.warmUp(); err != nil {
 		return err
 	}
+	start := time.Now()
 	for r.step = 0; r.step < cfg.Steps; r.step++ {
 		if err := r.operate(); err != nil {
 			return err
 		}
+		last := r.step == cfg.Steps-1 || (cfg.Duration > 0 && time.Since(start) >= cfg.Duration)
 		r.rep.Steps++
 		r.rep.PeakBytes = max(r.rep.PeakBytes, r.held())
 		if cfg.tamper != nil {
 			cfg.tamper(r.step, r.st)
 		}
-		if (r.step+1)%cfg.CheckEvery == 0 || r.step == cfg.Steps-1 {
+		if (r.step+1)%cfg.CheckEvery == 0 || last {
 			if err := r.check(); err != nil {
 				return err
 			}
 		}
 		if progress != nil {
 			progress(r.step+1, cfg.Steps)
+		}
+		if last {
+			break
 		}
 	}
 	if err := r.drain(); err != nil {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -26,6 +27,7 @@ func soakCmd(args []string) error {
 	dim := fs.Int("dim", def.Heads.Dim, "head dimension")
 	capacity := fs.Int("capacity", def.Capacity, "tokens per sequence")
 	maxPrefill := fs.Int("max-prefill", 0, "longest prefill drawn (0: half the capacity)")
+	duration := fs.Duration("duration", 0, "end the soak at the first step past this wall time (0: run every step)")
 	jsonPath := fs.String("json", "", "write the report as JSON to this file")
 	fs.Parse(args)
 	if err := checkOutputs(output{"json", *jsonPath}); err != nil {
@@ -34,7 +36,7 @@ func soakCmd(args []string) error {
 	cfg := soak.Config{
 		Heads: sparse.Heads{Query: *qHeads, KV: *kvHeads, Dim: *dim}, Layers: *layers, Slots: *slots,
 		Capacity: *capacity, MaxPrefill: *maxPrefill, Policies: soak.DefaultPolicies(*capacity),
-		Steps: *steps, Seed: *seed, CheckEvery: *every,
+		Steps: *steps, Seed: *seed, CheckEvery: *every, Duration: *duration,
 	}
 	if *steps < 1 {
 		return fmt.Errorf("-steps %d: want at least 1", *steps)
@@ -58,13 +60,10 @@ func soakCmd(args []string) error {
 	})
 	prog.finish()
 	printSoak(rep)
-	if err != nil {
-		return err
+	if *jsonPath != "" { // what ran, also when a check failed
+		err = errors.Join(err, writeJSON(*jsonPath, "soak "+fmt.Sprint(args), dev.Info(), rep))
 	}
-	if *jsonPath != "" {
-		return writeJSON(*jsonPath, "soak "+fmt.Sprint(args), dev.Info(), rep)
-	}
-	return nil
+	return err
 }
 
 // printSoak prints a soak's report: the run, the operations, the device
