@@ -107,7 +107,7 @@ func BenchmarkClusterAttention(b *testing.B) {
 				plan, err := d.PlanClusters(layer, x, rankBuf.All(), cutBuf.All())
 				require.NoError(b, err)
 				require.NoError(b, plan.SetQuery(randomQueries(rng, h.Query*h.Dim, 0.1)))
-				b.Run(fmt.Sprintf("N%d/share%g/chunk%d/window%d/tile%d/unroll%d", n, share, plan.clusterChunk, d.window, d.clusterTile, max(o.Unroll, 8)), func(b *testing.B) {
+				b.Run(fmt.Sprintf("N%d/share%g/chunk%d/window%d/tile%d/unroll%d", n, share, plan.mode.(*clusterMode).clusterChunk, d.window, d.clusterTile, max(o.Unroll, 8)), func(b *testing.B) {
 					b.ReportMetric(100*float64(union)/float64(h.KV*c), "union-%")
 					us := reportGPU(b, plan.Time)
 					b.ReportMetric(float64(union*size*h.Dim*2*2)/(us*1e3), "union-GB/s")

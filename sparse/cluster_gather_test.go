@@ -127,7 +127,7 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 			h := c.heads
 			plan, k, v, lists := clusterPlan(t, dev, rng, c)
 			if c.opts.ClusterChunk > 0 {
-				require.Greater(t, plan.clusterChunk, plan.d.window, "a chunk must span several windows")
+				require.Greater(t, plan.mode.(*clusterMode).clusterChunk, plan.d.window, "a chunk must span several windows")
 			}
 			q := randomQueries(rng, h.Query*h.Dim, 1.5)
 			got := attendPoisoned(t, dev, plan, q)
@@ -287,7 +287,7 @@ func TestClusterRunsPerHeadBlock(t *testing.T) {
 			for step := 0; step < 2; step++ {
 				q := randomQueries(rng, h.Query*h.Dim, 1.5)
 				got := attendPoisoned(t, dev, plan, q)
-				requireClose(t, listsRef(t, h, q, k, v, c.n, lists), got, h.Dim, 1e-3, fmt.Sprintf("step %d, runs %v", step, plan.runs))
+				requireClose(t, listsRef(t, h, q, k, v, c.n, lists), got, h.Dim, 1e-3, fmt.Sprintf("step %d, runs %v", step, plan.mode.(*clusterMode).runs))
 				taken, err := plan.Taken()
 				require.NoError(t, err)
 				for i, m := range taken {
@@ -297,15 +297,15 @@ func TestClusterRunsPerHeadBlock(t *testing.T) {
 				if h.KV*blocks > runTableBlocks {
 					continue
 				}
-				equal := ceilDiv(c.clusters, plan.clusterChunk)
+				equal := ceilDiv(c.clusters, plan.mode.(*clusterMode).clusterChunk)
 				least, _ := runBounds(c.clusters, equal, plan.d.window)
 				total := 0
-				for i, r := range plan.runs {
+				for i, r := range plan.mode.(*clusterMode).runs {
 					total += r
 					require.GreaterOrEqual(t, r, least, "head block %d", i)
 					require.LessOrEqual(t, r, plan.MostRuns(), "head block %d", i)
 				}
-				require.LessOrEqual(t, total, equal*len(plan.runs))
+				require.LessOrEqual(t, total, equal*len(plan.mode.(*clusterMode).runs))
 			}
 		})
 	}

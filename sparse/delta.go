@@ -36,7 +36,7 @@ func NewDeltaPages(plan *DensePlan, pageSize int) (*DeltaPages, error) {
 	dev := d.dev
 	layer := plan.seqs[0]
 	switch {
-	case plan.logits == nil:
+	case plan.Logits() == nil:
 		return nil, fmt.Errorf("sparse: DELTA's page scores need a plan that writes its logits (Dense.PlanLogits)")
 	case pageSize <= 0 || deltaWorkgroup%pageSize != 0:
 		return nil, fmt.Errorf("sparse: DELTA pages of %d tokens: a divisor of %d", pageSize, deltaWorkgroup)
@@ -61,7 +61,7 @@ func NewDeltaPages(plan *DensePlan, pageSize int) (*DeltaPages, error) {
 
 // rebind binds the kernel to the plan's logits and current partials.
 func (x *DeltaPages) rebind() error {
-	b, err := x.pipe.Bind(x.plan.logits.All(), x.plan.parts[1], x.pages.All())
+	b, err := x.pipe.Bind(x.plan.Logits().All(), x.plan.parts[1], x.pages.All())
 	if err != nil {
 		return err
 	}

@@ -3,8 +3,6 @@ package sparse
 import (
 	"errors"
 	"fmt"
-	"math"
-	"slices"
 	"sort"
 	"time"
 
@@ -20,10 +18,9 @@ import (
 // query head); the last workgroup of each head block to finish merges the
 // chunks' partials into the output.
 type Dense struct {
-	dev       *vk.Device
-	heads     Heads
-	group     int // query heads per workgroup
-	tile      int
+	dev   *vk.Device
+	heads Heads
+	denseShape
 	partial   *vk.Pipeline
 	gather    *vk.Pipeline // attend_partial reading rows through token lists
 	clustered *vk.Pipeline // attend_partial over taken clusters; nil where shared memory is short
@@ -33,17 +30,11 @@ type Dense struct {
 	// logits is dense attend_partial that also writes its logits
 	// (PlanLogits), built on first use.
 	logits *vk.Pipeline
-	code   []byte   // attend_partial's SPIR-V
-	spec   []uint32 // its specialization, GATHER, APPROX and LOGITS 0
-	// clusterSpec is spec with attention over clusters' tiles and score
-	// slots.
-	clusterSpec []uint32
-	clusterTile int
-	workgroup   int
-	tpr         int  // threads sharing a K row in the score pass
-	rpt         int  // K rows each thread scores at once
-	tree        bool // reductions through shared memory only
-	window      int  // clusters scanned at once by attention over clusters
+	code   []byte      // attend_partial's SPIR-V
+	spec   partialSpec // its specialization for dense attention
+	// clusterSpec is its specialization for attention over clusters, with
+	// tiles and score slots of its own.
+	clusterSpec partialSpec
 	// ChunkTokens fixes the tokens per chunk; 0 picks it from the sizes.
 	ChunkTokens int
 	opts        DenseOptions
@@ -122,8 +113,6 @@ const (
 	// Sequences of a batch beyond which each one's attention over clusters
 	// takes proportionally fewer, longer runs (clusterRun).
 	clusterBatchSequences = 2
-	partialBindings       = 18
-	partialPushWords      = 18
 )
 
 // NewDense compiles the dense attention kernels for heads.
@@ -174,104 +163,162 @@ func NewDenseWith(dev *vk.Device, heads Heads, opts DenseOptions) (*Dense, error
 		return nil, err
 	}
 	info := dev.Info()
-	tpr := opts.ThreadsPerRow
-	if tpr == 0 {
-		tpr = threadsPerRow(info, heads.Dim)
-	}
-	if tpr&(tpr-1) != 0 || (heads.Dim/8)%tpr != 0 || (tpr > 1 && (!info.SubgroupShuffle || info.SubgroupSize%uint32(tpr) != 0)) {
-		return nil, fmt.Errorf("%w: %d threads per row with head dimension %d on a device with subgroups of %d (shuffle %v)", vk.ErrUnsupported, tpr, heads.Dim, info.SubgroupSize, info.SubgroupShuffle)
-	}
-	group := opts.Group
-	if group == 0 {
-		group = defaultGroup(heads.Group())
-	}
-	if group < 1 || group > 8 || heads.Group()%group != 0 {
-		return nil, fmt.Errorf("%w: %d query heads per workgroup for groups of %d (a divisor, at most 8)", vk.ErrUnsupported, group, heads.Group())
-	}
-	wg := opts.Workgroup
-	if wg == 0 {
-		wg = min(denseWorkgroup, int(info.MaxWorkgroupInvocations))
-	}
-	tile := opts.Tile
-	if tile == 0 {
-		tile = scoreBudget / group
-	}
-	unroll := max(opts.Unroll, 0)
-	if unroll == 0 {
-		unroll = 8
-	}
-	rpt := opts.RowsPerThread
-	if rpt == 0 {
-		rpt = 1
-		if opts.ThreadsPerRow == 0 {
-			rpt = rowsPerThread(tpr)
-		}
-	}
-	if rpt < 1 || rpt > 8 {
-		return nil, fmt.Errorf("%w: %d rows per thread (at most 8)", vk.ErrUnsupported, rpt)
-	}
-	window := opts.ClusterWindow
-	if window == 0 {
-		window = min(wg, clusterWindow)
-	}
-	clusterTile := opts.ClusterTile
-	if clusterTile == 0 {
-		clusterTile = opts.Tile
-	}
-	if clusterTile == 0 {
-		clusterTile = clusterScoreBudget / group
-	}
-	if opts.ClusterChunk < 0 || window&(window-1) != 0 || window > wg || window < 1 || clusterTile < 1 {
-		return nil, fmt.Errorf("sparse: %d clusters per chunk, %d per window, tiles of %d, for workgroups of %d", opts.ClusterChunk, opts.ClusterWindow, clusterTile, wg)
-	}
-	tree := !info.SubgroupArithmetic || info.SubgroupSize < 4 || opts.TreeReduce
-	reduceSlots := group * wg
-	if !tree {
-		reduceSlots = group * wg / 4 // one slot per subgroup of at least 4
-	}
-	// Score slots and shared bytes of attend_partial with tiles of t
-	// tokens: queries, scores and reductions; its arrays for clusters
-	// (lst, from, pre, subTotal) add 5 words where GATHER < 2 and
-	// clusterShared's rest where GATHER = 2.
-	scoreSlotsFor := func(t int) int { return max(group*t, 8*wg) }
-	sharedFor := func(t int) int { return 4 * (group*heads.Dim + scoreSlotsFor(t) + reduceSlots) }
-	scoreSlots, shared := scoreSlotsFor(tile), sharedFor(tile)
-	switch {
-	case wg&(wg-1) != 0 || wg > int(info.MaxWorkgroupInvocations) || wg < heads.Dim/4 || wg < 32:
-		return nil, fmt.Errorf("%w: workgroup of %d threads (a power of two from %d to %d)", vk.ErrUnsupported, wg, max(32, heads.Dim/4), info.MaxWorkgroupInvocations)
-	case tile <= 0 || shared+4*5 > int(info.SharedMemoryBytes):
-		return nil, fmt.Errorf("%w: tiles of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, tile, shared+4*5, info.SharedMemoryBytes)
-	}
-	d := &Dense{dev: dev, heads: heads, group: group, tile: tile, workgroup: wg, tpr: tpr, rpt: rpt, tree: tree, opts: opts, gatherMin: gatherChunkMin, window: window, clusterTile: clusterTile}
-	code, err := shaders.SPIRV("attend_partial")
+	shape, err := resolveShape(info, heads.Dim, heads.Group(), opts)
 	if err != nil {
 		return nil, err
 	}
-	d.code = code
-	d.spec = []uint32{uint32(wg), uint32(heads.Dim), uint32(group), uint32(d.tile), uint32(tpr), boolWord(!d.tree), uint32(unroll), uint32(scoreSlots), uint32(reduceSlots), 0, uint32(rpt), uint32(d.window), 0, 0}
-	// Attention over clusters: its own tiles, so its own score slots, and
-	// its arrays lst, from, pre and subTotal.
-	d.clusterSpec = append([]uint32(nil), d.spec...)
-	d.clusterSpec[3], d.clusterSpec[7] = uint32(clusterTile), uint32(scoreSlotsFor(clusterTile))
-	clusterShared := sharedFor(clusterTile) + 4*(clusterTile+2*window+1+wg/4)
-	kernel := func(name string, gather uint32) *vk.Pipeline {
-		if err != nil {
-			return nil
-		}
-		var p *vk.Pipeline
-		p, err = d.kernel(name, gather, 0, 0)
-		return p
-	}
-	d.partial = kernel("attend_partial", 0)
-	d.gather = kernel("attend_partial (gather)", 1)
-	if clusterShared <= int(info.SharedMemoryBytes) {
-		d.clustered = kernel("attend_partial (clusters)", 2)
-	}
-	if err != nil {
-		d.Release()
+	if err := shape.fits(info, heads.Dim); err != nil {
 		return nil, err
+	}
+	d := &Dense{dev: dev, heads: heads, denseShape: shape, opts: opts, gatherMin: gatherChunkMin}
+	if d.code, err = shaders.SPIRV("attend_partial"); err != nil {
+		return nil, err
+	}
+	d.spec, d.clusterSpec = shape.specs(heads.Dim)
+	if err := d.compile(shape.clusterSharedBytes(heads.Dim) <= int(info.SharedMemoryBytes)); err != nil {
+		return nil, errors.Join(err, d.Release())
 	}
 	return d, nil
+}
+
+// denseShape is how the dense kernels divide their work, every option
+// resolved for a device and a head geometry.
+type denseShape struct {
+	group       int  // query heads per workgroup
+	workgroup   int  // threads per workgroup
+	tile        int  // tokens dense attention scores at once
+	unroll      int  // value rows a thread loads at once
+	tpr         int  // threads sharing a K row in the score pass
+	rpt         int  // K rows each thread scores at once
+	tree        bool // reductions through shared memory only
+	window      int  // clusters scanned at once by attention over clusters
+	clusterTile int  // tokens attention over clusters scores at once
+}
+
+// resolveShape picks what opts leave at zero for heads of dimension dim
+// in GQA groups of groupSize, and refuses what the device or the kernel
+// cannot run.
+func resolveShape(info vk.Info, dim, groupSize int, opts DenseOptions) (denseShape, error) {
+	s := denseShape{tpr: opts.ThreadsPerRow, group: opts.Group, workgroup: opts.Workgroup, tile: opts.Tile, unroll: max(opts.Unroll, 0),
+		rpt: opts.RowsPerThread, window: opts.ClusterWindow, clusterTile: opts.ClusterTile}
+	if s.tpr == 0 {
+		s.tpr = threadsPerRow(info, dim)
+	}
+	if s.tpr&(s.tpr-1) != 0 || (dim/8)%s.tpr != 0 || (s.tpr > 1 && (!info.SubgroupShuffle || info.SubgroupSize%uint32(s.tpr) != 0)) {
+		return s, fmt.Errorf("%w: %d threads per row with head dimension %d on a device with subgroups of %d (shuffle %v)", vk.ErrUnsupported, s.tpr, dim, info.SubgroupSize, info.SubgroupShuffle)
+	}
+	if s.group == 0 {
+		s.group = defaultGroup(groupSize)
+	}
+	if s.group < 1 || s.group > 8 || groupSize%s.group != 0 {
+		return s, fmt.Errorf("%w: %d query heads per workgroup for groups of %d (a divisor, at most 8)", vk.ErrUnsupported, s.group, groupSize)
+	}
+	if s.workgroup == 0 {
+		s.workgroup = min(denseWorkgroup, int(info.MaxWorkgroupInvocations))
+	}
+	if s.tile == 0 {
+		s.tile = scoreBudget / s.group
+	}
+	if s.unroll == 0 {
+		s.unroll = 8
+	}
+	if s.rpt == 0 {
+		s.rpt = 1
+		if opts.ThreadsPerRow == 0 {
+			s.rpt = rowsPerThread(s.tpr)
+		}
+	}
+	if s.rpt < 1 || s.rpt > 8 {
+		return s, fmt.Errorf("%w: %d rows per thread (at most 8)", vk.ErrUnsupported, s.rpt)
+	}
+	if s.window == 0 {
+		s.window = min(s.workgroup, clusterWindow)
+	}
+	if s.clusterTile == 0 {
+		s.clusterTile = opts.Tile
+	}
+	if s.clusterTile == 0 {
+		s.clusterTile = clusterScoreBudget / s.group
+	}
+	if opts.ClusterChunk < 0 || s.window&(s.window-1) != 0 || s.window > s.workgroup || s.window < 1 || s.clusterTile < 1 {
+		return s, fmt.Errorf("sparse: %d clusters per chunk, %d per window, tiles of %d, for workgroups of %d", opts.ClusterChunk, opts.ClusterWindow, s.clusterTile, s.workgroup)
+	}
+	s.tree = !info.SubgroupArithmetic || info.SubgroupSize < 4 || opts.TreeReduce
+	return s, nil
+}
+
+// reduceSlots returns attend_partial's shared floats for reductions: one
+// per thread and head with the tree, one per subgroup (of at least 4
+// threads) and head with subgroup arithmetic.
+func (s denseShape) reduceSlots() int {
+	if s.tree {
+		return s.group * s.workgroup
+	}
+	return s.group * s.workgroup / 4
+}
+
+// scoreSlots returns attend_partial's shared floats for the scores of
+// tiles of t tokens, at least 8 a thread (its final sums reuse them).
+func (s denseShape) scoreSlots(t int) int { return max(s.group*t, 8*s.workgroup) }
+
+// sharedBytes returns attend_partial's shared memory for tiles of t
+// tokens, without the arrays of attention over clusters: queries, scores
+// and reductions.
+func (s denseShape) sharedBytes(dim, t int) int {
+	return 4 * (s.group*dim + s.scoreSlots(t) + s.reduceSlots())
+}
+
+// clusterSharedBytes returns the shared memory of attention over
+// clusters: sharedBytes for its tiles, and a tile's token ids, a window's
+// member offsets and prefix sums, and the subgroup totals of their scan.
+func (s denseShape) clusterSharedBytes(dim int) int {
+	return s.sharedBytes(dim, s.clusterTile) + 4*(s.clusterTile+2*s.window+1+s.workgroup/4)
+}
+
+// fits refuses a workgroup size the device or the kernel cannot run, and
+// dense tiles whose shared memory (with one word for each array of
+// attention over clusters) exceeds the device's.
+func (s denseShape) fits(info vk.Info, dim int) error {
+	shared := s.sharedBytes(dim, s.tile) + 4*5
+	switch {
+	case s.workgroup&(s.workgroup-1) != 0 || s.workgroup > int(info.MaxWorkgroupInvocations) || s.workgroup < dim/4 || s.workgroup < 32:
+		return fmt.Errorf("%w: workgroup of %d threads (a power of two from %d to %d)", vk.ErrUnsupported, s.workgroup, max(32, dim/4), info.MaxWorkgroupInvocations)
+	case s.tile <= 0 || shared > int(info.SharedMemoryBytes):
+		return fmt.Errorf("%w: tiles of %d tokens need %d bytes of shared memory, device has %d", vk.ErrUnsupported, s.tile, shared, info.SharedMemoryBytes)
+	}
+	return nil
+}
+
+// specs returns attend_partial's specialization for dense attention and
+// for attention over clusters (its own tiles and score slots).
+func (s denseShape) specs(dim int) (dense, clusters partialSpec) {
+	dense = partialSpec{
+		Workgroup: uint32(s.workgroup), Dim: uint32(dim), Group: uint32(s.group), Tile: uint32(s.tile),
+		ThreadsPerRow: uint32(s.tpr), SubgroupReduce: boolWord(!s.tree), Unroll: uint32(s.unroll),
+		ScoreSlots: uint32(s.scoreSlots(s.tile)), ReduceSlots: uint32(s.reduceSlots()), Gather: gatherNone,
+		RowsPerThread: uint32(s.rpt), Window: uint32(s.window),
+	}
+	clusters = dense
+	clusters.Tile, clusters.ScoreSlots, clusters.Gather = uint32(s.clusterTile), uint32(s.scoreSlots(s.clusterTile)), gatherClusters
+	return dense, clusters
+}
+
+// compile builds dense attention, attention over token lists and, with
+// clusters, attention over clusters.
+func (d *Dense) compile(clusters bool) error {
+	var err error
+	if d.partial, err = d.kernel("attend_partial", d.spec); err != nil {
+		return err
+	}
+	lists := d.spec
+	lists.Gather = gatherLists
+	if d.gather, err = d.kernel("attend_partial (gather)", lists); err != nil {
+		return err
+	}
+	if clusters {
+		d.clustered, err = d.kernel("attend_partial (clusters)", d.clusterSpec)
+	}
+	return err
 }
 
 // buildApprox builds attention over clusters with pseudo-tokens (d.approx)
@@ -280,8 +327,10 @@ func (d *Dense) buildApprox() error {
 	if d.approx != nil {
 		return nil
 	}
+	spec := d.clusterSpec
+	spec.Approx = 1
 	var err error
-	d.approx, err = d.kernel("attend_partial (clusters, pseudo-tokens)", 2, 1, 0)
+	d.approx, err = d.kernel("attend_partial (clusters, pseudo-tokens)", spec)
 	return err
 }
 
@@ -291,26 +340,25 @@ func (d *Dense) buildLogits() error {
 	if d.logits != nil {
 		return nil
 	}
+	spec := d.spec
+	spec.Logits = 1
 	var err error
-	d.logits, err = d.kernel("attend_partial (dense, logits)", 0, 0, 1)
+	d.logits, err = d.kernel("attend_partial (dense, logits)", spec)
 	return err
 }
 
-// kernel builds attend_partial with GATHER gather, APPROX approx and
-// LOGITS logits.
-func (d *Dense) kernel(name string, gather, approx, logits uint32) (*vk.Pipeline, error) {
-	base := d.spec
-	if gather == 2 {
-		base = d.clusterSpec
-	}
-	spec := append([]uint32(nil), base...)
-	spec[9], spec[12], spec[13] = gather, approx, logits
-	return d.dev.NewPipeline(vk.Kernel{Name: name, SPIRV: d.code, Bindings: partialBindings, PushWords: partialPushWords, Specialization: spec})
+// kernel builds attend_partial specialized by spec.
+func (d *Dense) kernel(name string, spec partialSpec) (*vk.Pipeline, error) {
+	return d.dev.NewPipeline(vk.Kernel{Name: name, SPIRV: d.code, Bindings: partialBindings, PushWords: partialPushWords, Specialization: spec.words()})
 }
+
+// blocksPerKV returns the head blocks of a KV head: its query heads,
+// group at a time.
+func (d *Dense) blocksPerKV() int { return d.heads.Group() / d.group }
 
 // headBlocks returns the head blocks of a sequence: each KV head's query
 // heads, group at a time.
-func (d *Dense) headBlocks() int { return d.heads.KV * (d.heads.Group() / d.group) }
+func (d *Dense) headBlocks() int { return d.heads.KV * d.blocksPerKV() }
 
 // ThreadsPerRow returns how many threads share a K row in the score pass.
 func (d *Dense) ThreadsPerRow() int { return d.tpr }
@@ -345,9 +393,13 @@ func (d *Dense) Release() error {
 }
 
 // DensePlan holds the buffers and bindings that attend one batch of
-// sequences; record it again after the sequences grow.
+// sequences; record it again after the sequences grow. Its mode decides
+// which tokens it attends: every token of each sequence (Plan, PlanChunks,
+// PlanLogits), one list of tokens per KV head (PlanGather) or a selection
+// of clusters (PlanClusters, PlanSelection).
 type DensePlan struct {
 	d         *Dense
+	mode      planMode // nil once released
 	seqs      []*kvcache.Layer
 	maxChunks int
 	query     *vk.Buffer
@@ -370,28 +422,25 @@ type DensePlan struct {
 	outTo    vk.Range    // where the output goes instead of out (SetOutput); none when Buffer is nil
 	segments [][]segment // per sequence: KV head ranges bound together
 	clock    stopwatch
-	// With token lists (PlanGather): the lists' stride, the tokens per
-	// chunk, and the lists and their lengths per KV head.
-	gatherStride, gatherChunk int
-	tokens, tokCounts         *vk.Buffer
-	// With clusters (PlanClusters): the index, the clusters per chunk, and
-	// the ranks and cuts that decide which clusters are taken.
-	clusters     *kvcache.Clusters
-	clusterChunk int
-	fixedRuns    bool // clusterChunk set by the selection (Selection.RunClusters)
-	rank, cut    vk.Range
-	// runs, when set, is the runs of clusters per head block ([KV][blocks])
-	// in place of equal runs (SetRuns); mostRuns caps each.
-	runs     []int
-	mostRuns int
-	// approx holds the pseudo-tokens' buffers (PlanSelection); nil without.
-	approx *Approximation
-	// logits, with PlanLogits, receives every logit, float32 [Hq][Len] of
-	// the one sequence (rows of Len floats from the start).
-	logits *vk.Buffer
 	// held: the plan holds its sequences and index (kvcache Hold), so
 	// that they are not released under it.
 	held bool
+}
+
+// planMode is what differs between a DensePlan's modes: the kernel and
+// the buffers of its own that it binds, and its dispatches. The plan holds
+// what they share: queries, partials, counters, output and bindings.
+type planMode interface {
+	// bindings sets the mode's buffers in b and returns the kernel of d
+	// that reads them.
+	bindings(d *Dense, b *partialBuffers) *vk.Pipeline
+	// record appends p's attention to c, for a stage whose dispatches
+	// sequences plans share.
+	record(c *vk.Commands, p *DensePlan, sequences int) error
+	// bytes returns the device memory of the mode's own buffers.
+	bytes() uint64
+	// release frees the mode's own buffers.
+	release() error
 }
 
 type segment struct {
@@ -399,58 +448,13 @@ type segment struct {
 	bind            *vk.Binding
 }
 
-// Plan prepares attention over the sequences (one query per sequence).
-func (d *Dense) Plan(seqs []*kvcache.Layer) (*DensePlan, error) {
-	return d.PlanChunks(seqs, defaultMaxChunk)
-}
-
-// PlanLogits prepares dense attention over one sequence that also writes
-// every logit scale·q_h·k_t it computes into Logits, float32 [Hq][Len]
-// (DELTA's token scores read them).
-func (d *Dense) PlanLogits(layer *kvcache.Layer) (*DensePlan, error) {
-	if err := d.buildLogits(); err != nil {
-		return nil, err
-	}
-	if layer.KVHeads() != d.heads.KV || layer.HeadDim() != d.heads.Dim {
-		return nil, fmt.Errorf("sparse: a sequence of %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), d.heads.KV, d.heads.Dim)
-	}
-	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: defaultMaxChunk}
-	var err error
-	if p.logits, err = d.dev.NewBuffer(uint64(d.heads.Query)*uint64(layer.Capacity())*4, vk.DeviceLocal); err == nil {
-		err = p.allocate()
-	}
-	if err != nil {
-		p.Release()
-		return nil, err
-	}
-	return p, nil
-}
-
-// Logits returns where a PlanLogits plan writes its logits, float32
-// [Hq][Len] (nil for other plans).
-func (p *DensePlan) Logits() *vk.Buffer { return p.logits }
-
-// PlanChunks is Plan with at most maxChunks chunks per sequence and head
-// (Plan takes 512): fewer chunks, longer each, for batches of many
-// sequences that fill the device without splitting them finely, whose
-// partials then take less memory.
-func (d *Dense) PlanChunks(seqs []*kvcache.Layer, maxChunks int) (*DensePlan, error) {
-	if len(seqs) == 0 {
-		return nil, fmt.Errorf("sparse: Plan of an empty batch")
-	}
-	if maxChunks <= 0 || maxChunks > defaultMaxChunk {
-		return nil, fmt.Errorf("sparse: %d chunks per sequence outside [1, %d]", maxChunks, defaultMaxChunk)
-	}
-	h := d.heads
-	for i, s := range seqs {
-		if s.KVHeads() != h.KV || s.HeadDim() != h.Dim {
-			return nil, fmt.Errorf("sparse: sequence %d has %d KV heads of %d, kernels want %d of %d", i, s.KVHeads(), s.HeadDim(), h.KV, h.Dim)
-		}
-	}
-	p := &DensePlan{d: d, seqs: seqs, maxChunks: maxChunks}
+// newPlan makes a plan of mode over seqs with maxChunks chunk slots per
+// sequence and head: its buffers, bindings and holds. On error it releases
+// what it made, mode's buffers included.
+func (d *Dense) newPlan(seqs []*kvcache.Layer, maxChunks int, mode planMode) (*DensePlan, error) {
+	p := &DensePlan{d: d, mode: mode, seqs: seqs, maxChunks: maxChunks}
 	if err := p.allocate(); err != nil {
-		p.Release()
-		return nil, err
+		return nil, errors.Join(err, p.Release())
 	}
 	return p, nil
 }
@@ -479,10 +483,6 @@ func (p *DensePlan) allocate() error {
 	if err == nil {
 		p.taken, err = dev.NewBuffer(b*uint64(h.Query/d.group)*4, vk.HostVisible)
 	}
-	if p.gatherStride > 0 {
-		p.tokens = alloc(uint64(h.KV*p.gatherStride) * 4)
-		p.tokCounts = alloc(uint64(h.KV) * 4)
-	}
 	if err == nil {
 		// The counters start at 0; each dispatch leaves them at 0.
 		err = dev.Run(func(c *vk.Commands) { c.Fill(p.arrivals.All(), 0) })
@@ -496,6 +496,15 @@ func (p *DensePlan) allocate() error {
 	return p.hold()
 }
 
+// index returns the clusters a plan over a selection attends; nil for
+// the other modes.
+func (p *DensePlan) index() *kvcache.Clusters {
+	if m, ok := p.mode.(*clusterMode); ok {
+		return m.index
+	}
+	return nil
+}
+
 // hold holds the plan's sequences and index until Release.
 func (p *DensePlan) hold() error {
 	for i, s := range p.seqs {
@@ -506,8 +515,8 @@ func (p *DensePlan) hold() error {
 			return err
 		}
 	}
-	if p.clusters != nil {
-		p.clusters.Hold()
+	if x := p.index(); x != nil {
+		x.Hold()
 	}
 	p.held = true
 	return nil
@@ -520,7 +529,8 @@ func (p *DensePlan) partBytes() (o, ml uint64) {
 	return slots * uint64(p.d.heads.Dim) * 4, slots * 8
 }
 
-// bind makes the bindings of every sequence's KV head ranges.
+// bind makes the bindings of every sequence's KV head ranges: the
+// buffers every mode shares, and the mode's.
 func (p *DensePlan) bind() error {
 	d, h, dev := p.d, p.d.heads, p.d.dev
 	maxRange := dev.Info().MaxStorageBufferRange
@@ -534,31 +544,16 @@ func (p *DensePlan) bind() error {
 		for base := 0; base < h.KV; base += perBinding {
 			count := min(perBinding, h.KV-base)
 			off, size := uint64(base)*headBytes, uint64(count)*headBytes
-			pipe, lists, counts := d.partial, p.query.All(), p.query.All() // unused bindings get a valid range
-			index := []vk.Range{lists, lists, lists, lists, lists}
-			pseudo := []vk.Range{lists, lists, lists}
-			taken := p.taken.All()
-			switch {
-			case p.gatherStride > 0:
-				pipe, lists, counts = d.gather, p.tokens.All(), p.tokCounts.All()
-			case p.clusters != nil:
-				x := p.clusters
-				members := x.Members
-				if members == nil {
-					members = x.Starts // a page index; attend_partial reads no members
-				}
-				pipe, index = d.clustered, []vk.Range{p.rank, p.cut, x.Starts.All(), x.Counts.All(), members.All()}
-				if a := p.approx; a != nil {
-					pipe, pseudo = d.approx, []vk.Range{a.Logits, a.Keep, a.Means}
-				}
-			case p.logits != nil:
-				pipe, taken = d.logits, p.logits.All()
+			bufs := partialBuffers{
+				Queries: p.query.All(), Keys: s.Keys().Slice(off, size), Values: s.Values().Slice(off, size),
+				PartialO: p.parts[0], PartialML: p.parts[1], Arrivals: p.arrivals.All(), Out: p.OutputRange(), Taken: p.taken.All(),
 			}
-			ranges := append([]vk.Range{p.query.All(), s.Keys().Slice(off, size), s.Values().Slice(off, size), p.parts[0], p.parts[1], lists, counts}, index...)
-			ranges = append(ranges, p.arrivals.All(), p.OutputRange())
-			ranges = append(append(ranges, pseudo...), taken)
-			bind, err := pipe.Bind(ranges...)
+			pipe := p.mode.bindings(d, &bufs)
+			bind, err := pipe.Bind(bufs.ranges(p.query.All())...)
 			if err != nil {
+				for _, sg := range segs {
+					err = errors.Join(err, sg.bind.Release())
+				}
 				return err
 			}
 			segs = append(segs, segment{kvBase: base, kvCount: count, bind: bind})
@@ -568,57 +563,62 @@ func (p *DensePlan) bind() error {
 	return nil
 }
 
-// Release frees the plan's buffers and bindings.
+// rebind releases the plan's bindings, calls change and binds again.
+// Where the new bindings cannot be made it calls undo (when not nil) and
+// binds as before; moved reports whether the change stays. err joins what
+// failed, the release of the old bindings included.
+func (p *DensePlan) rebind(change, undo func()) (moved bool, err error) {
+	released := p.unbind()
+	change()
+	bindErr := p.bind()
+	if bindErr == nil {
+		return true, released
+	}
+	errs := []error{released, bindErr, p.unbind()}
+	if undo != nil {
+		undo()
+		errs = append(errs, p.bind())
+	}
+	return false, errors.Join(errs...)
+}
+
+// Release frees the plan's buffers and bindings, and its holds on its
+// sequences and index; it returns the errors of what it released, and
+// vk.ErrReleased the second time.
 func (p *DensePlan) Release() error {
-	p.unbind()
+	if p.mode == nil {
+		return vk.ErrReleased
+	}
+	errs := []error{p.unbind()}
 	if p.ws != nil {
 		delete(p.ws.plans, p)
 		p.ws = nil
 	}
-	p.clock.release()
+	errs = append(errs, p.clock.release())
 	if p.held {
 		for _, s := range p.seqs {
 			s.Drop()
 		}
-		if p.clusters != nil {
-			p.clusters.Drop()
+		if x := p.index(); x != nil {
+			x.Drop()
 		}
 		p.held = false
 	}
-	for _, r := range []interface{ Release() error }{p.query, p.partO, p.partML, p.arrivals, p.taken, p.out, p.tokens, p.tokCounts, p.logits} {
-		r.Release() // each tolerates a nil receiver
-	}
-	return nil
+	errs = append(errs, releaseAll(p.query, p.partO, p.partML, p.arrivals, p.taken, p.out), p.mode.release())
+	p.query, p.partO, p.partML, p.arrivals, p.taken, p.out, p.mode = nil, nil, nil, nil, nil, nil, nil
+	return errors.Join(errs...)
 }
 
-// unbind releases the plan's bindings.
-func (p *DensePlan) unbind() {
+// unbind releases the plan's bindings and returns their errors.
+func (p *DensePlan) unbind() error {
+	var errs []error
 	for _, segs := range p.segments {
 		for _, s := range segs {
-			s.bind.Release()
+			errs = append(errs, s.bind.Release())
 		}
 	}
 	p.segments = nil
-}
-
-// chunkFor picks tokens per chunk for a sequence of n tokens: about 512
-// workgroups in all, but chunks of at least a tile (or of a quarter of that
-// many workgroups' share) so that long contexts are not split finer than
-// pays; at most maxChunks chunks per sequence.
-func (p *DensePlan) chunkFor(n int) int {
-	d := p.d
-	c := d.ChunkTokens
-	if c <= 0 {
-		total := 0
-		for _, s := range p.seqs {
-			total += s.Len()
-		}
-		blocks := d.headBlocks()
-		fine := ceilDiv(ceilDiv(total*blocks, targetWorkgroups), 64) * 64
-		coarse := ceilDiv(ceilDiv(total*blocks, targetWorkgroups/4), 64) * 64
-		c = max(fine, min(d.tile, coarse))
-	}
-	return max(c, 1, ceilDiv(n, p.maxChunks))
+	return errors.Join(errs...)
 }
 
 // SetQuery uploads the queries, [batch][Hq][D] float32, after checking them
@@ -637,36 +637,31 @@ func (p *DensePlan) SetQuery(q []float32) error {
 // inside. Writes recorded earlier into c need a barrier before it
 // (c.Barrier() after transfers, c.ComputeBarrier() after kernels, a
 // previous Record of this plan included).
-func (p *DensePlan) Record(c *vk.Commands) error {
-	h, d := p.d.heads, p.d
-	if p.gatherStride > 0 {
-		return p.recordGather(c)
+func (p *DensePlan) Record(c *vk.Commands) error { return p.recordStage(c, 1) }
+
+// recordStage is Record for a stage whose dispatches sequences plans
+// share (attention over clusters sizes its runs for them).
+func (p *DensePlan) recordStage(c *vk.Commands, sequences int) error {
+	if p.mode == nil || p.segments == nil {
+		return vk.ErrReleased
 	}
-	if p.clusters != nil {
-		return p.recordClusters(c)
-	}
-	for b, s := range p.seqs {
-		n := s.Len()
-		if n == 0 {
-			return fmt.Errorf("sparse: sequence %d is empty", b)
-		}
-		chunk := p.chunkFor(n)
-		nc := ceilDiv(n, chunk)
-		if nc > p.maxChunks {
-			return fmt.Errorf("sparse: sequence %d of %d tokens needs %d chunks, plan has %d", b, n, nc, p.maxChunks)
-		}
-		blocks := h.Group() / d.group
-		for _, seg := range p.segments[b] {
-			push := []uint32{uint32(n), uint32(s.HeadBytes() / 16), uint32(seg.kvBase), uint32(b), uint32(chunk), uint32(p.maxChunks),
-				math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), 0, 0, 0, 0, 0, 0, 0, 0, 0}
-			pipe := d.partial
-			if p.logits != nil {
-				pipe = d.logits
-			}
-			c.Dispatch(pipe, seg.bind, push, uint32(nc), uint32(seg.kvCount*blocks), 1)
-		}
-	}
-	return nil
+	return p.mode.record(c, p, sequences)
+}
+
+// push returns the push constants that every mode sets alike for the
+// range seg of KV heads of sequence b.
+func (p *DensePlan) push(b int, seg segment) partialPush {
+	h := p.d.heads
+	return partialPush{HeadStride: uint32(p.seqs[b].HeadBytes() / 16), KVBase: uint32(seg.kvBase), Seq: uint32(b),
+		MaxChunks: uint32(p.maxChunks), Scale: float32(h.Scale()), QueryHeads: uint32(h.Query), GroupSize: uint32(h.Group())}
+}
+
+// Taken returns the rows each head block attended in the last attention
+// over clusters that ran ([KV][blocks], as SetRuns): the members of the
+// clusters taken and the pseudo-tokens, not the fixed tokens.
+func (p *DensePlan) Taken() ([]uint32, error) {
+	out := make([]uint32, p.d.headBlocks())
+	return out, p.taken.ReadUint32(0, out)
 }
 
 // Attend computes attention for the queries q ([batch][Hq][D]) and returns
@@ -698,7 +693,8 @@ func (p *DensePlan) OutputRange() vk.Range {
 // SetOutput makes the plan write its output into r (at least B·Hq·D
 // float32) instead of its own buffer, so that a caller gathering several
 // plans' outputs reads them where they land; a zero Range goes back to
-// the plan's own buffer. On error the plan writes where it did.
+// the plan's own buffer. Where the new bindings cannot be made the plan
+// writes where it did.
 func (p *DensePlan) SetOutput(r vk.Range) error {
 	h := p.d.heads
 	if want := uint64(len(p.seqs)*h.Query*h.Dim) * 4; r.Buffer != nil && r.Size < want {
@@ -708,14 +704,8 @@ func (p *DensePlan) SetOutput(r vk.Range) error {
 		return vk.ErrReleased
 	}
 	old := p.outTo
-	p.unbind()
-	p.outTo = r
-	if err := p.bind(); err != nil {
-		p.unbind()
-		p.outTo = old
-		return errors.Join(err, p.bind())
-	}
-	return nil
+	_, err := p.rebind(func() { p.outTo = r }, func() { p.outTo = old })
+	return err
 }
 
 func (p *DensePlan) run() error { return runOnce(p.d.dev, p.Record) }
@@ -788,15 +778,11 @@ func (w *stopwatch) time(dev *vk.Device, warmup, reps int, record func(*vk.Comma
 	return times, nil
 }
 
-// release frees the stopwatch's objects.
-func (w *stopwatch) release() {
-	if w.stamps != nil {
-		w.stamps.Release()
-	}
-	if w.cmd != nil {
-		w.cmd.Release()
-	}
+// release frees the stopwatch's objects and returns their errors.
+func (w *stopwatch) release() error {
+	err := errors.Join(releaseAll(w.stamps), releaseAll(w.cmd))
 	w.stamps, w.cmd = nil, nil
+	return err
 }
 
 // runOnce records record into a fresh command buffer, submits it and waits.
@@ -820,353 +806,3 @@ func runOnce(dev *vk.Device, record func(*vk.Commands) error) error {
 }
 
 func ceilDiv(a, b int) int { return (a + b - 1) / b }
-
-// PlanGather prepares attention of one sequence over a list of tokens per
-// KV head (at most stride each): every query head of KV head g attends
-// exactly the tokens of list g. The lists live on the device (Tokens,
-// TokenCounts) so that GPU kernels can fill them; the kernel sizes the
-// chunks from the counts on the device.
-func (d *Dense) PlanGather(layer *kvcache.Layer, stride int) (*DensePlan, error) {
-	if stride <= 0 || stride > layer.Capacity() {
-		return nil, fmt.Errorf("sparse: token lists of %d entries for a cache of capacity %d", stride, layer.Capacity())
-	}
-	if layer.KVHeads() != d.heads.KV || layer.HeadDim() != d.heads.Dim {
-		return nil, fmt.Errorf("sparse: the cache has %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), d.heads.KV, d.heads.Dim)
-	}
-	// Chunks of at least gatherMin tokens, sized on the device from
-	// the lists' total length so that all lists take about
-	// gatherWorkgroups chunks together, spread as the lengths are; a list
-	// never takes more, so that is the grid per head.
-	chunks := max(1, min(gatherWorkgroups/max(1, d.heads.Group()/d.group), ceilDiv(stride*d.heads.KV, d.gatherMin)))
-	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, gatherStride: stride, gatherChunk: d.gatherMin}
-	if err := p.allocate(); err != nil {
-		p.Release()
-		return nil, err
-	}
-	return p, nil
-}
-
-// Tokens returns the token lists, uint32 [KVHeads][stride] (PlanGather).
-func (p *DensePlan) Tokens() *vk.Buffer { return p.tokens }
-
-// TokenCounts returns the list lengths, uint32 [KVHeads] (PlanGather).
-func (p *DensePlan) TokenCounts() *vk.Buffer { return p.tokCounts }
-
-// GatherChunk returns the least tokens per chunk of a PlanGather plan.
-func (p *DensePlan) GatherChunk() int { return p.gatherChunk }
-
-// SetTokens uploads one token list per KV head (each non-empty, at most
-// the plan's stride, tokens below the cache's length).
-func (p *DensePlan) SetTokens(lists [][]int32) error {
-	h := p.d.heads
-	if p.gatherStride == 0 {
-		return fmt.Errorf("sparse: SetTokens on a plan without token lists")
-	}
-	if len(lists) != h.KV {
-		return fmt.Errorf("sparse: %d token lists for %d KV heads", len(lists), h.KV)
-	}
-	flat := make([]uint32, h.KV*p.gatherStride)
-	counts := make([]uint32, h.KV)
-	n := p.seqs[0].Len()
-	for g, l := range lists {
-		if len(l) == 0 || len(l) > p.gatherStride {
-			return fmt.Errorf("sparse: token list %d has %d entries (1 to %d allowed)", g, len(l), p.gatherStride)
-		}
-		for i, t := range l {
-			if t < 0 || int(t) >= n {
-				return fmt.Errorf("sparse: token list %d entry %d is %d, outside the %d stored tokens", g, i, t, n)
-			}
-			flat[g*p.gatherStride+i] = uint32(t)
-		}
-		counts[g] = uint32(len(l))
-	}
-	return errors.Join(p.tokens.WriteUint32(0, flat), p.tokCounts.WriteUint32(0, counts))
-}
-
-// recordGather records attention over the token lists in one dispatch: a
-// fixed grid of maxChunks chunks per head block, sized on the device from
-// the list lengths; workgroups past a head's last chunk exit at once, and
-// the last of the others in each head block to finish merges them.
-func (p *DensePlan) recordGather(c *vk.Commands) error {
-	h, d := p.d.heads, p.d
-	blocks := h.Group() / d.group
-	for _, seg := range p.segments[0] {
-		push := []uint32{uint32(p.gatherStride), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(p.gatherChunk), uint32(p.maxChunks),
-			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()), 0, 0, 0, 0, 0, 0, 0, 0, 0}
-		c.Dispatch(d.gather, seg.bind, push, uint32(p.maxChunks), uint32(seg.kvCount*blocks), 1)
-	}
-	return nil
-}
-
-// PlanClusters prepares attention of one sequence over a clustered cache,
-// stored in cluster order (clusters.Contiguous, kvcache.Layer.Reorder):
-// every query head of KV head g attends the tokens outside the clusters
-// ([0, First) and [First+Count, n)) and the members of every cluster c of
-// g that some query head h of g takes, rank[h][c] < cut[h] (uint32 ranges
-// [Hq][C] and [Hq], written by earlier kernels; the caller keeps them
-// alive). Workgroups take fixed runs of clusters and skip those not taken,
-// so no token list is built.
-func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, rank, cut vk.Range) (*DensePlan, error) {
-	return d.PlanSelection(layer, Selection{Clusters: clusters, Rank: rank, Cut: cut})
-}
-
-// PlanSelection prepares attention of one sequence over a policy's
-// selection: PlanClusters over sel's clusters, ranks and cuts, and, where
-// sel.Approx is set, each query head h also attends one pseudo-token per
-// cluster c of its KV head g that no head of g takes and that h keeps,
-// rank[h][c] < Approx.Keep[h]: logit Approx.Logits[h][c], value
-// Approx.Means[g][c] (Double-P's Eq. 8–9).
-func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, error) {
-	h, clusters, rank, cut := d.heads, sel.Clusters, sel.Rank, sel.Cut
-	if clusters == nil {
-		return nil, fmt.Errorf("sparse: a selection without clusters")
-	}
-	switch {
-	case d.clustered == nil:
-		return nil, fmt.Errorf("%w: attention over clusters needs more shared memory than the device has", vk.ErrUnsupported)
-	case layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
-		return nil, fmt.Errorf("sparse: the cache has %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
-	case clusters.KVHeads != h.KV || clusters.First+clusters.Count > layer.Capacity():
-		return nil, fmt.Errorf("sparse: an index of %d KV heads over tokens [%d, %d) for a cache of %d heads and capacity %d", clusters.KVHeads, clusters.First, clusters.First+clusters.Count, h.KV, layer.Capacity())
-	case rank.Size < uint64(h.Query*clusters.C)*4 || cut.Size < uint64(h.Query)*4:
-		return nil, fmt.Errorf("sparse: ranks of %d bytes and cuts of %d for %d query heads of %d clusters", rank.Size, cut.Size, h.Query, clusters.C)
-	case !clusters.Contiguous:
-		return nil, fmt.Errorf("sparse: attention over clusters reads them as runs of slots: put the layer in cluster order first (kvcache.Layer.Reorder)")
-	}
-	blocks := h.Group() / d.group
-	per := d.opts.ClusterChunk
-	if sel.RunClusters > 0 {
-		per = sel.RunClusters
-	}
-	if per <= 0 {
-		per = clusterRun(clusters.C, h.KV*blocks, 1)
-	}
-	most := min(runTableMost, max(1, runTableSpread*ceilDiv(clusters.C, per)))
-	chunks := max(ceilDiv(clusters.C, per), most) + ceilDiv(layer.Capacity()-clusters.Count, d.clusterTile)
-	if a := sel.Approx; a != nil {
-		c := uint64(h.Query * clusters.C)
-		if a.Keep.Size < uint64(h.Query)*4 || a.Logits.Size < c*4 || a.Means.Size < uint64(h.KV*clusters.C*h.Dim)*2 {
-			return nil, fmt.Errorf("sparse: pseudo-tokens with keeps of %d bytes, logits of %d and means of %d for %d query heads of %d clusters", a.Keep.Size, a.Logits.Size, a.Means.Size, h.Query, clusters.C)
-		}
-		if err := d.buildApprox(); err != nil {
-			return nil, err
-		}
-	}
-	p := &DensePlan{d: d, seqs: []*kvcache.Layer{layer}, maxChunks: chunks, clusters: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most}
-	if err := p.allocate(); err != nil {
-		p.Release()
-		return nil, err
-	}
-	return p, nil
-}
-
-// recordClusters records attention over the taken clusters and the fixed
-// tokens (recordClusterAttention).
-func (p *DensePlan) recordClusters(c *vk.Commands) error {
-	return p.recordClusterAttention(c, 1)
-}
-
-// clusterRun returns the clusters of a KV head that a run of attention
-// over clusters takes, for KV heads of c clusters, blocks head blocks in
-// all and sequences sequences sharing the dispatch: at least
-// clusterChunkMin, enough for about clusterWorkgroups workgroups a
-// sequence, and, beyond clusterBatchSequences sequences, about
-// clusterBatchSequences·clusterWorkgroups in all. Each run's workgroup
-// costs its queries, its windows' scans, its partial and its arrival
-// whatever it attends; a batch's several waves of them even out the runs'
-// members without as many of those fixed costs. On the H100 (llama, P 0.9,
-// batch 8, runs balanced by the step before) attention took 80, 77 and 89
-// µs at 32 768 tokens with 1, 2 and 4 waves of runs, 213, 177 and 175 at
-// 131 072; with equal runs 117, 92 and 89 µs with 8, 4 and 2 waves.
-func clusterRun(c, blocks, sequences int) int {
-	target := clusterWorkgroups
-	if sequences > clusterBatchSequences {
-		target = max(1, clusterBatchSequences*clusterWorkgroups/sequences)
-	}
-	return max(clusterChunkMin, ceilDiv(c*blocks, target))
-}
-
-// runClusters returns the clusters of a run when the plans of sequences
-// sequences share a stage's dispatches: Selection.RunClusters or
-// DenseOptions.ClusterChunk where set, clusterRun otherwise.
-func (p *DensePlan) runClusters(sequences int) int {
-	if p.d.opts.ClusterChunk > 0 || p.fixedRuns {
-		return p.clusterChunk
-	}
-	return clusterRun(p.clusters.C, p.d.headBlocks(), sequences)
-}
-
-// Runs of attention over clusters set per head block (DensePlan.SetRuns):
-// a dispatch's table holds up to runTableBlocks blocks, a byte each; a
-// block takes at most runTableSpread times the equal runs of one sequence.
-const (
-	runTableBlocks = 8
-	runTableMost   = 255
-	runTableSpread = 4
-)
-
-// SetRuns sets how many runs of clusters each head block of attention
-// over clusters takes (runs[g·blocks + j] for block j of KV head g, each
-// from 1 to MostRuns), in place of equal runs; nil restores equal runs.
-// The output is the same either way: runs only divide the work. Dispatches
-// over more than runTableBlocks head blocks keep equal runs.
-func (p *DensePlan) SetRuns(runs []int) error {
-	if p.clusters == nil {
-		return fmt.Errorf("sparse: runs of clusters for a plan without clusters")
-	}
-	blocks := p.d.headBlocks()
-	if runs != nil && len(runs) != blocks {
-		return fmt.Errorf("sparse: %d runs for %d head blocks", len(runs), blocks)
-	}
-	for j, r := range runs {
-		if r < 1 || r > p.mostRuns {
-			return fmt.Errorf("sparse: %d runs for head block %d, want 1 to %d", r, j, p.mostRuns)
-		}
-	}
-	p.runs = slices.Clone(runs)
-	return nil
-}
-
-// MostRuns is the most runs SetRuns gives a head block.
-func (p *DensePlan) MostRuns() int { return p.mostRuns }
-
-// Taken returns the rows each head block attended in the last attention
-// over clusters that ran ([KV][blocks], as SetRuns): the members of the
-// clusters taken and the pseudo-tokens, not the fixed tokens.
-func (p *DensePlan) Taken() ([]uint32, error) {
-	out := make([]uint32, p.d.headBlocks())
-	return out, p.taken.ReadUint32(0, out)
-}
-
-// Rebalance sets the runs per head block (SetRuns) for the next attention
-// over clusters from the rows each block attended in the last one
-// (Taken): balancedRuns over the equal runs' total when sequences plans
-// share the stage, within runBounds. Until some block has attended a row,
-// and where more equal runs than a table holds are chosen, the blocks keep
-// equal runs.
-func (p *DensePlan) Rebalance(sequences int) error {
-	if p.clusters == nil {
-		return fmt.Errorf("sparse: Rebalance of a plan without clusters")
-	}
-	taken, err := p.Taken()
-	if err != nil {
-		return err
-	}
-	equal := ceilDiv(p.clusters.C, p.runClusters(sequences))
-	least, most := runBounds(p.clusters.C, equal, p.d.window)
-	most = min(most, p.mostRuns)
-	if least > most {
-		return p.SetRuns(nil) // more equal runs than a table holds
-	}
-	return p.SetRuns(balancedRuns(taken, equal*len(taken), least, most))
-}
-
-// runBounds returns the fewest and most runs a head block of c clusters
-// gets when balanced around equal runs of a block: at least 1/runLeast of
-// them, and no fewer than make runs of runScanWindows windows of window
-// clusters (each window's scan costs a workgroup about 2 µs on the H100),
-// but never more than equal; at most runTableSpread times equal.
-func runBounds(c, equal, window int) (least, most int) {
-	least = min(equal, max(1, equal/runLeast, ceilDiv(c, runScanWindows*window)))
-	return least, runTableSpread * equal
-}
-
-// A head block keeps at least 1/runLeast of its equal runs, and runs of at
-// most runScanWindows windows. On the H100 (P 0.9, 131 072 tokens in
-// clusters of 16: runs of 2 048 clusters at the least) balanced runs took
-// Tactic's attention 39 → 37 µs on llama and 51 → 45 on megabeam keeping an
-// eighth, against 40 and 47 keeping a quarter and 41 and 45 a sixteenth,
-// and Double-P's 62 → 56 on llama. Without the bound on windows, the
-// token oracle's clusters of one token left runs of 32 768 clusters, and
-// its attention took 245 µs against 74.
-const (
-	runLeast       = 8
-	runScanWindows = 8
-)
-
-// balancedRuns shares total runs among blocks in proportion to the members
-// each attends (largest remainders), each between least and most; nil
-// where no block attends a member.
-func balancedRuns(members []uint32, total, least, most int) []int {
-	sum := 0.0
-	for _, m := range members {
-		sum += float64(m)
-	}
-	if sum == 0 {
-		return nil
-	}
-	runs := make([]int, len(members))
-	left := total
-	for i := range runs {
-		runs[i] = least
-		left -= least
-	}
-	// Shares of what is left, in proportion and within most.
-	type part struct {
-		i    int
-		frac float64
-	}
-	var parts []part
-	given := total - left
-	for i, m := range members {
-		share := float64(left) * float64(m) / sum
-		add := min(int(share), most-runs[i])
-		runs[i] += add
-		given += add
-		parts = append(parts, part{i, share - float64(int(share))})
-	}
-	sort.Slice(parts, func(a, b int) bool { return parts[a].frac > parts[b].frac })
-	for _, pt := range parts {
-		if given >= total {
-			break
-		}
-		if runs[pt.i] < most {
-			runs[pt.i]++
-			given++
-		}
-	}
-	return runs
-}
-
-// recordClusterAttention records the whole attention over the taken
-// clusters and the fixed tokens in one dispatch per range of KV heads, for
-// a stage that sequences plans share: a workgroup per run of clusters
-// (runClusters, or the plan's runs per head block), then one per tile of
-// fixed tokens, each writing its partial (m = −∞ where it attends
-// nothing), and the last workgroup of each head block merging them into
-// the output.
-func (p *DensePlan) recordClusterAttention(c *vk.Commands, sequences int) error {
-	h, d, x := p.d.heads, p.d, p.clusters
-	n := p.seqs[0].Len()
-	end := x.First + x.Count
-	if n < end {
-		return fmt.Errorf("sparse: the cache holds %d tokens, its clusters end at %d", n, end)
-	}
-	per := p.runClusters(sequences)
-	cc := ceilDiv(x.C, per)
-	fixed := ceilDiv(n-x.Count, d.clusterTile)
-	total := cc + fixed
-	pipe := d.clustered
-	if p.approx != nil {
-		pipe = d.approx // each run's workgroup then folds in its range's pseudo-tokens
-	}
-	blocks := h.Group() / d.group
-	for _, seg := range p.segments[0] {
-		push := []uint32{uint32(n), uint32(p.seqs[0].HeadBytes() / 16), uint32(seg.kvBase), 0, uint32(per), uint32(p.maxChunks),
-			math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))), uint32(h.Query), uint32(h.Group()),
-			uint32(x.C), uint32(cc), uint32(x.Count), uint32(x.First), uint32(end), 0, 0, 0, uint32(fixed)}
-		nb := seg.kvCount * blocks
-		if p.runs == nil || nb > runTableBlocks {
-			c.Dispatch(pipe, seg.bind, push, uint32(total), uint32(nb), 1)
-			continue
-		}
-		grid := 0
-		for j, r := range p.runs[seg.kvBase*blocks : seg.kvBase*blocks+nb] {
-			push[15+j/4] |= uint32(r) << (8 * (j % 4))
-			grid += r + fixed
-		}
-		push[14] = uint32(nb)
-		c.Dispatch(pipe, seg.bind, push, uint32(grid), 1, 1)
-	}
-	return nil
-}

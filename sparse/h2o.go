@@ -3,7 +3,6 @@ package sparse
 import (
 	"errors"
 	"fmt"
-	"math"
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/vk"
@@ -311,7 +310,7 @@ func (s *H2OSelector) RecordStage(c *vk.Commands, stage int) error {
 
 func (s *H2OSelector) recordScore(c *vk.Commands, bind *vk.Binding, observe bool) {
 	h, x, n := s.dense.heads, s.tokens, s.layer.Len()
-	push := []uint32{uint32(x.C), uint32(x.First), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))),
+	push := []uint32{uint32(x.C), uint32(x.First), uint32(h.Group()), h.scaleBits(),
 		uint32(s.layer.HeadBytes() / 16), uint32(n), uint32(s.layer.Capacity()), uint32(s.partials()), boolWord(observe)}
 	c.Dispatch(s.score, bind, push, uint32(ceilDiv(n, s.rowsPerScore())), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
 }

@@ -1,6 +1,9 @@
 package sparse
 
-import "fmt"
+import (
+	"fmt"
+	"math"
+)
 
 // Heads is the attention geometry of a layer.
 type Heads struct {
@@ -11,6 +14,13 @@ type Heads struct {
 
 // Group returns the number of query heads per KV head.
 func (h Heads) Group() int { return h.Query / h.KV }
+
+// Scale returns the attention scale 1/√Dim that multiplies every q·k.
+func (h Heads) Scale() float64 { return 1 / math.Sqrt(float64(h.Dim)) }
+
+// scaleBits returns Scale as the float32 bits a kernel's push constants
+// take.
+func (h Heads) scaleBits() uint32 { return math.Float32bits(float32(h.Scale())) }
 
 // Validate reports a geometry the kernels cannot run.
 func (h Heads) Validate() error {

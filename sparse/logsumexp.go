@@ -49,7 +49,7 @@ func (p *DensePlan) LogSumExp() ([]float32, error) {
 	if p.query == nil {
 		return nil, vk.ErrReleased
 	}
-	if p.gatherStride > 0 || p.clusters != nil {
+	if _, ok := p.mode.(*denseMode); !ok {
 		return nil, fmt.Errorf("sparse: LogSumExp of a plan over token lists or clusters")
 	}
 	h := p.d.heads

@@ -481,7 +481,7 @@ func (s *LuKAStep) RecordStage(c *vk.Commands, stage int) error {
 		return err
 	}
 	h := s.dense.heads
-	scale := math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))
+	scale := h.scaleBits()
 	rows := s.maxS + s.ring
 	half := h.Dim / 2
 	switch stage {

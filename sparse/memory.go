@@ -5,7 +5,10 @@ import "github.com/vksparse/vksparse/vk"
 // Bytes returns the device memory the plan holds: its queries, partials,
 // counters, output, token lists and logits.
 func (p *DensePlan) Bytes() uint64 {
-	return vk.Held(p.query, p.partO, p.partML, p.arrivals, p.out, p.taken, p.tokens, p.tokCounts, p.logits)
+	if p.mode == nil {
+		return 0
+	}
+	return vk.Held(p.query, p.partO, p.partML, p.arrivals, p.out, p.taken) + p.mode.bytes()
 }
 
 // sized is a selector that reports its device memory.

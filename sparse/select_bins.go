@@ -168,7 +168,7 @@ func (s *binSelector) recordStage(c *vk.Commands, stage int) error {
 	}
 	h, x := s.dense.heads, s.clusters
 	quant := massScale(x.C)
-	push := []uint32{uint32(x.C), uint32(s.rowStride()), uint32(h.Group()), math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim)))),
+	push := []uint32{uint32(x.C), uint32(s.rowStride()), uint32(h.Group()), h.scaleBits(),
 		math.Float32bits(float32(s.p)), uint32(s.k), math.Float32bits(float32(quant)), uint32(x.First), uint32(s.layer.HeadBytes() / 16),
 		uint32(s.rowCount()), uint32(x.Count)}
 	c.Dispatch(s.pipe, s.bind, push, uint32(ceilDiv(s.rowCount(), s.rows)), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))

@@ -3,7 +3,6 @@ package sparse
 import (
 	"errors"
 	"fmt"
-	"math"
 	"sort"
 	"time"
 
@@ -129,7 +128,7 @@ func recordSteps(c *vk.Commands, steps []*Step, mark func(stage int)) error {
 			if i < ns {
 				err = s.sel.RecordStage(c, i)
 			} else {
-				err = s.plan.recordClusterAttention(c, len(steps))
+				err = s.plan.recordStage(c, len(steps))
 			}
 			if err != nil {
 				return err
@@ -315,9 +314,10 @@ const scoreLanes = 4
 type centroidScorer struct {
 	pipe *vk.Pipeline
 	// rows is the centroids of a group (the kernel's ROWS), heads the query
-	// heads of a block, kv the KV heads, group the query heads of a KV head
-	// and dim the head dimension.
-	rows, heads, kv, group, dim int
+	// heads of a block, kv the KV heads and group the query heads of a KV
+	// head; scale is the attention scale's float32 bits.
+	rows, heads, kv, group int
+	scale                  uint32
 }
 
 // centroidScores builds centroid_score for dense's heads (with ln s_c
@@ -338,7 +338,7 @@ func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
 	}
 	shuffle := !dense.tree && info.SubgroupShuffle && info.SubgroupSize%lanes == 0
 	pipe := b.kernel("centroid_score", 5, 4, wg, uint32(h.Dim), uint32(heads), boolWord(logSize), boolWord(shuffle), lanes)
-	return centroidScorer{pipe: pipe, rows: int(wg / lanes), heads: heads, kv: h.KV, group: h.Group(), dim: h.Dim}
+	return centroidScorer{pipe: pipe, rows: int(wg / lanes), heads: heads, kv: h.KV, group: h.Group(), scale: h.scaleBits()}
 }
 
 // record appends the dispatch scoring c centroids per KV head with the
@@ -352,8 +352,7 @@ func (s centroidScorer) record(cmd *vk.Commands, bind *vk.Binding, c, sequences,
 	groups := ceilDiv(c, s.rows)
 	blocks := ceilDiv(s.group, s.heads)
 	iters := min(groups, ceilDiv(groups*s.kv*blocks*max(1, sequences), workgroups))
-	scale := math.Float32bits(float32(1 / math.Sqrt(float64(s.dim))))
-	cmd.Dispatch(s.pipe, bind, []uint32{uint32(c), uint32(s.group), scale, uint32(iters)}, uint32(ceilDiv(groups, iters)), uint32(s.kv), uint32(blocks))
+	cmd.Dispatch(s.pipe, bind, []uint32{uint32(c), uint32(s.group), s.scale, uint32(iters)}, uint32(ceilDiv(groups, iters)), uint32(s.kv), uint32(blocks))
 }
 
 // halfCentroids writes the centroids of x rounded to fp16 into dst (the
@@ -389,6 +388,6 @@ func (s *Step) Attended() (float64, error) {
 	for _, t := range taken {
 		sum += float64(t)
 	}
-	x := s.plan.clusters
+	x := s.plan.index()
 	return sum/float64(len(taken)) + float64(s.layer.Len()-x.Count), nil
 }

@@ -432,7 +432,7 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	end := x.First + x.Count
 	fixed := x.First + n - end
 	hq, cc, group := uint32(h.Query), uint32(x.C), uint32(h.Group())
-	scale := math.Float32bits(float32(1 / math.Sqrt(float64(h.Dim))))
+	scale := h.scaleBits()
 	need, win := windowPositions(s.fit, x.Count)
 	k, b := s.kernels, &s.binds
 	if b.fit == nil {
@@ -636,7 +636,7 @@ func (t *TacticStep) Fidelity(q, out []float32, keys, values [][]float64, index 
 	if err != nil {
 		return nil, err
 	}
-	d, scale := h.Dim, 1/math.Sqrt(float64(h.Dim))
+	d, scale := h.Dim, h.Scale()
 	res := make(StepFidelity, h.Query)
 	for hh := range res {
 		g := hh / h.Group()

@@ -120,15 +120,12 @@ func (p *DensePlan) Share(w *Workspace, first int) error {
 	if err := w.reserve(first+len(p.seqs), o, ml); err != nil {
 		return err
 	}
-	p.unbind()
-	old := [2]vk.Range{p.parts[0], p.parts[1]}
-	p.parts = w.ranges(first, len(p.seqs), o, ml)
-	if err := p.bind(); err != nil {
-		p.unbind()
-		p.parts = old
-		return errors.Join(err, p.bind())
+	old := p.parts
+	moved, err := p.rebind(func() { p.parts = w.ranges(first, len(p.seqs), o, ml) }, func() { p.parts = old })
+	if !moved {
+		return err
 	}
-	err := releaseAll(p.partO, p.partML)
+	err = errors.Join(err, releaseAll(p.partO, p.partML))
 	p.partO, p.partML = nil, nil
 	p.ws = w
 	w.plans[p] = first
@@ -165,9 +162,8 @@ func (w *Workspace) reserve(regions int, o, ml uint64) error {
 	var errs []error
 	for p, first := range w.plans {
 		po, pml := p.partBytes()
-		p.unbind()
-		p.parts = w.ranges(first, len(p.seqs), roundUp(po, regionAlign), roundUp(pml, regionAlign))
-		errs = append(errs, p.bind())
+		_, err := p.rebind(func() { p.parts = w.ranges(first, len(p.seqs), roundUp(po, regionAlign), roundUp(pml, regionAlign)) }, nil)
+		errs = append(errs, err)
 	}
 	return errors.Join(append(errs, releaseAll(oldO, oldML))...)
 }

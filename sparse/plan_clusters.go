@@ -1,0 +1,313 @@
+package sparse
+
+import (
+	"fmt"
+	"slices"
+	"sort"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// clusterMode attends, for every query head of KV head g, the tokens
+// outside the index and the members of every cluster of g that some
+// query head of g takes; with approx, also the pseudo-tokens of the
+// clusters a head keeps and no head of g takes.
+type clusterMode struct {
+	index *kvcache.Clusters
+	// clusterChunk is the clusters of a run (a workgroup's share);
+	// fixedRuns: set by the selection (Selection.RunClusters).
+	clusterChunk int
+	fixedRuns    bool
+	rank, cut    vk.Range // which clusters each query head takes
+	// runs, when set, is the runs of clusters per head block ([KV][blocks])
+	// in place of equal runs (SetRuns); mostRuns caps each.
+	runs     []int
+	mostRuns int
+	approx   *Approximation // the pseudo-tokens' buffers; nil without
+}
+
+// PlanClusters prepares attention of one sequence over a clustered cache,
+// stored in cluster order (clusters.Contiguous, kvcache.Layer.Reorder):
+// every query head of KV head g attends the tokens outside the clusters
+// ([0, First) and [First+Count, n)) and the members of every cluster c of
+// g that some query head h of g takes, rank[h][c] < cut[h] (uint32 ranges
+// [Hq][C] and [Hq], written by earlier kernels; the caller keeps them
+// alive). Workgroups take fixed runs of clusters and skip those not taken,
+// so no token list is built.
+func (d *Dense) PlanClusters(layer *kvcache.Layer, clusters *kvcache.Clusters, rank, cut vk.Range) (*DensePlan, error) {
+	return d.PlanSelection(layer, Selection{Clusters: clusters, Rank: rank, Cut: cut})
+}
+
+// PlanSelection prepares attention of one sequence over a policy's
+// selection: PlanClusters over sel's clusters, ranks and cuts, and, where
+// sel.Approx is set, each query head h also attends one pseudo-token per
+// cluster c of its KV head g that no head of g takes and that h keeps,
+// rank[h][c] < Approx.Keep[h]: logit Approx.Logits[h][c], value
+// Approx.Means[g][c] (Double-P's Eq. 8–9).
+func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, error) {
+	h, clusters, rank, cut := d.heads, sel.Clusters, sel.Rank, sel.Cut
+	if clusters == nil {
+		return nil, fmt.Errorf("sparse: a selection without clusters")
+	}
+	switch {
+	case d.clustered == nil:
+		return nil, fmt.Errorf("%w: attention over clusters needs more shared memory than the device has", vk.ErrUnsupported)
+	case layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
+		return nil, fmt.Errorf("sparse: the cache has %d KV heads of %d, kernels want %d of %d", layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
+	case clusters.KVHeads != h.KV || clusters.First+clusters.Count > layer.Capacity():
+		return nil, fmt.Errorf("sparse: an index of %d KV heads over tokens [%d, %d) for a cache of %d heads and capacity %d", clusters.KVHeads, clusters.First, clusters.First+clusters.Count, h.KV, layer.Capacity())
+	case rank.Size < uint64(h.Query*clusters.C)*4 || cut.Size < uint64(h.Query)*4:
+		return nil, fmt.Errorf("sparse: ranks of %d bytes and cuts of %d for %d query heads of %d clusters", rank.Size, cut.Size, h.Query, clusters.C)
+	case !clusters.Contiguous:
+		return nil, fmt.Errorf("sparse: attention over clusters reads them as runs of slots: put the layer in cluster order first (kvcache.Layer.Reorder)")
+	}
+	per := d.opts.ClusterChunk
+	if sel.RunClusters > 0 {
+		per = sel.RunClusters
+	}
+	if per <= 0 {
+		per = clusterRun(clusters.C, d.headBlocks(), 1)
+	}
+	most := min(runTableMost, max(1, runTableSpread*ceilDiv(clusters.C, per)))
+	chunks := max(ceilDiv(clusters.C, per), most) + ceilDiv(layer.Capacity()-clusters.Count, d.clusterTile)
+	if a := sel.Approx; a != nil {
+		c := uint64(h.Query * clusters.C)
+		if a.Keep.Size < uint64(h.Query)*4 || a.Logits.Size < c*4 || a.Means.Size < uint64(h.KV*clusters.C*h.Dim)*2 {
+			return nil, fmt.Errorf("sparse: pseudo-tokens with keeps of %d bytes, logits of %d and means of %d for %d query heads of %d clusters", a.Keep.Size, a.Logits.Size, a.Means.Size, h.Query, clusters.C)
+		}
+		if err := d.buildApprox(); err != nil {
+			return nil, err
+		}
+	}
+	m := &clusterMode{index: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most}
+	return d.newPlan([]*kvcache.Layer{layer}, chunks, m)
+}
+
+// clusterModeOf returns p's mode where p attends a selection of clusters.
+func clusterModeOf(p *DensePlan) (*clusterMode, bool) {
+	m, ok := p.mode.(*clusterMode)
+	return m, ok
+}
+
+func (m *clusterMode) bindings(d *Dense, b *partialBuffers) *vk.Pipeline {
+	x := m.index
+	members := x.Members
+	if members == nil {
+		members = x.Starts // a page index; attend_partial reads no members
+	}
+	b.Rank, b.Cut, b.Starts, b.Sizes, b.Members = m.rank, m.cut, x.Starts.All(), x.Counts.All(), members.All()
+	if a := m.approx; a != nil {
+		b.Logits, b.Keep, b.Means = a.Logits, a.Keep, a.Means
+		return d.approx // each run's workgroup then folds in its range's pseudo-tokens
+	}
+	return d.clustered
+}
+
+// record records the whole attention over the taken clusters and the
+// fixed tokens in one dispatch per range of KV heads, for a stage that
+// sequences plans share: a workgroup per run of clusters (runClusters, or
+// the plan's runs per head block), then one per tile of fixed tokens,
+// each writing its partial (m = −∞ where it attends nothing), and the last
+// workgroup of each head block merging them into the output.
+func (m *clusterMode) record(c *vk.Commands, p *DensePlan, sequences int) error {
+	d, x := p.d, m.index
+	n := p.seqs[0].Len()
+	end := x.First + x.Count
+	if n < end {
+		return fmt.Errorf("sparse: the cache holds %d tokens, its clusters end at %d", n, end)
+	}
+	per := m.runClusters(d, sequences)
+	runs := ceilDiv(x.C, per)
+	fixed := ceilDiv(n-x.Count, d.clusterTile)
+	pipe := d.clustered
+	if m.approx != nil {
+		pipe = d.approx
+	}
+	blocks := d.blocksPerKV()
+	for _, seg := range p.segments[0] {
+		push := p.push(0, seg)
+		push.N, push.Chunk, push.FixedChunks = uint32(n), uint32(per), uint32(fixed)
+		push.Clusters, push.ClusterChunks, push.Clustered, push.First, push.ClusteredEnd = uint32(x.C), uint32(runs), uint32(x.Count), uint32(x.First), uint32(end)
+		nb := seg.kvCount * blocks
+		if m.runs == nil || nb > runTableBlocks {
+			c.Dispatch(pipe, seg.bind, push.words(), uint32(runs+fixed), uint32(nb), 1)
+			continue
+		}
+		grid := 0
+		for j, r := range m.runs[seg.kvBase*blocks : seg.kvBase*blocks+nb] {
+			push.Runs[j] = uint8(r)
+			grid += r + fixed
+		}
+		push.RunTable = uint32(nb)
+		c.Dispatch(pipe, seg.bind, push.words(), uint32(grid), 1, 1)
+	}
+	return nil
+}
+
+func (m *clusterMode) bytes() uint64 { return 0 } // the index, ranks and cuts are the caller's
+
+func (m *clusterMode) release() error { return nil }
+
+// clusterRun returns the clusters of a KV head that a run of attention
+// over clusters takes, for KV heads of c clusters, blocks head blocks in
+// all and sequences sequences sharing the dispatch: at least
+// clusterChunkMin, enough for about clusterWorkgroups workgroups a
+// sequence, and, beyond clusterBatchSequences sequences, about
+// clusterBatchSequences·clusterWorkgroups in all. Each run's workgroup
+// costs its queries, its windows' scans, its partial and its arrival
+// whatever it attends; a batch's several waves of them even out the runs'
+// members without as many of those fixed costs. On the H100 (llama, P 0.9,
+// batch 8, runs balanced by the step before) attention took 80, 77 and 89
+// µs at 32 768 tokens with 1, 2 and 4 waves of runs, 213, 177 and 175 at
+// 131 072; with equal runs 117, 92 and 89 µs with 8, 4 and 2 waves.
+func clusterRun(c, blocks, sequences int) int {
+	target := clusterWorkgroups
+	if sequences > clusterBatchSequences {
+		target = max(1, clusterBatchSequences*clusterWorkgroups/sequences)
+	}
+	return max(clusterChunkMin, ceilDiv(c*blocks, target))
+}
+
+// runClusters returns the clusters of a run when the plans of sequences
+// sequences share a stage's dispatches: Selection.RunClusters or
+// DenseOptions.ClusterChunk where set, clusterRun otherwise.
+func (m *clusterMode) runClusters(d *Dense, sequences int) int {
+	if d.opts.ClusterChunk > 0 || m.fixedRuns {
+		return m.clusterChunk
+	}
+	return clusterRun(m.index.C, d.headBlocks(), sequences)
+}
+
+// Runs of attention over clusters set per head block (DensePlan.SetRuns):
+// a dispatch's table holds up to runTableBlocks blocks, a byte each; a
+// block takes at most runTableSpread times the equal runs of one sequence.
+const (
+	runTableBlocks = 8
+	runTableMost   = 255
+	runTableSpread = 4
+)
+
+// SetRuns sets how many runs of clusters each head block of attention
+// over clusters takes (runs[g·blocks + j] for block j of KV head g, each
+// from 1 to MostRuns), in place of equal runs; nil restores equal runs.
+// The output is the same either way: runs only divide the work. Dispatches
+// over more than runTableBlocks head blocks keep equal runs.
+func (p *DensePlan) SetRuns(runs []int) error {
+	m, ok := clusterModeOf(p)
+	if !ok {
+		return fmt.Errorf("sparse: runs of clusters for a plan without clusters")
+	}
+	blocks := p.d.headBlocks()
+	if runs != nil && len(runs) != blocks {
+		return fmt.Errorf("sparse: %d runs for %d head blocks", len(runs), blocks)
+	}
+	for j, r := range runs {
+		if r < 1 || r > m.mostRuns {
+			return fmt.Errorf("sparse: %d runs for head block %d, want 1 to %d", r, j, m.mostRuns)
+		}
+	}
+	m.runs = slices.Clone(runs)
+	return nil
+}
+
+// MostRuns is the most runs SetRuns gives a head block (0 for a plan
+// without clusters).
+func (p *DensePlan) MostRuns() int {
+	if m, ok := clusterModeOf(p); ok {
+		return m.mostRuns
+	}
+	return 0
+}
+
+// Rebalance sets the runs per head block (SetRuns) for the next attention
+// over clusters from the rows each block attended in the last one
+// (Taken): balancedRuns over the equal runs' total when sequences plans
+// share the stage, within runBounds. Until some block has attended a row,
+// and where more equal runs than a table holds are chosen, the blocks keep
+// equal runs.
+func (p *DensePlan) Rebalance(sequences int) error {
+	m, ok := clusterModeOf(p)
+	if !ok {
+		return fmt.Errorf("sparse: Rebalance of a plan without clusters")
+	}
+	taken, err := p.Taken()
+	if err != nil {
+		return err
+	}
+	c := m.index.C
+	equal := ceilDiv(c, m.runClusters(p.d, sequences))
+	least, most := runBounds(c, equal, p.d.window)
+	most = min(most, m.mostRuns)
+	if least > most {
+		return p.SetRuns(nil) // more equal runs than a table holds
+	}
+	return p.SetRuns(balancedRuns(taken, equal*len(taken), least, most))
+}
+
+// runBounds returns the fewest and most runs a head block of c clusters
+// gets when balanced around equal runs of a block: at least 1/runLeast of
+// them, and no fewer than make runs of runScanWindows windows of window
+// clusters (each window's scan costs a workgroup about 2 µs on the H100),
+// but never more than equal; at most runTableSpread times equal.
+func runBounds(c, equal, window int) (least, most int) {
+	least = min(equal, max(1, equal/runLeast, ceilDiv(c, runScanWindows*window)))
+	return least, runTableSpread * equal
+}
+
+// A head block keeps at least 1/runLeast of its equal runs, and runs of at
+// most runScanWindows windows. On the H100 (P 0.9, 131 072 tokens in
+// clusters of 16: runs of 2 048 clusters at the least) balanced runs took
+// Tactic's attention 39 → 37 µs on llama and 51 → 45 on megabeam keeping an
+// eighth, against 40 and 47 keeping a quarter and 41 and 45 a sixteenth,
+// and Double-P's 62 → 56 on llama. Without the bound on windows, the
+// token oracle's clusters of one token left runs of 32 768 clusters, and
+// its attention took 245 µs against 74.
+const (
+	runLeast       = 8
+	runScanWindows = 8
+)
+
+// balancedRuns shares total runs among blocks in proportion to the members
+// each attends (largest remainders), each between least and most; nil
+// where no block attends a member.
+func balancedRuns(members []uint32, total, least, most int) []int {
+	sum := 0.0
+	for _, m := range members {
+		sum += float64(m)
+	}
+	if sum == 0 {
+		return nil
+	}
+	runs := make([]int, len(members))
+	left := total
+	for i := range runs {
+		runs[i] = least
+		left -= least
+	}
+	// Shares of what is left, in proportion and within most.
+	type part struct {
+		i    int
+		frac float64
+	}
+	var parts []part
+	given := total - left
+	for i, m := range members {
+		share := float64(left) * float64(m) / sum
+		add := min(int(share), most-runs[i])
+		runs[i] += add
+		given += add
+		parts = append(parts, part{i, share - float64(int(share))})
+	}
+	sort.Slice(parts, func(a, b int) bool { return parts[a].frac > parts[b].frac })
+	for _, pt := range parts {
+		if given >= total {
+			break
+		}
+		if runs[pt.i] < most {
+			runs[pt.i]++
+			given++
+		}
+	}
+	return runs
+}
