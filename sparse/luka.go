@@ -361,10 +361,13 @@ func (s *LuKAStep) bindAttend() error {
 }
 
 // OutputRange returns where the step writes its output, [Hq][D] float32:
-// its own buffer or the range SetOutput gave.
+// its own buffer or the range SetOutput gave; a zero Range once released.
 func (s *LuKAStep) OutputRange() vk.Range {
-	if s.outTo.Buffer != nil {
+	switch {
+	case s.outTo.Buffer != nil:
 		return s.outTo
+	case s.out == nil:
+		return vk.Range{}
 	}
 	return s.out.All()
 }
