@@ -98,6 +98,19 @@ func TestTokenOracleConforms(t *testing.T) {
 	})
 }
 
+func TestClusterOracleConforms(t *testing.T) {
+	sparsetest.Run(t, sparsetest.Policy{
+		Lengths: []int{1500},
+		Prepare: clustered,
+		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
+			return sparse.NewClusterOracleStep(in.Dense, in.Layer, in.Prepared.(*kvcache.Clusters), 0.9)
+		},
+		Reference: selectionRef,
+		Idle:      idle,
+		Scratch:   scratch,
+	})
+}
+
 // clustered prepares a layer for the clustered policies: K-means over
 // the tokens between 4 sinks and a tail of 64, the layer reordered.
 func clustered(in *sparsetest.Inputs) (any, error) {

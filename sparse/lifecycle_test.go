@@ -11,9 +11,10 @@ import (
 	"github.com/vksparse/vksparse/vk/vktest"
 )
 
-// TestStepUseAfterRelease checks that a released step refuses every call
-// with vk.ErrReleased (none panics) and that releasing it, or K-means,
-// twice says so.
+// TestStepUseAfterRelease checks that a released step refuses the calls
+// the conformance suite does not make (timing, rebalancing, the rows
+// attended) with vk.ErrReleased, none panicking, and that releasing
+// K-means twice says so.
 func TestStepUseAfterRelease(t *testing.T) {
 	dev := vktest.Open(t)
 	rng := rand.New(rand.NewSource(5))
@@ -29,12 +30,7 @@ func TestStepUseAfterRelease(t *testing.T) {
 	_, err = step.Attend(q)
 	require.NoError(t, err)
 	require.NoError(t, step.Release())
-	require.ErrorIs(t, step.Release(), vk.ErrReleased, "released twice")
-	_, err = step.Attend(q)
-	require.ErrorIs(t, err, vk.ErrReleased)
-	require.ErrorIs(t, step.SetQuery(q), vk.ErrReleased)
 	require.ErrorIs(t, step.Rebalance(), vk.ErrReleased)
-	require.ErrorIs(t, runOnce(dev, step.Record), vk.ErrReleased)
 	_, err = step.Time(0, 1)
 	require.ErrorIs(t, err, vk.ErrReleased)
 	_, _, err = step.TimeStages(0, 1)

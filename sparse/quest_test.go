@@ -63,18 +63,10 @@ func (f *baselineFixture) kv(g int) (keys, values []float64) {
 	return f.k[g*w : (g+1)*w], f.v[g*w : (g+1)*w]
 }
 
-// run attends once for another query (−2 times the checked one, so its
-// scores and their order differ), poisons the outputs (NaN), and attends
-// again: the second step is the one checked (the first proves that
-// counters and extremes carried between steps are reset).
+// run poisons the outputs (NaN) and attends once. That counters and
+// extremes are reset between steps is the conformance suite's to check.
 func (f *baselineFixture) run(t *testing.T, step *Step, poison ...*vk.Buffer) []float32 {
 	t.Helper()
-	other := make([]float32, len(f.q))
-	for i, x := range f.q {
-		other[i] = -2 * x
-	}
-	_, err := step.Attend(other)
-	require.NoError(t, err)
 	nan := math.Float32bits(float32(math.NaN()))
 	require.NoError(t, f.dev.Run(func(c *vk.Commands) {
 		for _, b := range append(poison, step.Output()) {
@@ -91,9 +83,8 @@ func (f *baselineFixture) run(t *testing.T, step *Step, poison ...*vk.Buffer) []
 // float64: the pages' key minima and maxima (QuestPagesRef, exactly), each
 // page's bound (scale·BoundsRef), the bins and cut (BinnedTopKRef of the
 // GPU's bounds, exactly), that the pages taken include Quest's exact top k
-// (QuestSelectRef) up to near-ties, and the output against
-// SelectionGroupRef with the GPU's ranks and cuts; a budget covering the
-// middle attends every token.
+// (QuestSelectRef) up to near-ties; a budget covering the middle attends
+// every token. The output is the conformance suite's to check.
 func TestQuestStepMatchesReference(t *testing.T) {
 	f := newBaselineFixture(t, 3000)
 	h, d := f.h, f.h.Dim
@@ -102,7 +93,7 @@ func TestQuestStepMatchesReference(t *testing.T) {
 		require.NoError(t, err)
 		sel := step.Selector().(*QuestSelector)
 		x := sel.clusters
-		got := f.run(t, step, sel.score, sel.binOf, sel.cut)
+		f.run(t, step, sel.score, sel.binOf, sel.cut)
 		scores, err := sel.Scores()
 		require.NoError(t, err)
 		bins, err := sel.Bins()
@@ -119,7 +110,6 @@ func TestQuestStepMatchesReference(t *testing.T) {
 		}
 		t.Logf("budget %d (%d pages of %d): cuts %v (bins)", budget, k, x.C, cuts)
 
-		var want []float64
 		for g := 0; g < h.KV; g++ {
 			keys, values := f.kv(g)
 			pages, err := QuestPagesRef(keys, d, f.lo, f.hi, QuestPageSize)
@@ -161,16 +151,12 @@ func TestQuestStepMatchesReference(t *testing.T) {
 				}
 				ranks, cs = append(ranks, rank), append(cs, cut)
 			}
-			outs, tokens, err := SelectionGroupRef(qs, keys, values, f.scale, index[g], f.fixed, ranks, cs)
+			_, tokens, err := SelectionGroupRef(qs, keys, values, f.scale, index[g], f.fixed, ranks, cs)
 			require.NoError(t, err)
 			t.Logf("KV head %d: %d of %d tokens", g, len(tokens), f.n)
 			if budget >= f.hi-f.lo {
 				require.Len(t, tokens, f.n, "a budget covering the middle attends every token")
 			}
-			for _, o := range outs {
-				want = append(want, o...)
-			}
 		}
-		requireClose(t, want, got, d, 1e-3, fmt.Sprintf("Quest step at budget %d", budget))
 	}
 }
