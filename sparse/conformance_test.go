@@ -3,23 +3,41 @@ package sparse_test
 import (
 	"errors"
 	"fmt"
-
 	"testing"
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/sparse/sparsetest"
 	"github.com/vksparse/vksparse/vk"
+	"github.com/vksparse/vksparse/vk/vktest"
 )
 
-// Every policy's step runs through the conformance suite (package
-// sparsetest): its output against its float64 reference at a few
-// lengths, poisoned first, counters at rest, determinism, refused input,
-// batches and release. The tests beside each policy check what is its
-// own: its selection stage by stage.
+// TestConforms runs every policy's step through the conformance suite
+// (package sparsetest) over one set of kernels: its output against its
+// float64 reference at a few lengths, poisoned first, counters at rest,
+// determinism, refused input, batches and release. The tests beside each
+// policy check what is its own: its selection, stage by stage.
+func TestConforms(t *testing.T) {
+	dev := vktest.Open(t)
+	dense, err := sparse.NewDense(dev, sparse.Heads{Query: 8, KV: 2, Dim: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dense.Release()
+	for _, c := range []struct {
+		name   string
+		policy sparsetest.Policy
+	}{
+		{"Dense", densePolicy()}, {"Quest", questPolicy()}, {"Streaming", streamingPolicy()}, {"H2O", h2oPolicy()},
+		{"TokenOracle", tokenOraclePolicy()}, {"ClusterOracle", clusterOraclePolicy()}, {"Tactic", tacticPolicy()},
+		{"DoubleP", doublePPolicy()}, {"Delta", deltaPolicy()}, {"LuKA", lukaPolicy()},
+	} {
+		t.Run(c.name, func(t *testing.T) { sparsetest.RunOn(t, dev, dense, c.policy) })
+	}
+}
 
-func TestDenseConforms(t *testing.T) {
-	sparsetest.Run(t, sparsetest.Policy{
+func densePolicy() sparsetest.Policy {
+	return sparsetest.Policy{
 		Lengths: []int{1, 67, 2049},
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return in.Dense.Plan([]*kvcache.Layer{in.Layer})
@@ -31,12 +49,12 @@ func TestDenseConforms(t *testing.T) {
 		// DensePlan.Release does not report a second release, and Record
 		// after it panics.
 		SkipRelease: "DensePlan does not refuse use after Release yet",
-	})
+	}
 }
 
-func TestQuestConforms(t *testing.T) {
-	sparsetest.Run(t, sparsetest.Policy{
-		Lengths: []int{70, 999, 2049},
+func questPolicy() sparsetest.Policy {
+	return sparsetest.Policy{
+		Lengths: []int{70, 1501},
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewQuestStep(in.Dense, in.Layer, min(200, in.N))
 		},
@@ -44,13 +62,13 @@ func TestQuestConforms(t *testing.T) {
 		Idle:      idle,
 		Scratch:   scratch,
 		Batch:     batch,
-	})
+	}
 }
 
-func TestStreamingConforms(t *testing.T) {
+func streamingPolicy() sparsetest.Policy {
 	const budget = 300
-	sparsetest.Run(t, sparsetest.Policy{
-		Lengths: []int{69, 333, 2049}, // 69: one middle token
+	return sparsetest.Policy{
+		Lengths: []int{69, 1501}, // 69: one middle token
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewStreamingStep(in.Dense, in.Layer, budget)
 		},
@@ -70,12 +88,12 @@ func TestStreamingConforms(t *testing.T) {
 		},
 		Idle:  idle,
 		Batch: batch,
-	})
+	}
 }
 
-func TestH2OConforms(t *testing.T) {
-	sparsetest.Run(t, sparsetest.Policy{
-		Lengths: []int{70, 701, 1500},
+func h2oPolicy() sparsetest.Policy {
+	return sparsetest.Policy{
+		Lengths: []int{70, 1001},
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewH2OStep(in.Dense, in.Layer, min(121, in.N))
 		},
@@ -83,24 +101,24 @@ func TestH2OConforms(t *testing.T) {
 		Idle:      idle,
 		Scratch:   scratch,
 		Batch:     batch,
-	})
+	}
 }
 
-func TestTokenOracleConforms(t *testing.T) {
-	sparsetest.Run(t, sparsetest.Policy{
-		Lengths: []int{70, 1500},
+func tokenOraclePolicy() sparsetest.Policy {
+	return sparsetest.Policy{
+		Lengths: []int{1001},
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewTokenOracleStep(in.Dense, in.Layer, 0.9)
 		},
 		Reference: selectionRef,
 		Idle:      idle,
 		Scratch:   scratch,
-	})
+	}
 }
 
-func TestClusterOracleConforms(t *testing.T) {
-	sparsetest.Run(t, sparsetest.Policy{
-		Lengths: []int{1500},
+func clusterOraclePolicy() sparsetest.Policy {
+	return sparsetest.Policy{
+		Lengths: []int{1001},
 		Prepare: clustered,
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewClusterOracleStep(in.Dense, in.Layer, in.Prepared.(*kvcache.Clusters), 0.9)
@@ -108,7 +126,7 @@ func TestClusterOracleConforms(t *testing.T) {
 		Reference: selectionRef,
 		Idle:      idle,
 		Scratch:   scratch,
-	})
+	}
 }
 
 // clustered prepares a layer for the clustered policies: K-means over
@@ -129,8 +147,8 @@ func clustered(in *sparsetest.Inputs) (any, error) {
 	return x, nil
 }
 
-func TestTacticConforms(t *testing.T) {
-	sparsetest.Run(t, sparsetest.Policy{
+func tacticPolicy() sparsetest.Policy {
+	return sparsetest.Policy{
 		Lengths: []int{300, 2049},
 		Prepare: clustered,
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
@@ -140,12 +158,12 @@ func TestTacticConforms(t *testing.T) {
 		Idle:      idle,
 		Scratch:   scratch,
 		Batch:     batch,
-	})
+	}
 }
 
-func TestDoublePConforms(t *testing.T) {
-	sparsetest.Run(t, sparsetest.Policy{
-		Lengths: []int{300, 2049},
+func doublePPolicy() sparsetest.Policy {
+	return sparsetest.Policy{
+		Lengths: []int{300, 1501},
 		Prepare: clustered,
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewDoublePStep(in.Dense, in.Layer, in.Prepared.(*kvcache.Clusters), sparse.DefaultDoubleP())
@@ -154,31 +172,31 @@ func TestDoublePConforms(t *testing.T) {
 		Idle:      idle,
 		Scratch:   scratch,
 		Batch:     batch,
-	})
+	}
 }
 
-func TestDeltaConforms(t *testing.T) {
-	sparsetest.Run(t, sparsetest.Policy{
-		Lengths: []int{17, 1000, 2049},
+func deltaPolicy() sparsetest.Policy {
+	return sparsetest.Policy{
+		Lengths: []int{17, 1501},
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return newDeltaStep(in, sparse.Delta{Pages: 16, Recent: 4, PageSize: sparse.QuestPageSize})
 		},
 		Reference: selectionRef,
 		Idle:      idle,
-	})
+	}
 }
 
-func TestLuKAConforms(t *testing.T) {
+func lukaPolicy() sparsetest.Policy {
 	opts := sparse.LuKA{Segment: 7, Recent: 40, Every: 4, Compressor: sparse.LuKAWeighted, Tau: 0.05, Rule: sparse.RefineTopK, K: 3}
-	sparsetest.Run(t, sparsetest.Policy{
-		Lengths: []int{1, 301, 1500},
+	return sparsetest.Policy{
+		Lengths: []int{1, 701},
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewLuKAStep(in.Dense, in.Layer, opts)
 		},
 		Reference: lukaRef,
 		Idle:      idle,
 		Scratch:   scratch,
-	})
+	}
 }
 
 func idle(s sparsetest.Step) []vk.Range    { return sparse.IdleRanges(s) }
