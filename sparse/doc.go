@@ -11,6 +11,11 @@
 // exact softmax and dense attention; package evaluate runs them, and the
 // GPU steps, over traces and generated workloads.
 //
+// Package sparsetest is the conformance suite every step passes (output
+// written and matching its reference, counters at rest, determinism,
+// refused input, batches, release): a new policy gets its GPU tests by
+// describing its constructor and its reference in a sparsetest.Policy.
+//
 // Matrices are row-major []float64; a key or value matrix of n tokens and
 // head dimension d has n*d elements and token t is row t. Token ids are
 // int32 row indices into such a matrix.
