@@ -1,9 +1,10 @@
 // Package sparsetest is a conformance suite for the decode steps of
 // package sparse. A policy describes itself in a Policy: how to make its
 // step over a filled layer, the float64 reference of a step's output and,
-// where it has them, its counters, its scratch and its batches. Run then
-// checks, on fresh generated layers of every length the policy names,
-// what every step must do:
+// where it has them, its counters, its scratch and its batches. Run (or
+// RunOn) then checks, on fresh generated layers of every length the policy
+// names (the last one also for determinism, the step after refused input
+// and release), what every step must do:
 //
 //   - every output element is written: the output is poisoned with NaN
 //     before the checked step, and so is the policy's scratch;
@@ -17,9 +18,9 @@
 //     unchanged and the next step matches, bit for bit, that of a step
 //     that saw no refused input;
 //   - a sequence batched with others writes what it writes alone, within
-//     the reference's tolerance, where the policy batches;
+//     a tenth of the policy's tolerance, where the policy batches;
 //   - Release reports a second release, and every call after it returns
-//     vk.ErrReleased, none panics.
+//     vk.ErrReleased, none panics (unless Policy.SkipRelease says why not).
 //
 // Each step checked runs after a step for another query (−2 times the
 // checked one, so its scores and their order differ), so that state a
