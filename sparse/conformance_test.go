@@ -38,7 +38,7 @@ func TestConforms(t *testing.T) {
 
 func densePolicy() sparsetest.Policy {
 	return sparsetest.Policy{
-		Lengths: []int{1, 67, 2049},
+		Lengths: []int{1, 67, 1025},
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return in.Dense.Plan([]*kvcache.Layer{in.Layer})
 		},
@@ -54,7 +54,7 @@ func densePolicy() sparsetest.Policy {
 
 func questPolicy() sparsetest.Policy {
 	return sparsetest.Policy{
-		Lengths: []int{70, 1501},
+		Lengths: []int{70, 1001},
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewQuestStep(in.Dense, in.Layer, min(200, in.N))
 		},
@@ -68,7 +68,7 @@ func questPolicy() sparsetest.Policy {
 func streamingPolicy() sparsetest.Policy {
 	const budget = 300
 	return sparsetest.Policy{
-		Lengths: []int{69, 1501}, // 69: one middle token
+		Lengths: []int{69, 1001}, // 69: one middle token
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewStreamingStep(in.Dense, in.Layer, budget)
 		},
@@ -106,7 +106,7 @@ func h2oPolicy() sparsetest.Policy {
 
 func tokenOraclePolicy() sparsetest.Policy {
 	return sparsetest.Policy{
-		Lengths: []int{1001},
+		Lengths: []int{701},
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewTokenOracleStep(in.Dense, in.Layer, 0.9)
 		},
@@ -118,7 +118,7 @@ func tokenOraclePolicy() sparsetest.Policy {
 
 func clusterOraclePolicy() sparsetest.Policy {
 	return sparsetest.Policy{
-		Lengths: []int{1001},
+		Lengths: []int{701},
 		Prepare: clustered,
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewClusterOracleStep(in.Dense, in.Layer, in.Prepared.(*kvcache.Clusters), 0.9)
@@ -149,7 +149,7 @@ func clustered(in *sparsetest.Inputs) (any, error) {
 
 func tacticPolicy() sparsetest.Policy {
 	return sparsetest.Policy{
-		Lengths: []int{300, 2049},
+		Lengths: []int{300, 1025},
 		Prepare: clustered,
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewTacticStep(in.Dense, in.Layer, in.Prepared.(*kvcache.Clusters), 0.9, sparse.DefaultTacticFit())
@@ -163,7 +163,7 @@ func tacticPolicy() sparsetest.Policy {
 
 func doublePPolicy() sparsetest.Policy {
 	return sparsetest.Policy{
-		Lengths: []int{300, 1501},
+		Lengths: []int{300, 1001},
 		Prepare: clustered,
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return sparse.NewDoublePStep(in.Dense, in.Layer, in.Prepared.(*kvcache.Clusters), sparse.DefaultDoubleP())
@@ -177,7 +177,7 @@ func doublePPolicy() sparsetest.Policy {
 
 func deltaPolicy() sparsetest.Policy {
 	return sparsetest.Policy{
-		Lengths: []int{17, 1501},
+		Lengths: []int{17, 1001},
 		New: func(in *sparsetest.Inputs) (sparsetest.Step, error) {
 			return newDeltaStep(in, sparse.Delta{Pages: 16, Recent: 4, PageSize: sparse.QuestPageSize})
 		},
