@@ -46,9 +46,6 @@ func densePolicy() sparsetest.Policy {
 			return sparse.DenseRef(in.Heads, q, in.K, in.V, in.N, in.Scale)
 		},
 		Idle: idle,
-		// DensePlan.Release does not report a second release, and Record
-		// after it panics.
-		SkipRelease: "DensePlan does not refuse use after Release yet",
 	}
 }
 

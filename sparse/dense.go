@@ -682,10 +682,14 @@ func (p *DensePlan) Attend(q []float32) ([]float32, error) {
 func (p *DensePlan) Output() *vk.Buffer { return p.out }
 
 // OutputRange returns where the plan writes its output, [B][Hq][D]
-// float32: its own buffer, or the range SetOutput gave.
+// float32: its own buffer, or the range SetOutput gave (a zero Range
+// once released).
 func (p *DensePlan) OutputRange() vk.Range {
-	if p.outTo.Buffer != nil {
+	switch {
+	case p.outTo.Buffer != nil:
 		return p.outTo
+	case p.out == nil: // released
+		return vk.Range{}
 	}
 	return p.out.All()
 }
