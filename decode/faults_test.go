@@ -199,8 +199,13 @@ var faultOps = []faultOp{
 		name: "Attend",
 		setup: func(w *faultWorld) {
 			w.both()
-			w.must(w.appendAll(0)) // crosses the boundary: batches are built again
-			w.must(w.appendAll(1))
+			w.must(w.appendAll(0)) // crosses the boundary: indexes grow
+			// Slot 1 ends and another sequence takes it: every layer's
+			// batch is built again at its next Attend.
+			w.must(w.m.Free(1))
+			for l := 0; l < w.layers; l++ {
+				w.must(w.prefill(1, l, faultSecond))
+			}
 		},
 		run:    func(w *faultWorld) error { return w.attend(0) },
 		finish: func(w *faultWorld) { w.must(w.attend(w.failed)) },
