@@ -129,7 +129,10 @@ func (b *Batch) Time(warmup, reps int) ([]time.Duration, error) {
 	return b.clock.time(b.dense.dev, warmup, reps, b.Record)
 }
 
-// TimeStages is TacticBatch.TimeStages for the batch's stages.
+// TimeStages runs reps batched steps back to back in one submission, after
+// warmup untimed ones, a timestamp after every stage (each stage's
+// dispatches for all the sequences, then the timestamp), and returns each
+// stage's median GPU time (Stages order) and the median whole step.
 func (b *Batch) TimeStages(warmup, reps int) (stages []time.Duration, total time.Duration, err error) {
 	return timeStages(b.dense.dev, len(b.Stages()), warmup, reps, b.record)
 }

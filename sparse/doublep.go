@@ -102,7 +102,7 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 // doublePCut builds doublep_cut: one workgroup per head, as many threads as
 // the device allows up to the bins.
 func doublePCut(b *builder) *vk.Pipeline {
-	return b.kernel("doublep_cut", 5, 4, min(tacticWorkgroup(b.dev.Info()), TacticBins), TacticBins, 10)
+	return b.kernel("doublep_cut", 5, 4, min(perHeadWorkgroup(b.dev.Info()), ScoreBins), ScoreBins, 10)
 }
 
 // meansWorkgroup is the threads per workgroup of cluster_means.

@@ -82,8 +82,8 @@ func DoublePOrderRanks(logits []float64) []int {
 }
 
 // DoublePBinRanks returns each cluster's bin, as the GPU ranks clusters:
-// TacticBin of its logit with TacticBinScale over the finite logits (bin 0
-// holds the best), and TacticBins, past every cut, for an empty cluster
+// ScoreBin of its logit with ScoreBinScale over the finite logits (bin 0
+// holds the best), and ScoreBins, past every cut, for an empty cluster
 // (ℓ = −∞).
 func DoublePBinRanks(logits []float32) []int {
 	finite := make([]float32, 0, len(logits))
@@ -92,12 +92,12 @@ func DoublePBinRanks(logits []float32) []int {
 			finite = append(finite, x)
 		}
 	}
-	m, u := TacticBinScale(finite)
+	m, u := ScoreBinScale(finite)
 	rank := make([]int, len(logits))
 	for c, x := range logits {
-		rank[c] = TacticBins
+		rank[c] = ScoreBins
 		if !math.IsInf(float64(x), -1) {
-			rank[c] = TacticBin(m, u, x)
+			rank[c] = ScoreBin(m, u, x)
 		}
 	}
 	return rank

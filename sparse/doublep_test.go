@@ -143,7 +143,7 @@ func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP) {
 // way, a cut whose defining sums lie within 1e-4 of their target.
 func requireDoublePCuts(t *testing.T, logits []float64, rank []int, opts DoubleP, exact, keep int, what string) {
 	t.Helper()
-	wantExact, wantKeep := DoublePCutsRef(logits, rank, TacticBins, opts)
+	wantExact, wantKeep := DoublePCutsRef(logits, rank, ScoreBins, opts)
 	if exact == wantExact && keep == wantKeep {
 		return
 	}
@@ -161,7 +161,7 @@ func requireDoublePCuts(t *testing.T, logits []float64, rank []int, opts DoubleP
 		return s
 	}
 	near := func(a, b float64) bool { return math.Abs(a-b) <= 1e-4*b }
-	total := below(TacticBins)
+	total := below(ScoreBins)
 	okKeep := keep == wantKeep || near(below(min(keep, wantKeep)), opts.P1*total)
 	kept := below(keep)
 	wantE, _ := DoublePCutsRef(logits, rank, keep, DoubleP{P1: 1, P2: opts.P2})

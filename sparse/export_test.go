@@ -14,7 +14,7 @@ func IdleRanges(s any) []vk.Range {
 	case *DensePlan:
 		return []vk.Range{s.arrivals.All()}
 	case *TacticStep:
-		return append(IdleRanges(s.Step), s.extremes.All(), s.fitArrived.All())
+		return append(IdleRanges(s.Step), s.tactic.extremes.All(), s.tactic.fitArrived.All())
 	case *LuKAStep:
 		return []vk.Range{s.arrivedScore.All(), s.arrivedOut.All()}
 	case *Step:
@@ -47,7 +47,7 @@ func ScratchRanges(s any) []vk.Range {
 	}
 	switch s := s.(type) {
 	case *TacticStep:
-		return all(s.sampled, s.fixedE, s.planBuf, s.cut, s.scores, s.binOf)
+		return all(s.tactic.sampled, s.tactic.fixedE, s.tactic.planBuf, s.tactic.cut, s.tactic.scores, s.tactic.binOf)
 	case *LuKAStep:
 		return all(s.row, s.mz, s.outPart)
 	case *Step:

@@ -11,7 +11,7 @@ import (
 // the GPU, in one dispatch (shaders/select_bins.comp): every query head
 // scores each cluster by the log of its true mass, l_c = log Σ_{t∈c}
 // exp(scale·q·k_t) (ClusterLogMassRef; over single-token clusters the
-// token's logit), ranks the clusters by bins of l (TacticBin semantics)
+// token's logit), ranks the clusters by bins of l (ScoreBin semantics)
 // and cuts at the fewest leading bins whose mass, with that of the tokens
 // outside the index (the sinks and recent tokens, attended anyway),
 // reaches p of all the mass, the target of TokenOracleRef and

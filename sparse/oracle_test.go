@@ -125,7 +125,7 @@ func requireBinnedCut(t *testing.T, scores []float64, rank []int, fixed, p float
 		}
 		return s
 	}
-	total, f := below(TacticBins), math.Exp(fixed-best)
+	total, f := below(ScoreBins), math.Exp(fixed-best)
 	target := BinnedTopPTarget(total, f, p)
 	require.InDelta(t, target, below(min(got, want)), 1e-4*(total+f), "%s: GPU cut %d, float64 %d", what, got, want)
 }

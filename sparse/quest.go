@@ -12,7 +12,7 @@ import (
 // when it is made, every page's per-channel key minima and maxima
 // (shaders/page_bounds.comp); every step, in one dispatch
 // (shaders/select_bins.comp), each page's bound scale·Σ_i max(q_i·min_i,
-// q_i·max_i), pages ranked by bins of the bound (TacticBin semantics) and
+// q_i·max_i), pages ranked by bins of the bound (ScoreBin semantics) and
 // the cut at the fewest leading bins holding at least k pages. Whole bins
 // are taken, so a head takes at least k pages, more where the k-th page's
 // bin holds others (BinnedTopKRef states it exactly).

@@ -29,7 +29,7 @@ const (
 
 // binSelector is a selection of clusters by bins of a per-cluster score
 // (shaders/select_bins.comp), one dispatch a step: every query head ranks
-// the clusters of its KV head by the bin of their score (TacticBin
+// the clusters of its KV head by the bin of their score (ScoreBin
 // semantics, bin 0 the best) and cuts at the fewest leading bins holding
 // at least k clusters (top-k) or, with the mass of the tokens outside the
 // index, at least p of all the mass (top-p). It is the shared part of QuestSelector and OracleSelector.
@@ -77,9 +77,9 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 	s := &binSelector{dense: dense, layer: layer, clusters: clusters, kind: kind, topP: topP, p: p, k: k}
 	// Blocks of up to 8 query heads; the workgroup as large as the scratch
 	// allows (workgroup × heads ≤ 4096 words), a power of two of at most
-	// TacticBins threads.
+	// ScoreBins threads.
 	s.heads = min(h.Group(), 8)
-	wg := min(tacticWorkgroup(dev.Info()), uint32(4096/s.heads), TacticBins)
+	wg := min(perHeadWorkgroup(dev.Info()), uint32(4096/s.heads), ScoreBins)
 	for wg&(wg-1) != 0 {
 		wg &= wg - 1
 	}
@@ -93,7 +93,7 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 	if kind == scoreBounds {
 		s.lo, s.hi = alloc(h.KV*c*h.Dim/2), alloc(h.KV*c*h.Dim/2)
 	}
-	s.pipe = b.kernel("select_bins", 12, 11, wg, uint32(h.Dim), uint32(s.heads), TacticBins, 10, uint32(kind), boolWord(topP))
+	s.pipe = b.kernel("select_bins", 12, 11, wg, uint32(h.Dim), uint32(s.heads), ScoreBins, 10, uint32(kind), boolWord(topP))
 	err := b.err
 	if err == nil && kind == scoreBounds {
 		err = s.computeBounds()

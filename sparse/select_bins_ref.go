@@ -13,11 +13,11 @@ import (
 // ClusterLogMassRef.
 
 // BinnedTopKRef returns each cluster's bin and the top-k cut as the GPU
-// computes them for Quest: rank = DoublePBinRanks(scores) (TacticBin of the
-// score with TacticBinScale over the finite scores, TacticBins for −∞),
+// computes them for Quest: rank = DoublePBinRanks(scores) (ScoreBin of the
+// score with ScoreBinScale over the finite scores, ScoreBins for −∞),
 // and cut, the least r such that at least k clusters have rank < r: whole
 // bins are taken, so a head takes at least k clusters, and more where the
-// bin of the k-th best holds others. 0 for k = 0; TacticBins where fewer
+// bin of the k-th best holds others. 0 for k = 0; ScoreBins where fewer
 // than k clusters are finite. The clusters of rank < cut include the k of
 // the greatest scores (ties aside): bins are monotone in the score.
 func BinnedTopKRef(scores []float32, k int) (rank []int, cut int) {
@@ -25,9 +25,9 @@ func BinnedTopKRef(scores []float32, k int) (rank []int, cut int) {
 	if k <= 0 {
 		return rank, 0
 	}
-	count := make([]int, TacticBins)
+	count := make([]int, ScoreBins)
 	for _, r := range rank {
-		if r < TacticBins {
+		if r < ScoreBins {
 			count[r]++
 		}
 	}
@@ -37,7 +37,7 @@ func BinnedTopKRef(scores []float32, k int) (rank []int, cut int) {
 			return rank, b + 1
 		}
 	}
-	return rank, TacticBins
+	return rank, ScoreBins
 }
 
 // BinnedTopPRef returns each cluster's bin and the top-p cut as the GPU
@@ -47,7 +47,7 @@ func BinnedTopKRef(scores []float32, k int) (rank []int, cut int) {
 // none), hold at least p of all the mass: F + T_r ≥ p·(F + M), M =
 // Σ_c exp(score_c), T_r the mass of the clusters of rank < r; that is
 // T_r ≥ p·M − (1 − p)·F. Whole bins are taken; 0 when F alone reaches the
-// target or no score is finite; TacticBins when rounding keeps the target
+// target or no score is finite; ScoreBins when rounding keeps the target
 // out of reach. Masses are summed in float64 relative to the best score.
 // The target is TokenOracleRef's and ClusterOracleRef's.
 func BinnedTopPRef(scores []float32, fixed, p float64) (rank []int, cut int) {
@@ -56,10 +56,10 @@ func BinnedTopPRef(scores []float32, fixed, p float64) (rank []int, cut int) {
 	for _, x := range scores {
 		best = max(best, float64(x))
 	}
-	mass := make([]float64, TacticBins)
+	mass := make([]float64, ScoreBins)
 	total := 0.0
 	for c, x := range scores {
-		if rank[c] < TacticBins {
+		if rank[c] < ScoreBins {
 			w := math.Exp(float64(x) - best)
 			mass[rank[c]] += w
 			total += w
@@ -75,7 +75,7 @@ func BinnedTopPRef(scores []float32, fixed, p float64) (rank []int, cut int) {
 			return rank, b + 1
 		}
 	}
-	return rank, TacticBins
+	return rank, ScoreBins
 }
 
 // BinnedTopPTarget returns the mass the clusters taken must reach for all

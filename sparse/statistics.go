@@ -50,7 +50,7 @@ func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
 		{"attend_partial (clusters)", dense.clustered},
 		{"attend_partial (clusters, pseudo-tokens)", dense.approx},
 		{"centroid_score (Tactic)", tactic.score.pipe},
-		{"tactic_select", tactic.fit},
+		{"tactic_select", tactic.selection},
 		{"centroid_score (Double-P)", doublePScore},
 		{"doublep_cut", cut},
 	}

@@ -332,7 +332,7 @@ func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
 	for lanes&(lanes-1) != 0 {
 		lanes++
 	}
-	wg := min(scoreWorkgroup, tacticWorkgroup(info), uint32(4096/heads))
+	wg := min(scoreWorkgroup, perHeadWorkgroup(info), uint32(4096/heads))
 	for wg&(wg-1) != 0 {
 		wg &= wg - 1
 	}

@@ -13,7 +13,7 @@ import (
 // TacticStep is a Tactic decode step of one sequence on the GPU, in one
 // submission with no host round trip and three dependent dispatches:
 // centroid scoring; the selection, whose workgroups each rank a query
-// head's clusters by bins of their scores (TacticBin) and sample their
+// head's clusters by bins of their scores (ScoreBin) and sample their
 // share of the exact part, the two sampling windows and the fixed tokens,
 // the last of the head's to finish then fitting the budget of Alg. 1 at
 // bin granularity (TacticBinnedBudgetRef states the computation); and
@@ -22,10 +22,11 @@ import (
 // the union is taken where the rows are read, with no token list). The
 // layer's tokens before clusters.First are the sinks; those from
 // clusters.First+clusters.Count on are the tail, attended in full. It is a
-// Step whose selector is Tactic's.
+// Step whose selector is Tactic's; tactic is that selector, for the bins,
+// cuts and scores it wrote.
 type TacticStep struct {
 	*Step
-	*tacticSelector
+	tactic *tacticSelector
 }
 
 // tacticSelector is Tactic's selection (a Selector): the first two
@@ -54,14 +55,14 @@ type tacticSelector struct {
 // buffers sized by it and the kernels' bindings.
 type tacticBound struct {
 	clusters *kvcache.Clusters
-	binds    struct{ score, fit *vk.Binding }
+	binds    struct{ score, selection *vk.Binding }
 	bufs     []*vk.Buffer
 	scores   *vk.Buffer // float32 [Hq][C]
 	binOf    *vk.Buffer // uint32 [Hq][C]
 	planBuf  *vk.Buffer // uint32 [Hq][16]: the plan and fit of each head (tactic_select)
 	// sampled lists each selection workgroup's sampled clusters, uint32
 	// pairs [Hq][C+maxSampleWorkgroups]: workgroup w's i-th from w·⌈C/W⌉,
-	// (cluster·TacticBins + bin, Σ e(t) over the cluster as float bits).
+	// (cluster·ScoreBins + bin, Σ e(t) over the cluster as float bits).
 	sampled *vk.Buffer
 	// fixedE holds, per head and workgroup, four words
 	// [Hq][maxSampleWorkgroups]: Σ e(t) over its fixed tokens (float32),
@@ -79,7 +80,7 @@ type tacticBound struct {
 
 // release frees the bindings and buffers.
 func (b *tacticBound) release() error {
-	err := errors.Join(releaseAll(b.binds.score, b.binds.fit), releaseAll(b.bufs...))
+	err := errors.Join(releaseAll(b.binds.score, b.binds.selection), releaseAll(b.bufs...))
 	*b = tacticBound{}
 	return err
 }
@@ -87,45 +88,8 @@ func (b *tacticBound) release() error {
 // The most workgroups of the selection per query head.
 const maxSampleWorkgroups = 256
 
-// TacticBins is the number of bins of the GPU's cluster order (TacticBin).
-const TacticBins = 1024
-
-// TacticBinScale returns a head's best centroid score m and the bin factor
-// u = 2^(log2 TacticBins − e), where m − m0 = f·2^e with f in [0.5, 1) and
-// m0 the worst score (u = 1 when all scores are equal): a power of two, so
-// bins are exact in float32, and they span half to all of [m0, m].
-func TacticBinScale(scores []float32) (m, u float32) {
-	m, m0 := float32(math.Inf(-1)), float32(math.Inf(1))
-	for _, s := range scores {
-		m, m0 = max(m, s), min(m0, s)
-	}
-	u = 1
-	if r := m - m0; r > 0 {
-		_, e := math.Frexp(float64(r))
-		u = float32(math.Ldexp(1, 10-e))
-	}
-	return m, u
-}
-
-// TacticBin returns the bin of score s: min(TacticBins−1, ⌊(m − s)·u⌋) in
-// float32, with m and u from TacticBinScale.
-func TacticBin(m, u, s float32) int {
-	return min(TacticBins-1, int(math.Floor(float64((m-s)*u))))
-}
-
-// tacticWorkgroup is the threads per workgroup of the per-head passes
-// (Tactic's selection, Double-P's cuts): up to 1024, so that the few
-// workgroups of a head spread their loops over many threads.
-func tacticWorkgroup(info vk.Info) uint32 {
-	wg := uint32(1024)
-	for wg > 64 && wg > info.MaxWorkgroupInvocations {
-		wg /= 2
-	}
-	return wg
-}
-
 // selectWorkgroup is the most threads of a tactic_select workgroup (a
-// power of two dividing TacticBins). With about two sampled clusters per
+// power of two dividing ScoreBins). With about two sampled clusters per
 // team, halving the workgroup doubles the workgroups of a head: on the H100
 // (llama, P 0.9) the selection took 21.1 µs at 32 768 tokens with 512
 // threads against 26.7 with 1 024 and 21.9 with 256, and 37.8 µs at
@@ -175,14 +139,16 @@ const selectRounds = 2
 // sums, the list of a round with its bins and a vec4 per thread, and a
 // few words.
 func selectShared(wg, dim int) int {
-	return 4*dim + 2*4*(TacticBins+1) + 8*wg + 16*wg + 48
+	return 4*dim + 2*4*(ScoreBins+1) + 8*wg + 16*wg + 48
 }
 
 // tacticKernels are the selection kernels of Tactic steps, shared by the
 // steps of a batch.
 type tacticKernels struct {
 	score centroidScorer
-	fit   *vk.Pipeline
+	// selection is tactic_select: each head's clusters' bins, the
+	// sampling, the fit and the budget's cut.
+	selection *vk.Pipeline
 	// sampleTeams is the clusters a selection workgroup samples at once.
 	sampleTeams int
 	threads     int // of a selection workgroup
@@ -213,7 +179,7 @@ func newTacticStep(dense *Dense, layer *kvcache.Layer, sel *tacticSelector) (*Ta
 	if err != nil {
 		return nil, err
 	}
-	return &TacticStep{Step: step, tacticSelector: sel}, nil
+	return &TacticStep{Step: step, tactic: sel}, nil
 }
 
 // newTacticSelector prepares Tactic's selection with kernels k (which it
@@ -239,7 +205,7 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	// Selection: workgroups of up to selectWorkgroup threads, each ordering
 	// all of a query head's clusters, fewer where its shared memory would
 	// not fit.
-	selectWG := min(tacticWorkgroup(dev.Info()), selectWorkgroup)
+	selectWG := min(perHeadWorkgroup(dev.Info()), selectWorkgroup)
 	for selectWG > 64 && selectShared(int(selectWG), h.Dim) > int(dev.Info().SharedMemoryBytes) {
 		selectWG /= 2
 	}
@@ -260,7 +226,7 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	}
 	k.sampleTeams = int(selectWG) / team
 	k.threads = int(selectWG)
-	k.fit = build("tactic_select", 12, 16, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), TacticBins, 10, subgroups(selectWG), boolWord(shuffle))
+	k.selection = build("tactic_select", 12, 16, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), ScoreBins, 10, subgroups(selectWG), boolWord(shuffle))
 	if b.err != nil {
 		k.release()
 		return nil, b.err
@@ -272,10 +238,11 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 // tail joined the index, say), keeping its kernels and query. On error the
 // step is as it was.
 func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
-	if err := t.checkClusters(clusters); err != nil {
+	sel := t.tactic
+	if err := sel.checkClusters(clusters); err != nil {
 		return err
 	}
-	b, err := t.allocate(clusters)
+	b, err := sel.allocate(clusters)
 	if err != nil {
 		return err
 	}
@@ -287,7 +254,7 @@ func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
 		err = plan.SetOutput(t.plan.outTo) // the output stays where it was sent
 	}
 	if err == nil {
-		err = b.bindKernels(t.kernels, t.seq, plan.query.All())
+		err = b.bindKernels(sel.kernels, sel.seq, plan.query.All())
 	}
 	if err == nil && t.Step.query != nil {
 		err = plan.SetQuery(t.Step.query)
@@ -300,8 +267,8 @@ func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
 	if taken, err := t.plan.Taken(); err == nil {
 		_ = plan.taken.WriteUint32(0, taken) // host-visible: fails only on a released buffer
 	}
-	old, oldPlan := t.tacticBound, t.plan
-	t.tacticBound, t.plan = b, plan
+	old, oldPlan := sel.tacticBound, t.plan
+	sel.tacticBound, t.plan = b, plan
 	return errors.Join(old.release(), oldPlan.Release())
 }
 
@@ -358,18 +325,14 @@ func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query 
 	if err != nil {
 		return err
 	}
-	fit, err := k.fit.Bind(query, layer.Keys().All(), x.scores.All(), clusters.Starts.All(), clusters.Counts.All(), x.binOf.All(),
+	selection, err := k.selection.Bind(query, layer.Keys().All(), x.scores.All(), clusters.Starts.All(), clusters.Counts.All(), x.binOf.All(),
 		x.sampled.All(), x.fixedE.All(), x.planBuf.All(), x.cut.All(), x.extremes.All(), x.fitArrived.All())
 	if err != nil {
 		return errors.Join(err, score.Release())
 	}
-	for _, b := range []*vk.Binding{x.binds.score, x.binds.fit} {
-		if b != nil {
-			b.Release()
-		}
-	}
-	x.binds.score, x.binds.fit = score, fit
-	return nil
+	old := errors.Join(releaseAll(x.binds.score), releaseAll(x.binds.selection))
+	x.binds.score, x.binds.selection = score, selection
+	return old
 }
 
 // Selection returns the bins and cuts the selection writes.
@@ -382,8 +345,8 @@ func (s *tacticSelector) Bind(query vk.Range) error {
 	return s.tacticBound.bindKernels(s.kernels, s.seq, query)
 }
 
-// Stages returns the selection's stages: TacticStages without "attend".
-func (s *tacticSelector) Stages() []string { return TacticStages[:tacticStageCount-1] }
+// Stages returns TacticStages.
+func (s *tacticSelector) Stages() []string { return TacticStages }
 
 // Release frees the buffers, bindings and the kernels it owns.
 func (s *tacticSelector) Release() error {
@@ -394,13 +357,6 @@ func (s *tacticSelector) Release() error {
 	}
 	return errors.Join(errs...)
 }
-
-// Release frees what the step owns (not the layer, clusters or the dense
-// kernels).
-func (t *TacticStep) Release() error { return t.Step.Release() }
-
-// Stages returns TacticStages.
-func (t *TacticStep) Stages() []string { return t.Step.Stages() }
 
 // windowPositions returns the exact part's token count and the two
 // sampling windows' first and last positions over n clustered tokens, as
@@ -416,13 +372,10 @@ func windowPositions(fit TacticFit, n int) (need int, win [4]int) {
 	return need, win
 }
 
-// TacticStages names the stages of a step, in order: centroid scores; the
-// clusters' order, sampling, fit and budget; attention over the selection.
-var TacticStages = []string{"score", "fit", "attend"}
-
-// tacticStageCount is the number of dependent stages of a step (one
-// dispatch each): scores, the selection, attention over it with its merge.
-const tacticStageCount = 3
+// TacticStages names the dispatches of Tactic's selection, in order:
+// centroid scores; the clusters' bins, sampling, fit and cut. A step then
+// attends (Step.Stages).
+var TacticStages = []string{"score", "fit"}
 
 // RecordStage appends selection stage s (0: scores, 1: order, sampling and
 // fit) for the layer's current length.
@@ -435,7 +388,7 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	scale := h.scaleBits()
 	need, win := windowPositions(s.fit, x.Count)
 	k, b := s.kernels, &s.binds
-	if b.fit == nil {
+	if b.selection == nil {
 		return fmt.Errorf("sparse: Tactic's selection needs its queries bound")
 	}
 	switch stage {
@@ -463,7 +416,7 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		if s.workgroups > 0 {
 			wgs = s.workgroups
 		}
-		c.Dispatch(k.fit, b.fit, push, uint32(min(maxSampleWorkgroups, max(1, wgs))), hq, 1)
+		c.Dispatch(k.selection, b.selection, push, uint32(min(maxSampleWorkgroups, max(1, wgs))), hq, 1)
 	default:
 		return fmt.Errorf("sparse: Tactic's selection has 2 stages, not %d", stage+1)
 	}
@@ -472,18 +425,18 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 
 // Scores returns the centroid scores of the last step, [Hq][C].
 func (t *TacticStep) Scores() ([]float32, error) {
-	s := make([]float32, t.dense.heads.Query*t.clusters.C)
-	return s, t.scores.ReadFloat32(0, s)
+	s := make([]float32, t.dense.heads.Query*t.tactic.clusters.C)
+	return s, t.tactic.scores.ReadFloat32(0, s)
 }
 
 // Cuts returns each query head's cut of the last step: it selected the
 // clusters of bins below it.
-func (t *TacticStep) Cuts() ([]int, error) { return readInts(t.cut, t.dense.heads.Query) }
+func (t *TacticStep) Cuts() ([]int, error) { return readInts(t.tactic.cut, t.dense.heads.Query) }
 
 // BinsOf returns each query head's cluster bins of the last step, [Hq][C]:
 // a head selected the clusters of bins below its cut.
 func (t *TacticStep) BinsOf() ([]int, error) {
-	return readInts(t.binOf, t.dense.heads.Query*t.clusters.C)
+	return readInts(t.tactic.binOf, t.dense.heads.Query*t.tactic.clusters.C)
 }
 
 // readInts returns the first n uint32 of b as ints.
@@ -515,7 +468,7 @@ func membersOf(index []*kvcache.HostClusters) [][][]int32 {
 // the bins and cuts the GPU wrote and members, each KV head's clusters'
 // members as read back ([KV][C][]).
 func (t *TacticStep) Tokens(members [][][]int32) ([][]int32, error) {
-	h, x := t.dense.heads, t.clusters
+	h, x := t.dense.heads, t.tactic.clusters
 	if len(members) != h.KV {
 		return nil, fmt.Errorf("sparse: members of %d KV heads' clusters for %d", len(members), h.KV)
 	}
@@ -552,7 +505,7 @@ func (t *TacticStep) Tokens(members [][][]int32) ([][]int32, error) {
 }
 
 // TacticBinnedBudgetRef is TacticBudgetRef with the GPU's order: given the
-// head's float32 centroid scores, clusters are grouped by TacticBin (the
+// head's float32 centroid scores, clusters are grouped by ScoreBin (the
 // members of a bin's clusters merged, ascending) and the groups ranked by
 // ascending bin; the fit and budget then run over the groups. It returns
 // the budget and the cut: the head selects the clusters whose bin is below.
@@ -562,13 +515,13 @@ func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *Clus
 	if len(scores) != idx.Clusters() {
 		return nil, 0, fmt.Errorf("sparse: %d scores for %d clusters", len(scores), idx.Clusters())
 	}
-	m, u := TacticBinScale(scores)
+	m, u := ScoreBinScale(scores)
 	// Each bin's members, and those a window scores: the members of the
 	// bin's clusters whose index the windows' stride k divides.
 	k := fit.windowStride(idx.Tokens(), idx.Clusters())
-	byBin, scoredByBin := make([][]int32, TacticBins), make([][]int32, TacticBins)
+	byBin, scoredByBin := make([][]int32, ScoreBins), make([][]int32, ScoreBins)
 	for c, s := range scores {
-		b := TacticBin(m, u, s)
+		b := ScoreBin(m, u, s)
 		byBin[b] = append(byBin[b], idx.Members[c]...)
 		if thinned(int32(c), k) {
 			scoredByBin[b] = append(scoredByBin[b], idx.Members[c]...)
@@ -602,7 +555,7 @@ func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *Clus
 		cut = bins[budget.Selected-1] + 1
 	}
 	if p == 1 {
-		cut = TacticBins
+		cut = ScoreBins
 	}
 	return budget, cut, nil
 }
@@ -618,7 +571,7 @@ type StepFidelity []Fidelity
 // in float64. keys and values hold each KV head's decoded rows of all
 // stored tokens ([KV][n·D]); index holds each head's clusters as read back.
 func (t *TacticStep) Fidelity(q, out []float32, keys, values [][]float64, index []*kvcache.HostClusters) (StepFidelity, error) {
-	h, x := t.dense.heads, t.clusters
+	h, x := t.dense.heads, t.tactic.clusters
 	n := t.layer.Len()
 	scores, err := t.Scores()
 	if err != nil {
@@ -653,17 +606,17 @@ func (t *TacticStep) Fidelity(q, out []float32, keys, values [][]float64, index 
 			return nil, err
 		}
 		hs := scores[hh*x.C : (hh+1)*x.C]
-		m, u := TacticBinScale(hs)
+		m, u := ScoreBinScale(hs)
 		f.Selected = len(fixed)
 		for c, s := range hs {
-			if TacticBin(m, u, s) < cuts[hh] {
+			if ScoreBin(m, u, s) < cuts[hh] {
 				f.Selected += len(index[g].Members[c])
 			}
 		}
-		if f.GlobalOptimal, err = TopPCount(probs, t.p); err != nil {
+		if f.GlobalOptimal, err = TopPCount(probs, t.tactic.p); err != nil {
 			return nil, err
 		}
-		if f.ClusterOptimal, err = ClusterTopPCount(probs, index[g].Members, fixed, t.p); err != nil {
+		if f.ClusterOptimal, err = ClusterTopPCount(probs, index[g].Members, fixed, t.tactic.p); err != nil {
 			return nil, err
 		}
 		dense, err := AttendRef(qh, keys[g], values[g], scale)

@@ -48,8 +48,7 @@ func NewTacticBatch(dense *Dense, layers []*kvcache.Layer, clusters []*kvcache.C
 			t, err = newTacticStep(dense, layers[i], sel)
 		}
 		if err != nil {
-			b.Release()
-			return nil, fmt.Errorf("sparse: sequence %d: %w", i, err)
+			return nil, errors.Join(fmt.Errorf("sparse: sequence %d: %w", i, err), b.Release())
 		}
 		b.steps = append(b.steps, t)
 		b.batch.steps = append(b.batch.steps, t.Step)
@@ -88,15 +87,15 @@ func (b *TacticBatch) Time(warmup, reps int) ([]time.Duration, error) {
 	return b.batch.Time(warmup, reps)
 }
 
-// Stages names the batch's dependent stages, TacticStages.
-func (b *TacticBatch) Stages() []string { return TacticStages }
+// Stages names the batch's dependent stages: TacticStages, then "attend".
+func (b *TacticBatch) Stages() []string { return b.batch.Stages() }
 
 // TimeStages runs reps batched steps back to back in one submission, after
 // warmup untimed ones, with a timestamp after every stage (each stage's
 // dispatches for all the sequences, then the timestamp), and returns each
-// stage's median GPU time (TacticStages order) and the median whole step.
+// stage's median GPU time (Stages order) and the median whole step.
 func (b *TacticBatch) TimeStages(warmup, reps int) (stages []time.Duration, total time.Duration, err error) {
-	return timeStages(b.batch.dense.dev, tacticStageCount, warmup, reps, b.batch.record)
+	return b.batch.TimeStages(warmup, reps)
 }
 
 // Release frees the steps and the kernels (not the layers or indexes).

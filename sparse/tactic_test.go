@@ -58,7 +58,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	tr := generated(t, h, n, 2)
 	layer, clusters := orderedLayer(t, dev, h, tr, sinks, n-tail-sinks, KMeansOptions{Seed: 7, AvgClusterSize: avgCluster})
 	if many {
-		require.Greater(t, clusters.C, int(tacticWorkgroup(dev.Info())), "clusters for several per thread")
+		require.Greater(t, clusters.C, int(perHeadWorkgroup(dev.Info())), "clusters for several per thread")
 	}
 	dense, err := NewDense(dev, h)
 	require.NoError(t, err)
@@ -120,15 +120,15 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 		}
 		step, err := NewTacticStep(r.dense, layer, clusters, p, r.fit)
 		require.NoError(t, err)
-		step.workgroups, step.scoreWorkgroups = r.workgroups, r.scoreWorkgroups
+		step.tactic.workgroups, step.tactic.scoreWorkgroups = r.workgroups, r.scoreWorkgroups
 		nan := math.Float32bits(float32(math.NaN()))
 		require.NoError(t, dev.Run(func(c *vk.Commands) {
-			c.Fill(step.sampled.All(), nan)
-			c.Fill(step.fixedE.All(), nan)
-			c.Fill(step.planBuf.All(), nan)
-			c.Fill(step.cut.All(), nan)
-			c.Fill(step.scores.All(), nan)
-			c.Fill(step.binOf.All(), nan)
+			c.Fill(step.tactic.sampled.All(), nan)
+			c.Fill(step.tactic.fixedE.All(), nan)
+			c.Fill(step.tactic.planBuf.All(), nan)
+			c.Fill(step.tactic.cut.All(), nan)
+			c.Fill(step.tactic.scores.All(), nan)
+			c.Fill(step.tactic.binOf.All(), nan)
 		}))
 		_, err = step.Attend(q)
 		require.NoError(t, err)
@@ -144,7 +144,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 		lists, err := step.Tokens(members)
 		require.NoError(t, err)
 		plan := make([]uint32, h.Query*16)
-		require.NoError(t, step.planBuf.ReadUint32(0, plan))
+		require.NoError(t, step.tactic.planBuf.ReadUint32(0, plan))
 		require.NoError(t, step.Release())
 		t.Logf("P %v, %d threads per row: cuts %v, union sizes %d and %d of %d", p, r.dense.tpr, cuts, len(lists[0]), len(lists[1]), n)
 
@@ -175,9 +175,9 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 				total := float64(math.Float32frombits(plan[hh*16+14]))
 				want := budget.Total * math.Exp(budget.Shift-float64(math.Float32frombits(plan[hh*16])))
 				require.InDelta(t, want, total, 1e-3*want, "P %v: estimated total of head %d", p, hh)
-				m, u := TacticBinScale(hs)
+				m, u := ScoreBinScale(hs)
 				for c, x := range hs {
-					if TacticBin(m, u, x) < cuts[hh] {
+					if ScoreBin(m, u, x) < cuts[hh] {
 						for _, tok := range index[g].Members[c] {
 							set[tok] = true
 						}
@@ -209,9 +209,10 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	require.NoError(t, step.SetQuery(q))
 	stages, total, err := step.TimeStages(1, 3)
 	require.NoError(t, err)
-	require.Len(t, stages, len(TacticStages))
+	require.Equal(t, append(TacticStages, "attend"), step.Stages())
+	require.Len(t, stages, len(step.Stages()))
 	for i, s := range stages {
-		require.Greater(t, s, time.Duration(0), "stage %s", TacticStages[i])
+		require.Greater(t, s, time.Duration(0), "stage %s", step.Stages()[i])
 	}
 	require.Greater(t, total, time.Duration(0))
 	t.Logf("stages %v, step %v", stages, total)
@@ -233,10 +234,10 @@ func requireCut(t *testing.T, b *TacticBudget, scores []float32, want, got int, 
 		return
 	}
 	require.Less(t, p, 1.0, "%s: GPU %d, reference %d", what, got, want)
-	m, u := TacticBinScale(scores)
+	m, u := ScoreBinScale(scores)
 	taken := map[int]bool{}
 	for _, x := range scores {
-		if bin := TacticBin(m, u, x); bin < got {
+		if bin := ScoreBin(m, u, x); bin < got {
 			taken[bin] = true
 		}
 	}
@@ -260,18 +261,18 @@ func requireCut(t *testing.T, b *TacticBudget, scores []float32, want, got int, 
 // sizes; and the sum over the fixed tokens the same way.
 func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64, index []*ClusterIndex, fixed []int32, n int) {
 	t.Helper()
-	h, x := step.dense.heads, step.clusters
+	h, x := step.dense.heads, step.tactic.clusters
 	d, scale := h.Dim, 1/math.Sqrt(float64(h.Dim))
 	plan := make([]uint32, h.Query*16)
 	stride := x.C + maxSampleWorkgroups // list entries per head
 	lists := make([]uint32, 2*h.Query*stride)
 	counts := make([]uint32, 4*h.Query*maxSampleWorkgroups)
-	require.NoError(t, step.planBuf.ReadUint32(0, plan))
-	require.NoError(t, step.sampled.ReadUint32(0, lists))
-	require.NoError(t, step.fixedE.ReadUint32(0, counts))
+	require.NoError(t, step.tactic.planBuf.ReadUint32(0, plan))
+	require.NoError(t, step.tactic.sampled.ReadUint32(0, lists))
+	require.NoError(t, step.tactic.fixedE.ReadUint32(0, counts))
 	bins, err := step.BinsOf()
 	require.NoError(t, err)
-	thin := step.fit.windowStride(x.Count, x.C)
+	thin := step.tactic.fit.windowStride(x.Count, x.C)
 	bad := 0
 	check := func(what string, want float64, got float32) {
 		if math.Abs(want-float64(got)) > 1e-4*(math.Abs(want)+1e-6) || math.IsNaN(float64(got)) {
@@ -307,7 +308,7 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 			require.LessOrEqual(t, count, listCap, "head %d: workgroup %d lists %d clusters", hh, r, count)
 			for i := 0; i < count; i++ {
 				at := 2 * (hh*stride + r*listCap + i)
-				c, b := int(lists[at])/TacticBins, int(lists[at])%TacticBins
+				c, b := int(lists[at])/ScoreBins, int(lists[at])%ScoreBins
 				require.Less(t, c, x.C, "head %d: workgroup %d lists cluster %d", hh, r, c)
 				require.Equal(t, r, c%w, "head %d: cluster %d listed by workgroup %d", hh, c, r)
 				require.Equal(t, bins[hh*x.C+c], b, "head %d: bin of cluster %d", hh, c)

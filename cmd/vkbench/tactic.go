@@ -4,11 +4,16 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"slices"
 
 	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/workload"
 )
+
+// tacticStepStages names the stages of a Tactic step, as the timings
+// report them: the selection's, then attention.
+var tacticStepStages = slices.Concat(sparse.TacticStages, []string{"attend"})
 
 // stepRow is one row of `vkbench tactic`.
 type stepRow struct {
@@ -94,7 +99,7 @@ func tactic(args []string) error {
 	var rows [][]string
 	for _, r := range results {
 		st := ""
-		for _, s := range sparse.TacticStages {
+		for _, s := range tacticStepStages {
 			st += fmt.Sprintf("%s %.0f ", s, r.StageUs[s])
 		}
 		rows = append(rows, []string{r.Source, fmt.Sprint(r.P), fmt.Sprintf("%.1f", r.DenseUs), fmt.Sprintf("%.1f", r.TacticUs), fmt.Sprintf("%.2f×", r.Speedup),
@@ -106,7 +111,7 @@ func tactic(args []string) error {
 	for _, r := range results {
 		for _, b := range r.Batches {
 			st := ""
-			for _, s := range sparse.TacticStages {
+			for _, s := range tacticStepStages {
 				st += fmt.Sprintf("%s %.0f ", s, b.StageUs[s])
 			}
 			batchRows = append(batchRows, []string{r.Source, fmt.Sprint(r.P), fmt.Sprint(b.Batch), fmt.Sprintf("%.1f", b.DenseUs), fmt.Sprintf("%.0f", b.DenseGBps),
