@@ -264,16 +264,6 @@ func (m *Model) checkActive(s int) error {
 	return nil
 }
 
-// finiteHalves reports the first fp16 NaN or Inf of x, named what.
-func finiteHalves(what string, x []uint16) error {
-	for i, h := range x {
-		if h&0x7c00 == 0x7c00 {
-			return fmt.Errorf("%s[%d] is not finite (fp16 bits %#04x)", what, i, h)
-		}
-	}
-	return nil
-}
-
 // Prefill stores the first n tokens of the sequence in slot's layer: k and
 // v hold fp16 bit patterns, [KVHeads][n][Dim]. Every layer of a slot is
 // prefilled with the same n; once all are, the slot is active. Under a
@@ -307,7 +297,7 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 	case len(k) != want || len(v) != want:
 		return fmt.Errorf("decode: prefill of %d tokens needs %d keys and values (%d KV heads × %d × %d), got %d and %d", n, want, h.KV, n, h.Dim, len(k), len(v))
 	}
-	if err := errors.Join(finiteHalves("k", k), finiteHalves("v", v)); err != nil {
+	if err := errors.Join(kvcache.CheckFinite("k", k), kvcache.CheckFinite("v", v)); err != nil {
 		return fmt.Errorf("decode: slot %d layer %d: %w", slot, layer, err)
 	}
 	if err := sl.cache.Prefill(k, v, n); err != nil {
@@ -373,7 +363,7 @@ func (m *Model) checkToken(s, l int, k, v []uint16) error {
 	if want := h.KV * h.Dim; len(k) != want || len(v) != want {
 		return fmt.Errorf("decode: a token of layer %d needs %d keys and values (%d KV heads × %d), got %d and %d", l, want, h.KV, h.Dim, len(k), len(v))
 	}
-	if err := errors.Join(finiteHalves("k", k), finiteHalves("v", v)); err != nil {
+	if err := errors.Join(kvcache.CheckFinite("k", k), kvcache.CheckFinite("v", v)); err != nil {
 		return fmt.Errorf("decode: slot %d layer %d: %w", s, l, err)
 	}
 	if n := m.slots[s].seq[l].cache.Len(); n >= m.cfg.Capacity {
@@ -488,8 +478,7 @@ func (m *Model) clusterTail(slot, layer int) error {
 				return fail(err)
 			}
 			if err := sl.cache.Reorder(x); err != nil {
-				x.Release()
-				return fail(err)
+				return errors.Join(fail(err), x.Release())
 			}
 			sl.pending = x
 		}
@@ -503,15 +492,13 @@ func (m *Model) clusterTail(slot, layer int) error {
 		if b := m.layers[layer].tactic; b != nil {
 			i, _ := slices.BinarySearch(m.active, slot)
 			if err := b.Step(i).SetClusters(joined); err != nil {
-				joined.Release()
-				return fail(err)
+				return errors.Join(fail(err), joined.Release())
 			}
 			if err := b.Share(m.ws); err != nil {
 				return errors.Join(fail(err), m.layers[layer].release(), joined.Release())
 			}
 		} else if err := m.layers[layer].release(); err != nil {
-			joined.Release()
-			return fail(err)
+			return errors.Join(fail(err), joined.Release())
 		}
 		err = errors.Join(sl.pending.Release(), sl.clusters.Release())
 		sl.pending, sl.clusters = nil, joined

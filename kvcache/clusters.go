@@ -85,24 +85,25 @@ func newClusters(dev *vk.Device, kvHeads, headDim, c, first, count int, summarie
 		x.Assign = alloc(h * uint64(count) * 4)
 	}
 	if err != nil {
-		x.Release()
-		return nil, fmt.Errorf("kvcache: cluster index: %w", err)
+		return nil, errors.Join(fmt.Errorf("kvcache: cluster index: %w", err), x.Release())
 	}
 	return x, nil
 }
 
-// Release frees the index's buffers; it refuses while a plan holds them.
+// Release frees the index's buffers and returns their errors joined; it
+// refuses while a plan holds them.
 func (x *Clusters) Release() error {
 	if x.holds > 0 {
 		return fmt.Errorf("kvcache: the index is read by %d plans: release them first", x.holds)
 	}
+	var errs []error
 	for _, b := range []*vk.Buffer{x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
 		if b != nil {
-			b.Release()
+			errs = append(errs, b.Release())
 		}
 	}
 	x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil, nil
-	return nil
+	return errors.Join(errs...)
 }
 
 // HostClusters is one KV head's index read back to the host.
@@ -217,8 +218,7 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 	starts := make([]uint32, next.KVHeads*next.C)
 	assign := make([]uint32, next.KVHeads*next.Count)
 	if err := errors.Join(next.Starts.ReadUint32(0, starts), next.Assign.ReadUint32(0, assign)); err != nil {
-		j.Release()
-		return nil, err
+		return nil, errors.Join(err, j.Release())
 	}
 	for i := range starts {
 		starts[i] += uint32(x.Count)
@@ -258,8 +258,7 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 		}
 	}
 	if err != nil {
-		j.Release()
-		return nil, fmt.Errorf("kvcache: joining cluster indexes: %w", err)
+		return nil, errors.Join(fmt.Errorf("kvcache: joining cluster indexes: %w", err), j.Release())
 	}
 	return j, nil
 }

@@ -72,8 +72,7 @@ func NewLayer(dev *vk.Device, kvHeads, headDim, capacity int) (*Layer, error) {
 	}
 	v, err := dev.NewBuffer(size, vk.DeviceLocal)
 	if err != nil {
-		k.Release()
-		return nil, fmt.Errorf("kvcache: values: %w", err)
+		return nil, errors.Join(fmt.Errorf("kvcache: values: %w", err), k.Release())
 	}
 	return &Layer{dev: dev, kvHeads: kvHeads, headDim: headDim, capacity: capacity, keys: k, values: v}, nil
 }
@@ -151,11 +150,12 @@ func (l *Layer) Positions() *vk.Buffer { return l.positions }
 // HeadBytes returns the bytes between consecutive heads' rows.
 func (l *Layer) HeadBytes() uint64 { return uint64(l.capacity) * uint64(l.headDim) * 2 }
 
-// checkHalves reports the first non-finite fp16 value, if any.
-func checkHalves(what string, h []uint16) error {
+// CheckFinite reports the first fp16 value of h that is NaN or infinite
+// (what names h in the error), or nil when every value is finite.
+func CheckFinite(what string, h []uint16) error {
 	for i, x := range h {
 		if f := float16.Frombits(x); f.IsNaN() || f.IsInf(0) {
-			return fmt.Errorf("kvcache: %s[%d] is %v", what, i, f.Float32())
+			return fmt.Errorf("kvcache: %s[%d] is not finite (%v)", what, i, f.Float32())
 		}
 	}
 	return nil
@@ -174,10 +174,10 @@ func checkPrefill(kvHeads, headDim, capacity int, k, v []uint16, n int) error {
 	if want := kvHeads * n * headDim; len(k) != want || len(v) != want {
 		return fmt.Errorf("kvcache: Prefill of %d tokens needs %d keys and values (%d heads × %d × %d), got %d and %d", n, want, kvHeads, n, headDim, len(k), len(v))
 	}
-	if err := checkHalves("k", k); err != nil {
+	if err := CheckFinite("k", k); err != nil {
 		return err
 	}
-	return checkHalves("v", v)
+	return CheckFinite("v", v)
 }
 
 // checkAppend reports why Append(k, v) must be refused by such a layer
@@ -190,10 +190,10 @@ func checkAppend(kvHeads, headDim, capacity, stored int, k, v []uint16) error {
 	case stored >= capacity:
 		return fmt.Errorf("kvcache: Append beyond capacity %d", capacity)
 	}
-	if err := checkHalves("k", k); err != nil {
+	if err := CheckFinite("k", k); err != nil {
 		return err
 	}
-	return checkHalves("v", v)
+	return CheckFinite("v", v)
 }
 
 // Prefill replaces the cache's contents with n tokens: k and v hold fp16
@@ -297,7 +297,7 @@ func (l *Layer) Extend(k, v []uint16, count int) error {
 	if want := l.kvHeads * count * l.headDim; len(k) != want || len(v) != want {
 		return fmt.Errorf("kvcache: Extend by %d tokens needs %d keys and values, got %d and %d", count, want, len(k), len(v))
 	}
-	if err := errors.Join(checkHalves("k", k), checkHalves("v", v)); err != nil {
+	if err := errors.Join(CheckFinite("k", k), CheckFinite("v", v)); err != nil {
 		return err
 	}
 	return l.appendRows(k, v, count)

@@ -42,8 +42,7 @@ func NewPages(dev *vk.Device, kvHeads, headDim, first, count, pageSize int) (*Cl
 		x.Counts.WriteUint32(0, counts),
 		x.Starts.WriteUint32(0, starts))
 	if err != nil {
-		x.Release()
-		return nil, fmt.Errorf("kvcache: page index: %w", err)
+		return nil, errors.Join(fmt.Errorf("kvcache: page index: %w", err), x.Release())
 	}
 	return x, nil
 }

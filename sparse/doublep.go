@@ -64,10 +64,8 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 	switch {
 	case opts.validate() != nil:
 		return nil, opts.validate()
-	case clusters.KVHeads != h.KV || clusters.HeadDim != h.Dim || layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
-		return nil, fmt.Errorf("sparse: clusters of %d heads of %d and a cache of %d of %d for kernels of %d of %d", clusters.KVHeads, clusters.HeadDim, layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
-	case clusters.First+clusters.Count > layer.Len():
-		return nil, fmt.Errorf("sparse: clustered tokens [%d, %d) beyond the %d stored", clusters.First, clusters.First+clusters.Count, layer.Len())
+	case h.checkIndex(layer, clusters) != nil:
+		return nil, h.checkIndex(layer, clusters)
 	case !clusters.Contiguous:
 		return nil, fmt.Errorf("sparse: Double-P reads clusters as runs of slots: put the layer in cluster order first (kvcache.Layer.Reorder)")
 	}
@@ -138,13 +136,9 @@ func (s *DoublePSelector) Bind(query vk.Range) error {
 	if err != nil {
 		return errors.Join(err, score.Release())
 	}
-	for _, b := range []*vk.Binding{s.binds.score, s.binds.cut} {
-		if b != nil {
-			b.Release()
-		}
-	}
+	old := releaseAll(s.binds.score, s.binds.cut)
 	s.binds.score, s.binds.cut = score, cut
-	return nil
+	return old
 }
 
 // Stages returns DoublePStages.

@@ -144,12 +144,10 @@ func newH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 	switch {
 	case budget < 0:
 		return nil, fmt.Errorf("sparse: H2O budget %d is negative", budget)
-	case tokens.KVHeads != h.KV || tokens.HeadDim != h.Dim || layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
-		return nil, fmt.Errorf("sparse: an index of %d heads of %d and a cache of %d of %d for kernels of %d of %d", tokens.KVHeads, tokens.HeadDim, layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
+	case h.checkIndex(layer, tokens) != nil:
+		return nil, h.checkIndex(layer, tokens)
 	case tokens.C != tokens.Count || !tokens.Contiguous:
 		return nil, fmt.Errorf("sparse: H2O needs a single-token index in positional order (kvcache.NewPages of pages of 1), not %d clusters of %d tokens", tokens.C, tokens.Count)
-	case tokens.First+tokens.Count > layer.Len():
-		return nil, fmt.Errorf("sparse: indexed tokens [%d, %d) beyond the %d stored", tokens.First, tokens.First+tokens.Count, layer.Len())
 	case h.Dim%8 != 0 || layer.HeadBytes()*uint64(h.KV) > uint64(dev.Info().MaxStorageBufferRange):
 		return nil, fmt.Errorf("%w: H2O over keys of dimension %d in %d bytes", vk.ErrUnsupported, h.Dim, layer.HeadBytes()*uint64(h.KV))
 	}

@@ -3,6 +3,8 @@ package sparse
 import (
 	"fmt"
 	"math"
+
+	"github.com/vksparse/vksparse/kvcache"
 )
 
 // Heads is the attention geometry of a layer.
@@ -31,6 +33,19 @@ func (h Heads) Validate() error {
 		return fmt.Errorf("sparse: %d query heads is not a multiple of %d KV heads", h.Query, h.KV)
 	case h.Dim <= 0 || h.Dim%8 != 0 || h.Dim > 256:
 		return fmt.Errorf("sparse: head dimension %d unsupported (a multiple of 8 up to 256)", h.Dim)
+	}
+	return nil
+}
+
+// checkIndex refuses an index x or a layer of other heads or head
+// dimension than h, and an index of tokens the layer does not store: x
+// must cover tokens [First, First+Count) within the layer's length.
+func (h Heads) checkIndex(layer *kvcache.Layer, x *kvcache.Clusters) error {
+	switch {
+	case x.KVHeads != h.KV || x.HeadDim != h.Dim || layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
+		return fmt.Errorf("sparse: an index of %d heads of %d and a cache of %d of %d for kernels of %d of %d", x.KVHeads, x.HeadDim, layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
+	case x.First < 0 || x.First+x.Count > layer.Len():
+		return fmt.Errorf("sparse: indexed tokens [%d, %d) beyond the %d stored", x.First, x.First+x.Count, layer.Len())
 	}
 	return nil
 }

@@ -1,6 +1,7 @@
 package sparse
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"time"
@@ -155,21 +156,17 @@ func NewKMeans(dev *vk.Device, kvHeads, dim int) (*KMeans, error) {
 			break
 		}
 		if err != nil {
-			km.Release()
-			return nil, err
+			return nil, errors.Join(err, km.release())
 		}
 	}
 	km.tensor = km.assignNV != nil && km.updateNV != nil
 	return km, nil
 }
 
-func (km *KMeans) releaseTensor() {
-	for _, p := range []**vk.Pipeline{&km.assignNV, &km.updateNV} {
-		if *p != nil {
-			(*p).Release()
-			*p = nil
-		}
-	}
+func (km *KMeans) releaseTensor() error {
+	err := releaseAll(km.assignNV, km.updateNV)
+	km.assignNV, km.updateNV = nil, nil
+	return err
 }
 
 // Tensor reports whether assignment steps run on cooperative matrices.
@@ -187,20 +184,16 @@ func (km *KMeans) Release() error {
 	if km.scan == nil {
 		return vk.ErrReleased
 	}
-	for _, p := range []*vk.Pipeline{km.assign, km.scan, km.scatter, km.sort, km.update} {
-		if p != nil {
-			p.Release()
-		}
-	}
+	return km.release()
+}
+
+// release destroys whatever kernels and scratch buffers km holds.
+func (km *KMeans) release() error {
+	err := errors.Join(releaseAll(km.assign, km.scan, km.scatter, km.sort, km.update), km.releaseTensor(),
+		releaseAll(km.changed, km.cursor, km.halves, km.readback))
 	km.assign, km.scan, km.scatter, km.sort, km.update = nil, nil, nil, nil, nil
-	km.releaseTensor()
-	for _, b := range []**vk.Buffer{&km.changed, &km.cursor, &km.halves, &km.readback} {
-		if *b != nil {
-			(*b).Release()
-			*b = nil
-		}
-	}
-	return nil
+	km.changed, km.cursor, km.halves, km.readback = nil, nil, nil, nil
+	return err
 }
 
 // scratch returns *b, replaced by a new buffer when smaller than size.
@@ -209,8 +202,11 @@ func (km *KMeans) scratch(b **vk.Buffer, size uint64, kind vk.Memory) (*vk.Buffe
 		return *b, nil
 	}
 	if *b != nil {
-		(*b).Release()
+		err := (*b).Release()
 		*b = nil
+		if err != nil {
+			return nil, err
+		}
 	}
 	nb, err := km.dev.NewBuffer(size, kind)
 	if err != nil {
@@ -260,8 +256,7 @@ func (km *KMeans) Cluster(layer *kvcache.Layer, first, count int, opts KMeansOpt
 		return nil, err
 	}
 	if err := km.run(layer, x, init, spans[0].Count, spans[0].Clusters, len(spans), opts.MaxIter, start, opts.Stages); err != nil {
-		x.Release()
-		return nil, err
+		return nil, errors.Join(err, x.Release())
 	}
 	return x, nil
 }

@@ -61,10 +61,8 @@ type binSelector struct {
 func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Clusters, kind binScore, topP bool, p float64, k int) (*binSelector, error) {
 	h, dev := dense.heads, dense.dev
 	switch {
-	case clusters.KVHeads != h.KV || clusters.HeadDim != h.Dim || layer.KVHeads() != h.KV || layer.HeadDim() != h.Dim:
-		return nil, fmt.Errorf("sparse: an index of %d heads of %d and a cache of %d of %d for kernels of %d of %d", clusters.KVHeads, clusters.HeadDim, layer.KVHeads(), layer.HeadDim(), h.KV, h.Dim)
-	case clusters.First+clusters.Count > layer.Len():
-		return nil, fmt.Errorf("sparse: indexed tokens [%d, %d) beyond the %d stored", clusters.First, clusters.First+clusters.Count, layer.Len())
+	case h.checkIndex(layer, clusters) != nil:
+		return nil, h.checkIndex(layer, clusters)
 	case !clusters.Contiguous:
 		return nil, fmt.Errorf("sparse: the selection reads clusters as runs of slots: put the layer in cluster order first (kvcache.Layer.Reorder)")
 	case topP && !(p > 0 && p <= 1):
@@ -155,11 +153,9 @@ func (s *binSelector) bindQuery(query vk.Range) error {
 	if err != nil {
 		return err
 	}
-	if s.bind != nil {
-		s.bind.Release()
-	}
+	old := releaseAll(s.bind)
 	s.bind = b
-	return nil
+	return old
 }
 
 func (s *binSelector) recordStage(c *vk.Commands, stage int) error {

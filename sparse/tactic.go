@@ -186,7 +186,7 @@ func newTacticStep(dense *Dense, layer *kvcache.Layer, sel *tacticSelector) (*Ta
 // does not own).
 func newTacticSelector(dense *Dense, k *tacticKernels, layer *kvcache.Layer, clusters *kvcache.Clusters, p float64, fit TacticFit) (*tacticSelector, error) {
 	s := &tacticSelector{d: dense, seq: layer, p: p, fit: fit, kernels: k, sequences: 1}
-	if err := errors.Join(s.checkClusters(clusters), checkP(p), fit.validate()); err != nil {
+	if err := errors.Join(dense.heads.checkIndex(layer, clusters), checkP(p), fit.validate()); err != nil {
 		return nil, err
 	}
 	var err error
@@ -228,8 +228,7 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	k.threads = int(selectWG)
 	k.selection = build("tactic_select", 12, 16, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), ScoreBins, 10, subgroups(selectWG), boolWord(shuffle))
 	if b.err != nil {
-		k.release()
-		return nil, b.err
+		return nil, errors.Join(b.err, k.release())
 	}
 	return k, nil
 }
@@ -239,7 +238,7 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 // step is as it was.
 func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
 	sel := t.tactic
-	if err := sel.checkClusters(clusters); err != nil {
+	if err := t.dense.heads.checkIndex(sel.seq, clusters); err != nil {
 		return err
 	}
 	b, err := sel.allocate(clusters)
@@ -272,18 +271,6 @@ func (t *TacticStep) SetClusters(clusters *kvcache.Clusters) error {
 	return errors.Join(old.release(), oldPlan.Release())
 }
 
-// checkClusters refuses an index of other heads or of tokens not stored.
-func (s *tacticSelector) checkClusters(clusters *kvcache.Clusters) error {
-	h := s.d.heads
-	if clusters.KVHeads != h.KV || clusters.HeadDim != h.Dim {
-		return fmt.Errorf("sparse: clusters of %d heads of %d for kernels of %d of %d", clusters.KVHeads, clusters.HeadDim, h.KV, h.Dim)
-	}
-	if clusters.First+clusters.Count > s.seq.Len() {
-		return fmt.Errorf("sparse: clustered tokens [%d, %d) beyond the %d stored", clusters.First, clusters.First+clusters.Count, s.seq.Len())
-	}
-	return nil
-}
-
 // allocate allocates the buffers an index needs (bindKernels binds them).
 func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, error) {
 	h, dev := s.d.heads, s.d.dev
@@ -311,8 +298,7 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 		})
 	}
 	if err != nil {
-		x.release()
-		return tacticBound{}, err
+		return tacticBound{}, errors.Join(err, x.release())
 	}
 	return x, nil
 }

@@ -67,13 +67,11 @@ func NewTacticDecoder(dense *Dense, km *KMeans, layer *kvcache.Layer, p float64,
 		return nil, err
 	}
 	if err := layer.Reorder(clusters); err != nil {
-		clusters.Release()
-		return nil, err
+		return nil, errors.Join(err, clusters.Release())
 	}
 	d := &TacticDecoder{dense: dense, km: km, layer: layer, p: p, opts: opts, clusters: clusters}
 	if d.step, err = NewTacticStep(dense, layer, clusters, p, opts.Fit); err != nil {
-		clusters.Release()
-		return nil, err
+		return nil, errors.Join(err, clusters.Release())
 	}
 	return d, nil
 }
@@ -107,8 +105,7 @@ func (d *TacticDecoder) Append(k, v []uint16) error {
 			return d.undo(err)
 		}
 		if err := d.layer.Reorder(tail); err != nil {
-			tail.Release()
-			return d.undo(err)
+			return errors.Join(d.undo(err), tail.Release())
 		}
 		d.pending = tail
 	}
@@ -120,8 +117,7 @@ func (d *TacticDecoder) Append(k, v []uint16) error {
 		return fail(err)
 	}
 	if err := d.step.SetClusters(joined); err != nil {
-		joined.Release()
-		return fail(err)
+		return errors.Join(fail(err), joined.Release())
 	}
 	err = errors.Join(d.clusters.Release(), d.pending.Release())
 	d.clusters, d.pending = joined, nil
