@@ -14,7 +14,7 @@ import (
 // given positions and every query head: the mean of 1 − cos(α_l, α_{l+1})
 // (sparse.AttentionShiftRef) between head h's attention distributions over
 // the tokens up to the position in the two layers. DELTA's calibration
-// (seed 002, §4) refreshes its page selection where that shift is large.
+// (the DELTA paper, section 4) refreshes its page selection where that shift is large.
 func (w *Weights) AttentionShifts(tokens []byte, positions []int) ([]float64, error) {
 	if err := w.validate(); err != nil {
 		return nil, err

@@ -47,8 +47,8 @@ layout(constant_id = 9) const uint GATHER = 0;
 layout(constant_id = 10) const uint RPT = 1;
 // GATHER = 2: clusters scanned at once (a power of two, at most WG).
 layout(constant_id = 11) const uint WINDOW = 64;
-// APPROX = 1 (with GATHER = 2) adds Double-P's pseudo-tokens (seed 004,
-// Eq. 8-9): after its run of clusters, workgroup a < runs takes
+// APPROX = 1 (with GATHER = 2) adds Double-P's pseudo-tokens (the Double-P
+// paper, Eq. 8-9): after its run of clusters, workgroup a < runs takes
 // the a-th range of chunk clusters (⌈C/runs⌉ with a table of runs) again and gives each query head h of its
 // block, for every cluster c of KV head g that no head of g takes
 // (rank[h'][c] >= cut[h'] for all) and that h keeps (rank[h][c] < keep[h]),
@@ -518,9 +518,8 @@ uint approxChunk(uint c, uint h0, uint kvLocal) {
 	uint per = pc.chunk;
 	uint span = c < pc.clusterChunks ? (pc.clusterChunks - c + runs - 1) / runs * per : 0;
 	const uint LA = WG / D4;  // lanes of mean rows
-	// Rows whose loads a lane has in flight: on the H100, Double-P's
-	// attention took 65.3 µs with 16 against 66.9 with 4 (llama, 131 072
-	// tokens).
+	// Rows whose loads a lane has in flight (16 measured faster than 4:
+	// bench/README.md).
 	const uint MU = 16;
 	uint lane = tid / D4, d4 = tid % D4;
 	float m[GROUP];

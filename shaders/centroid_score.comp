@@ -1,7 +1,7 @@
 #version 450
 // Centroid scores of a clustered layer: l[h][c] = scale · q_h · centroid_c
 // (Tactic, LOG_SIZE = 0) or scale · q_h · centroid_c + ln s_c, the logit of
-// cluster c's pseudo-token in Double-P (seed 004, Eq. 5; −∞ for an empty
+// cluster c's pseudo-token in Double-P (the Double-P paper, Eq. 5; −∞ for an empty
 // cluster, LOG_SIZE = 1), for every query head h and cluster c of its KV
 // head, the centroids in fp16, packed two per 32-bit word. A workgroup
 // scores pc.iters groups of ROWS consecutive centroids of KV head

@@ -1,5 +1,5 @@
 #version 450
-// DELTA's page scores at a Δ-layer (seed 002, §4): for every token t < n of
+// DELTA's page scores at a Δ-layer (the DELTA paper, section 4): for every token t < n of
 // one sequence's layer, s_t = max over query heads h of exp(l_{h,t} − L_h),
 // the attention weight head h gives token t, from the logits l_{h,t} =
 // scale·q_h·k_t that the dense attention of the same queries wrote

@@ -1,5 +1,5 @@
 #version 450
-// DELTA's page pick at a Δ-layer (seed 002, Algorithm 2): of C pages with
+// DELTA's page pick at a Δ-layer (the DELTA paper, Algorithm 2): of C pages with
 // scores S_u ≥ 0, the last `recent` pages and, of the pages before them,
 // the budget − recent of the greatest scores, ties to the lower page; all
 // C when C ≤ budget. It writes the picked pages' first slots u·P in

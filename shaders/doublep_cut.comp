@@ -1,5 +1,5 @@
 #version 450
-// Double-P's two top-p cuts (seed 004, §4.2-4.3), one workgroup per query
+// Double-P's two top-p cuts (the Double-P paper, sections 4.2-4.3), one workgroup per query
 // head h = gl_WorkGroupID.x, after centroid_score (LOG_SIZE = 1). It ranks the head's
 // clusters by bin(l) = min(NB − 1, ⌊(m − l)·u⌋), m and m0 the best and
 // worst finite logits (from the extremes centroid_score folded, which it

@@ -254,9 +254,8 @@ func (s *deltaReuse) Selection() Selection {
 }
 
 // deltaRunPages is the picked pages a workgroup of a reusing layer's
-// attention takes: on the H100 (Hq 32, Hkv 8, D 128, 131 072 tokens, K 64
-// pages of 16) a reusing layer took 16.2, 15.5, 12.8 and 14.2 µs with 2,
-// 4, 8 and 16 (bench/results/2026-11-27-nvidia-h100-delta-stack.json).
+// attention takes (bench/README.md, "The selection's and the scores'
+// shapes").
 const deltaRunPages = 8
 
 func (s *deltaReuse) Bind(vk.Range) error { return nil }

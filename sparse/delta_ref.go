@@ -7,7 +7,7 @@ import (
 	"sort"
 )
 
-// Delta holds DELTA's parameters (seed 002, §4 and Algorithms 1–2): the
+// Delta holds DELTA's parameters (the DELTA paper, section 4 and Algorithms 1–2): the
 // first Warmup layers attend densely; each layer of Refresh (a Δ-layer)
 // attends densely and picks the pages that the layers after it, up to the
 // next Δ-layer, attend: the last Recent pages, and the Pages − Recent
@@ -156,8 +156,8 @@ func DeltaTokensRef(pages []int, pageSize, n int) []int32 {
 
 // AttentionShiftRef returns 1 − cos(a, b) between two attention
 // distributions over the same tokens: the shift between consecutive
-// layers that DELTA's calibration averages over steps and heads (seed 002,
-// §4 and Appendix D) to propose the Δ-layers.
+// layers that DELTA's calibration averages over steps and heads (the DELTA
+// paper, section 4 and Appendix D) to propose the Δ-layers.
 func AttentionShiftRef(a, b []float64) (float64, error) {
 	if len(a) != len(b) || len(a) == 0 {
 		return 0, fmt.Errorf("sparse: attention shift between distributions of %d and %d tokens", len(a), len(b))

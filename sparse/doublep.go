@@ -16,7 +16,7 @@ import (
 // head).
 var DoublePStages = []string{"score", "cut"}
 
-// DoublePSelector is Double-P's selection (seed 004, §4) on the GPU, in two
+// DoublePSelector is Double-P's selection (the Double-P paper, section 4) on the GPU, in two
 // dispatches (shaders/centroid_score.comp, doublep_cut.comp): per query
 // head h and cluster c the pseudo-token logit ℓ = scale·q_h·C_c + ln s_c
 // (C_c rounded to fp16 when the selector is made), clusters ranked by bins

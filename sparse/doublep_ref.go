@@ -6,7 +6,7 @@ import (
 	"sort"
 )
 
-// DoubleP holds the two targets of Double-P (seed 004, §4): P1, the share
+// DoubleP holds the two targets of Double-P (the Double-P paper, section 4): P1, the share
 // of the clusters' estimated attention mass that the kept clusters reach,
 // and P2, the share of the kept clusters' estimated mass that the clusters
 // attended token by token reach; the other kept clusters enter attention

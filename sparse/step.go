@@ -286,27 +286,20 @@ func (s *Step) Release() error {
 	return errors.Join(errs...)
 }
 
-// scoreWorkgroup is the threads of a centroid_score workgroup: on the
-// H100 at 131 072 tokens (llama), 256 scored in 16 µs, 128 and 512 in 17
-// and 1 024 in 18.
+// scoreWorkgroup is the most threads of a centroid_score workgroup
+// (bench/README.md, "The selection's and the scores' shapes").
 const scoreWorkgroup = 256
 
 // scoreWorkgroups is about how many workgroups a scoring dispatch takes,
 // a batch's sequences together: each takes as many groups of centroids as
 // that needs, so that a workgroup's fixed cost (its queries, its barriers,
-// its atomic extremes) is paid once for several groups. On the H100 at
-// 131 072 tokens (llama, P 0.9) the scores took 15–16 µs with 256 or 512
-// workgroups against 18 with a group each (2 048), and a batch of 8 took
-// 402 µs a step with 512 to 2 048 against 415 with 128.
+// its atomic extremes) is paid once for several groups.
 const scoreWorkgroups = 512
 
 // scoreLanes is the fewest threads that share a centroid row in
 // centroid_score (more where a block has more query heads): each sums its
 // part for every head of the block, and the row's lanes then meet by
-// shuffles, fewer with fewer lanes. On the H100 (Hq 32, Hkv 8, D 128,
-// llama, P 0.9) the scores took 14 µs at 131 072 tokens with 4 lanes
-// against 16 with 8 and 17 with 16, and 57 µs against 87 and 101 for a
-// batch of 8.
+// shuffles, fewer with fewer lanes.
 const scoreLanes = 4
 
 // centroidScorer is centroid_score built for a Dense's heads, with the

@@ -8,7 +8,7 @@ import (
 
 // The fixed-budget baselines (StreamingLLM here, Quest in quest_ref.go, H2O
 // in h2o_ref.go) share one token layout, the one the Double-P paper's
-// comparison uses (§5.1): for a query attending tokens [0, n),
+// comparison uses (its section 5.1): for a query attending tokens [0, n),
 //
 //	[0, Sinks)           attention sinks: always attended exactly
 //	[Sinks, n − Window)  the middle: each policy spends its budget here

@@ -89,41 +89,29 @@ func (b *tacticBound) release() error {
 const maxSampleWorkgroups = 256
 
 // selectWorkgroup is the most threads of a tactic_select workgroup (a
-// power of two dividing ScoreBins). With about two sampled clusters per
-// team, halving the workgroup doubles the workgroups of a head: on the H100
-// (llama, P 0.9) the selection took 21.1 µs at 32 768 tokens with 512
-// threads against 26.7 with 1 024 and 21.9 with 256, and 37.8 µs at
-// 131 072 with 512 or 1 024 against 56.7 with 256 (a second wave).
+// power of two dividing ScoreBins). Fewer threads a workgroup spread a
+// head's sampling over more workgroups, but every workgroup ranks all of
+// its head's clusters and a dispatch should fit one wave: 512 balances the
+// two (bench/README.md, "The selection's and the scores' shapes").
 const selectWorkgroup = 512
 
 // selectWave is the most selection workgroups a stage takes, a batch's
-// sequences together, but for one a query head: about the 2 × 132 that the
-// H100 runs at once. On the H100 (llama, P 0.9) batches of 4 took 124.4 µs
-// a step at 32 768 tokens with 1 workgroup a head against 120.2 with 2,
-// and 207.1 at 131 072 with 2 against 219.1 with 4; batches of 8 took the
-// selection in 122 µs at 131 072 with 1 against 133 with 2.
+// sequences together, but for one a query head: about the workgroups the
+// GPU runs at once (two on each of an H100's 132 SMs), since a second wave
+// would rank all of its heads' clusters again.
 const selectWave = 256
 
 // selectionWidth returns the selection's workgroups per query head for
 // about `sampled` clusters to sample a head, with `teams` teams a
 // workgroup, when `sequences` sequences of `heads` query heads share the
 // dispatch, one workgroup listing its head's clusters in `rounds` rounds
-// (a round takes as many as it has threads): enough for about two
-// clusters a team, and at least a workgroup per SM (half of selectWave in
-// all) where each team still has a cluster, or enough for selectRounds
-// rounds; at most selectWave/(sequences·heads), at least one. On the H100
-// (llama, P 0.9, windows of every 4th cluster) 4 workgroups a head took the
-// step in 44.6 µs at 32 768 tokens against 47.7 with the two that two
-// clusters a team give, and 6 or 8 took 82.3 and 81.5 µs at 131 072
-// against 85.8 with 4: each workgroup ranks all its head's clusters, so
-// two on an SM pay where there is little to sample. Later, with the
-// scores' and attention's faster kernels, the selection's sampling took
-// 14 of its 32 µs at 131 072 tokens, most of it in the rounds that list
-// a workgroup's share (a load of its scores and a barrier each, then its
-// few clusters' passes), not in the rows: 8 workgroups a head (2 rounds)
-// took the step in 76.3–76.6 µs against 77.7–77.9 with the 6 of the rule
-// before (3 rounds), and with the exact part at 1 % in 74.8 against 77.8
-// (4 workgroups, 4 rounds, before).
+// (a round takes as many as it has threads). Of the wave
+// selectWave/(sequences·heads) a head, it takes the most of: enough
+// workgroups for about two clusters a team; a workgroup per SM (half the
+// wave) while each team still has a cluster; enough for the listing to
+// take selectRounds rounds. It is at most the wave and at least one.
+// Every workgroup ranks all of its head's clusters, so more workgroups
+// pay only where they share sampling or listing.
 func selectionWidth(sampled, teams, sequences, heads, rounds int) int {
 	wave := selectWave / (sequences * heads)
 	perSM := max(min(ceilDiv(sampled, teams), wave/2), ceilDiv(rounds, selectRounds))
@@ -381,17 +369,9 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	case 0:
 		k.score.record(c, b.score, x.C, s.sequences, s.scoreWorkgroups)
 	case 1:
-		// Workgroups per head so that each team samples about two of the
-		// expected clusters (of the mean size; the fixed tokens counted as
-		// clusters of 16): every workgroup also orders all of the head's
-		// clusters, so fewer, fuller ones are faster (on the H100 at 131 072
-		// tokens, with workgroups of 1 024 threads, one cluster a team took
-		// 52 µs, two 39, three 40 and four 45), but enough that each lists
-		// its share of the clusters in selectRounds rounds. At most selectWave
-		// workgroups in all, the batch's sequences counted (at least one a
-		// head): where B sequences share the dispatches, their workgroups
-		// would otherwise make several waves, each ordering all of its
-		// head's clusters.
+		// Workgroups per head by the clusters expected to be sampled: the
+		// exact part's and the windows' share of the clusters (at the mean
+		// size) and the fixed tokens counted as clusters of 16.
 		stride := s.fit.windowStride(x.Count, x.C)
 		windows := ceilDiv(win[1]-win[0]+1+win[3]-win[2]+1, stride)
 		work := ceilDiv((need+windows)*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)

@@ -94,8 +94,7 @@ func (f TacticFit) windowWidth(n int) int {
 // The width (about 20 clusters of 16 at 16k tokens) keeps a few outlier
 // tokens in a window from inflating the fitted tail in sharply peaked
 // heads; capped at 512 tokens, it stops growing past 25 600 tokens, so
-// that sampling reads less of long contexts (at 131 072 tokens the step's
-// sampling took 27 µs instead of 34 on an H200). The cap changes neither
+// that sampling reads less of long contexts. The cap changes neither
 // the traces (2 % of 16 384 is below it) nor the success rates and token
 // counts of the generator's layer at 32 768 tokens by more than a point.
 // The windows score every 4th cluster (WindowStride) where they hold at
