@@ -312,41 +312,86 @@ func TacticBudgetRef(q []float64, scale float64, keys []float64, idx *ClusterInd
 // and scored(c), when not nil, the members a window scores of cluster c
 // outside the exact part (nil: those of step 3).
 func tacticBudget(q []float64, scale float64, keys []float64, idx *ClusterIndex, fixed []int32, p float64, fit TacticFit, order []int32, scored func(c int32) []int32) (*TacticBudget, error) {
-	if err := checkP(p); err != nil {
-		return nil, err
-	}
-	if err := fit.validate(); err != nil {
+	if err := checkBudgetInputs(q, keys, idx, fixed, p, fit); err != nil {
 		return nil, err
 	}
 	d := len(q)
+	score := func(t int32) float64 { return scale * dot(q, keys[int(t)*d:int(t+1)*d]) }
+	// 1. Order clusters.
+	b, err := orderClusters(q, scale, idx, order)
+	if err != nil {
+		return nil, err
+	}
+	n := b.N
+	if scored == nil {
+		k := fit.windowStride(n, len(idx.Sizes))
+		scored = func(c int32) []int32 {
+			if thinned(c, k) {
+				return idx.Members[c]
+			}
+			return nil
+		}
+	}
+	// 2. Exact part and shift.
+	b.exactPart(idx, fixed, fit.initialTokens(n), score)
+	// 3–4. Windows and fit.
+	b.sampled = b.ExactTokens
+	if b.ExactTokens < n {
+		b.fitWindows(idx, fit, score, scored)
+	}
+	// 5–6. Cumulative estimate and budget.
+	b.Total = b.Estimate(n)
+	b.Budget = budgetFor(b.Estimate, b.Total, p, n)
+	// 7. Clusters covering K tokens.
+	b.Selected = sort.SearchInts(b.Offsets, b.Budget)
+	b.SelectedTokens = b.Offsets[b.Selected]
+	return b, nil
+}
+
+// checkBudgetInputs refuses what TacticBudgetRef cannot take: p outside
+// (0, 1], an invalid fit, an index of another dimension or of inconsistent
+// sizes, keys not a whole number of rows, and fixed tokens or members
+// repeated, outside the keys or in both.
+func checkBudgetInputs(q, keys []float64, idx *ClusterIndex, fixed []int32, p float64, fit TacticFit) error {
+	if err := checkP(p); err != nil {
+		return err
+	}
+	if err := fit.validate(); err != nil {
+		return err
+	}
+	d := len(q)
 	if idx == nil || idx.D != d || len(idx.Centroids) != d*len(idx.Sizes) || len(idx.Members) != len(idx.Sizes) {
-		return nil, fmt.Errorf("sparse: TacticBudgetRef: cluster index does not match head dimension %d", d)
+		return fmt.Errorf("sparse: TacticBudgetRef: cluster index does not match head dimension %d", d)
 	}
 	nk, err := checkKV(q, keys, nil)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	inF := make([]bool, nk)
 	for _, t := range fixed {
 		if t < 0 || int(t) >= nk || inF[t] {
-			return nil, fmt.Errorf("sparse: TacticBudgetRef: fixed token %d repeated or outside [0, %d)", t, nk)
+			return fmt.Errorf("sparse: TacticBudgetRef: fixed token %d repeated or outside [0, %d)", t, nk)
 		}
 		inF[t] = true
 	}
 	for c, mem := range idx.Members {
 		if len(mem) != idx.Sizes[c] {
-			return nil, fmt.Errorf("sparse: TacticBudgetRef: cluster %d has %d members, size %d", c, len(mem), idx.Sizes[c])
+			return fmt.Errorf("sparse: TacticBudgetRef: cluster %d has %d members, size %d", c, len(mem), idx.Sizes[c])
 		}
 		for _, t := range mem {
 			if t < 0 || int(t) >= nk || inF[t] {
-				return nil, fmt.Errorf("sparse: TacticBudgetRef: cluster %d token %d is fixed or outside [0, %d)", c, t, nk)
+				return fmt.Errorf("sparse: TacticBudgetRef: cluster %d token %d is fixed or outside [0, %d)", c, t, nk)
 			}
 		}
 	}
-	score := func(t int32) float64 { return scale * dot(q, keys[int(t)*d:int(t+1)*d]) }
+	return nil
+}
 
-	// 1. Order clusters.
-	C := len(idx.Sizes)
+// orderClusters returns a budget with step 1 done: the centroid scores,
+// the clusters' order (order when not nil, else by descending score, ties
+// in index order), the rank offsets and N.
+func orderClusters(q []float64, scale float64, idx *ClusterIndex, order []int32) (*TacticBudget, error) {
+	d, C := len(q), len(idx.Sizes)
 	b := &TacticBudget{Scores: make([]float64, C), Order: make([]int32, C), Offsets: make([]int, C+1)}
 	for c := range b.Scores {
 		b.Scores[c] = scale * dot(q, idx.Centroids[c*d:(c+1)*d])
@@ -363,20 +408,16 @@ func tacticBudget(q []float64, scale float64, keys []float64, idx *ClusterIndex,
 	for j, c := range b.Order {
 		b.Offsets[j+1] = b.Offsets[j] + idx.Sizes[c]
 	}
-	n := b.Offsets[C]
-	b.N = n
-	if scored == nil {
-		k := fit.windowStride(n, C)
-		scored = func(c int32) []int32 {
-			if thinned(c, k) {
-				return idx.Members[c]
-			}
-			return nil
-		}
-	}
+	b.N = b.Offsets[C]
+	return b, nil
+}
 
-	// 2. Exact part and shift.
-	need := fit.initialTokens(n)
+// exactPart does step 2: the leading clusters holding at least need
+// tokens, the shift m (the greatest exact or fixed score, else the best
+// centroid score), and the fixed and exact sums of e = exp(score − m)
+// with the exact part's running sums.
+func (b *TacticBudget) exactPart(idx *ClusterIndex, fixed []int32, need int, score func(int32) float64) {
+	C := len(idx.Sizes)
 	for b.ExactClusters < C && b.Offsets[b.ExactClusters] < need {
 		b.ExactClusters++
 	}
@@ -407,87 +448,83 @@ func tacticBudget(q []float64, scale float64, keys []float64, idx *ClusterIndex,
 	for _, s := range fixedS {
 		b.FixedSum += math.Exp(s - m)
 	}
-	exactCum := make([]float64, len(exactS)+1)
+	b.exactCum = make([]float64, len(exactS)+1)
 	for i, s := range exactS {
-		exactCum[i+1] = exactCum[i] + math.Exp(s-m)
+		b.exactCum[i+1] = b.exactCum[i] + math.Exp(s-m)
 	}
-	b.ExactSum = exactCum[len(exactS)]
+	b.ExactSum = b.exactCum[len(exactS)]
+}
 
-	// 3–4. Windows and fit.
-	b.sampled = b.ExactTokens
-	if b.ExactTokens < n {
-		w := fit.windowWidth(n)
-		var sum [2]float64
-		var cnt [2]int
-		counted := map[int]bool{} // window ranks beyond J0 in sampled
-		for k, f := range [2]float64{fit.Window1, fit.Window2} {
-			c := min(n, max(1, int(math.Round(f*float64(n)))))
-			lo := min(max(1, c-w/2), max(1, n-w+1))
-			hi := min(n, lo+w-1)
-			rank := func(x int) int { // rank of the cluster holding position x
-				return sort.Search(C, func(j int) bool { return b.Offsets[j+1] >= x })
-			}
-			rlo, rhi := rank(lo), rank(hi)
-			u, v := b.Offsets[rlo], b.Offsets[rhi+1]
-			for j := rlo; j <= rhi; j++ {
-				cl := b.Order[j]
-				mem := idx.Members[cl]
-				if j >= b.ExactClusters {
-					mem = scored(cl)
-					if !counted[j] {
-						counted[j] = true
-						b.sampled += len(mem)
-					}
-				}
-				for _, t := range mem {
-					sum[k] += math.Exp(score(t) - m)
-				}
-				cnt[k] += len(mem)
-			}
-			mu := 0.0
-			if cnt[k] > 0 {
-				mu = sum[k] / float64(cnt[k])
-			}
-			h := (TacticHarmonic(v) - TacticHarmonic(u)) / float64(v-u)
-			if k == 0 {
-				b.Win1, b.Mu1, b.H1, b.Scored1 = [2]int{rlo, rhi + 1}, mu, h, cnt[k]
-			} else {
-				b.Win2, b.Mu2, b.H2, b.Scored2 = [2]int{rlo, rhi + 1}, mu, h, cnt[k]
-			}
+// fitWindows does steps 3 and 4 over the tokens past the exact part: each
+// window's sample and means, the tokens it scored beyond the exact part
+// counted once into sampled, and the fit's a and b.
+func (b *TacticBudget) fitWindows(idx *ClusterIndex, fit TacticFit, score func(int32) float64, scored func(int32) []int32) {
+	n, C, m := b.N, len(idx.Sizes), b.Shift
+	w := fit.windowWidth(n)
+	var sum [2]float64
+	var cnt [2]int
+	counted := map[int]bool{} // window ranks beyond J0 in sampled
+	for k, f := range [2]float64{fit.Window1, fit.Window2} {
+		c := min(n, max(1, int(math.Round(f*float64(n)))))
+		lo := min(max(1, c-w/2), max(1, n-w+1))
+		hi := min(n, lo+w-1)
+		rank := func(x int) int { // rank of the cluster holding position x
+			return sort.Search(C, func(j int) bool { return b.Offsets[j+1] >= x })
 		}
-		switch {
-		case b.H1 != b.H2 && cnt[0] > 0 && cnt[1] > 0:
-			b.A = (b.Mu1 - b.Mu2) / (b.H1 - b.H2)
-			b.B = b.Mu1 - b.A*b.H1
-		case cnt[0]+cnt[1] > 0:
-			b.B = (sum[0] + sum[1]) / float64(cnt[0]+cnt[1])
+		rlo, rhi := rank(lo), rank(hi)
+		u, v := b.Offsets[rlo], b.Offsets[rhi+1]
+		for j := rlo; j <= rhi; j++ {
+			cl := b.Order[j]
+			mem := idx.Members[cl]
+			if j >= b.ExactClusters {
+				mem = scored(cl)
+				if !counted[j] {
+					counted[j] = true
+					b.sampled += len(mem)
+				}
+			}
+			for _, t := range mem {
+				sum[k] += math.Exp(score(t) - m)
+			}
+			cnt[k] += len(mem)
+		}
+		mu := 0.0
+		if cnt[k] > 0 {
+			mu = sum[k] / float64(cnt[k])
+		}
+		h := (TacticHarmonic(v) - TacticHarmonic(u)) / float64(v-u)
+		if k == 0 {
+			b.Win1, b.Mu1, b.H1, b.Scored1 = [2]int{rlo, rhi + 1}, mu, h, cnt[k]
+		} else {
+			b.Win2, b.Mu2, b.H2, b.Scored2 = [2]int{rlo, rhi + 1}, mu, h, cnt[k]
 		}
 	}
+	switch {
+	case b.H1 != b.H2 && cnt[0] > 0 && cnt[1] > 0:
+		b.A = (b.Mu1 - b.Mu2) / (b.H1 - b.H2)
+		b.B = b.Mu1 - b.A*b.H1
+	case cnt[0]+cnt[1] > 0:
+		b.B = (sum[0] + sum[1]) / float64(cnt[0]+cnt[1])
+	}
+}
 
-	// 5–6. Cumulative estimate and budget.
-	b.exactCum = exactCum
-	S := b.Estimate
-	b.Total = S(n)
+// budgetFor does step 6: n for p = 1, otherwise the fewest leading tokens
+// k whose estimate S(k) reaches p·total, by bisection over [0, n].
+func budgetFor(S func(int) float64, total, p float64, n int) int {
 	if p == 1 {
-		b.Budget = n
-	} else {
-		target := p * b.Total
-		lo, hi := -1, n
-		for hi-lo > 1 {
-			mid := (lo + hi) / 2
-			if S(mid) >= target {
-				hi = mid
-			} else {
-				lo = mid
-			}
-		}
-		b.Budget = hi
+		return n
 	}
-
-	// 7. Clusters covering K tokens.
-	b.Selected = sort.SearchInts(b.Offsets, b.Budget)
-	b.SelectedTokens = b.Offsets[b.Selected]
-	return b, nil
+	target := p * total
+	lo, hi := -1, n
+	for hi-lo > 1 {
+		mid := (lo + hi) / 2
+		if S(mid) >= target {
+			hi = mid
+		} else {
+			lo = mid
+		}
+	}
+	return hi
 }
 
 // TacticFixedTokens returns the fixed set F of a query at position pos:
