@@ -264,135 +264,43 @@ func (km *KMeans) Cluster(layer *kvcache.Layer, first, count int, opts KMeansOpt
 // run clusters x's tokens from the initial rows init (relative to
 // x.First) within spans of span tokens with spanClusters clusters each
 // (but the last of the spans).
-func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, span, spanClusters, spans, maxIter int, start time.Time, stages *KMeansStages) error {
+func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, span, spanClusters, spans, maxIter int, start time.Time, stages *KMeansStages) (err error) {
 	dev, h, c, n := km.dev, km.kvHeads, x.C, x.Count
 	tensor := km.tensor && n >= 16
-	headWords := uint32(layer.HeadBytes() / 4)
 	// The initial centroids are the update of one-member clusters: cluster
 	// j's member is token First+init[j], listed at the start of Members.
 	rows := make([]uint32, c)
 	for j, r := range init {
 		rows[j] = uint32(x.First + r)
 	}
-	// Tokens that changed cluster, per step, head and span.
-	changedBytes := uint64(4 * h * spans * maxIter)
-	changed, err := km.scratch(&km.changed, changedBytes, vk.DeviceLocal)
+	sc, err := km.runScratch(c, spans, maxIter, tensor, x)
 	if err != nil {
 		return err
 	}
-	readback, err := km.scratch(&km.readback, changedBytes, vk.HostVisible)
+	k, err := km.bindRun(layer, x, sc, tensor)
 	if err != nil {
 		return err
 	}
-	cursor, err := km.scratch(&km.cursor, uint64(4*h*c), vk.DeviceLocal)
-	if err != nil {
-		return err
-	}
-	halves := x.Norms // bound but unused by the float32 path
-	if tensor {
-		if halves, err = km.scratch(&km.halves, uint64(4*h*c*km.dim), vk.DeviceLocal); err != nil {
-			return err
-		}
-	}
-
-	var binds []*vk.Binding
-	bind := func(p *vk.Pipeline, r ...vk.Range) *vk.Binding {
-		if err != nil {
-			return nil
-		}
-		var b *vk.Binding
-		b, err = p.Bind(r...)
-		binds = append(binds, b)
-		return b
-	}
-	defer func() {
-		for _, b := range binds {
-			if b != nil {
-				b.Release()
-			}
-		}
-	}()
-	keys := layer.Keys().All()
-	assign, update := km.assign, km.update
-	var bAssign *vk.Binding
-	if tensor {
-		assign, update = km.assignNV, km.updateNV
-		bAssign = bind(assign, keys, halves.All(), x.Norms.All(), x.Assign.All(), x.Counts.All(), changed.All())
-	} else {
-		bAssign = bind(assign, keys, x.Centroids.All(), x.Norms.All(), x.Assign.All(), x.Counts.All(), changed.All())
-	}
-	bScan := bind(km.scan, x.Counts.All(), x.Starts.All(), cursor.All(), changed.All())
-	bScatter := bind(km.scatter, x.Assign.All(), cursor.All(), x.Members.All(), changed.All())
-	bSort := bind(km.sort, x.Starts.All(), x.Counts.All(), x.Members.All(), changed.All(), x.Assign.All())
-	bUpdate := bind(update, keys, x.Starts.All(), x.Counts.All(), x.Members.All(), x.Centroids.All(), x.Norms.All(), changed.All(), halves.All())
-	if err != nil {
-		return err
-	}
+	defer func() { err = errors.Join(err, k.release()) }()
 	var ts *vk.Timestamps
 	if stages != nil {
 		if ts, err = dev.NewTimestamps(2 + 5*maxIter); err != nil {
 			return err
 		}
-		defer ts.Release()
+		defer func() { err = errors.Join(err, ts.Release()) }()
 	}
-	hh, cc, nn, first := uint32(h), uint32(c), uint32(n), uint32(x.First)
-	ss, cs := uint32(span), uint32(spanClusters)
-	// The assignment's workgroups each take tokens of one span.
-	assignGroups := uint32(spans * ceilDiv(span, 128))
+	shape := kmeansShape{
+		h: uint32(h), c: uint32(c), n: uint32(n), first: uint32(x.First), headWords: uint32(layer.HeadBytes() / 4),
+		span: uint32(span), spanClusters: uint32(spanClusters), spans: uint32(spans), maxIter: maxIter,
+		assignGroups: uint32(spans * ceilDiv(span, 128)),
+		sortGroups:   uint32(min(c, 65535)), // one workgroup per cluster, striding beyond
+	}
 	if tensor {
-		assignGroups = uint32(spans * ceilDiv(span, kmeansTensorWG))
+		shape.assignGroups = uint32(spans * ceilDiv(span, kmeansTensorWG)) // each takes tokens of one span
 	}
-	sortGroups := uint32(min(c, 65535)) // one workgroup per cluster, striding beyond
 	stamp := 0
-	record := func(cmd *vk.Commands) {
-		if ts == nil {
-			return
-		}
-		cmd.Timestamp(ts, stamp)
-		stamp++
-	}
 	err = dev.Run(func(cmd *vk.Commands) {
-		if ts != nil {
-			cmd.Reset(ts)
-		}
-		if km.poison {
-			// Tests: whatever the clustering leaves unwritten shows.
-			for _, b := range []*vk.Buffer{x.Centroids, x.Norms, x.Starts, x.Members} {
-				cmd.Fill(b.All(), kmeansPoison)
-			}
-			cmd.Barrier()
-		}
-		cmd.Update(x.Members.All(), rows)
-		cmd.Fill(x.Assign.All(), math.MaxUint32)
-		cmd.Fill(x.Counts.All(), 0)
-		cmd.Fill(changed.All(), 0)
-		cmd.Barrier()
-		record(cmd)
-		cmd.Dispatch(update, bUpdate, []uint32{nn, headWords, cc, 0, 1, 0, ss, cs}, cc, hh, 1)
-		cmd.Barrier()
-		record(cmd)
-		for it := uint32(0); it < uint32(maxIter); it++ {
-			cmd.Dispatch(assign, bAssign, []uint32{nn, first, headWords, cc, it, ss, cs}, assignGroups, hh, 1)
-			cmd.Barrier()
-			record(cmd)
-			cmd.Dispatch(km.scan, bScan, []uint32{cc, it, ss, cs}, uint32(spans), hh, 1)
-			cmd.Barrier()
-			record(cmd)
-			cmd.Dispatch(km.scatter, bScatter, []uint32{nn, first, cc, it, ss}, uint32(ceilDiv(n, 256)), hh, 1)
-			cmd.Barrier()
-			record(cmd)
-			cmd.Dispatch(km.sort, bSort, []uint32{nn, cc, it, first, ss, cs}, sortGroups, hh, 1)
-			cmd.Barrier()
-			record(cmd)
-			zero := uint32(0)
-			if int(it) < maxIter-1 {
-				zero = 1 // the next assignment counts afresh
-			}
-			cmd.Dispatch(update, bUpdate, []uint32{nn, headWords, cc, it, 0, zero, ss, cs}, cc, hh, 1)
-			cmd.Barrier()
-			record(cmd)
-		}
-		cmd.Copy(changed.Slice(0, changedBytes), readback.Slice(0, changedBytes))
+		stamp = km.record(cmd, x, rows, sc, k, shape, ts)
 		if stages != nil {
 			stages.Setup = time.Since(start)
 		}
@@ -401,39 +309,187 @@ func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, spa
 		return err
 	}
 	got := make([]uint32, h*spans*maxIter)
-	if err := readback.ReadUint32(0, got); err != nil {
+	if err := sc.readback.ReadUint32(0, got); err != nil {
 		return err
 	}
-	// Steps run: up to the first in which no span of any head changed.
-	x.Iterations = maxIter
-	for it := 0; it < maxIter; it++ {
-		moved := false
-		for _, m := range got[it*h*spans : (it+1)*h*spans] {
-			moved = moved || m > 0
+	x.Iterations = iterationsRun(got, h*spans, maxIter)
+	if ts != nil {
+		return stages.add(ts, stamp, maxIter)
+	}
+	return nil
+}
+
+// kmeansScratch is the scratch of a clustering: the tokens that changed
+// cluster per step, head and span (on the device and read back), each
+// cluster's cursor for the scatter, and the fp16 centroids of the tensor
+// path (the index's norms, bound but unused, on the float32 path).
+type kmeansScratch struct {
+	changed, readback, cursor, halves *vk.Buffer
+	changedBytes                      uint64
+}
+
+// runScratch returns the scratch of a clustering of c clusters a head in
+// spans spans, for at most maxIter steps, from km's kept buffers.
+func (km *KMeans) runScratch(c, spans, maxIter int, tensor bool, x *kvcache.Clusters) (kmeansScratch, error) {
+	h := km.kvHeads
+	sc := kmeansScratch{changedBytes: uint64(4 * h * spans * maxIter), halves: x.Norms}
+	var err error
+	if sc.changed, err = km.scratch(&km.changed, sc.changedBytes, vk.DeviceLocal); err != nil {
+		return sc, err
+	}
+	if sc.readback, err = km.scratch(&km.readback, sc.changedBytes, vk.HostVisible); err != nil {
+		return sc, err
+	}
+	if sc.cursor, err = km.scratch(&km.cursor, uint64(4*h*c), vk.DeviceLocal); err != nil {
+		return sc, err
+	}
+	if tensor {
+		sc.halves, err = km.scratch(&km.halves, uint64(4*h*c*km.dim), vk.DeviceLocal)
+	}
+	return sc, err
+}
+
+// kmeansBound is the clustering's kernels bound to one index: the
+// assignment and update of the path in use, the scan, scatter and sort.
+type kmeansBound struct {
+	assign, update                           *vk.Pipeline
+	bAssign, bScan, bScatter, bSort, bUpdate *vk.Binding
+}
+
+// release frees the bindings.
+func (k *kmeansBound) release() error {
+	return releaseAll(k.bAssign, k.bScan, k.bScatter, k.bSort, k.bUpdate)
+}
+
+// bindRun binds the kernels of the path in use (tensor or float32) to
+// layer's keys, the index x and the scratch.
+func (km *KMeans) bindRun(layer *kvcache.Layer, x *kvcache.Clusters, sc kmeansScratch, tensor bool) (*kmeansBound, error) {
+	var err error
+	bind := func(p *vk.Pipeline, r ...vk.Range) *vk.Binding {
+		if err != nil {
+			return nil
 		}
-		if !moved {
-			x.Iterations = it + 1
-			break
+		var b *vk.Binding
+		b, err = p.Bind(r...)
+		return b
+	}
+	keys, changed := layer.Keys().All(), sc.changed.All()
+	k := &kmeansBound{assign: km.assign, update: km.update}
+	if tensor {
+		k.assign, k.update = km.assignNV, km.updateNV
+		k.bAssign = bind(k.assign, keys, sc.halves.All(), x.Norms.All(), x.Assign.All(), x.Counts.All(), changed)
+	} else {
+		k.bAssign = bind(k.assign, keys, x.Centroids.All(), x.Norms.All(), x.Assign.All(), x.Counts.All(), changed)
+	}
+	k.bScan = bind(km.scan, x.Counts.All(), x.Starts.All(), sc.cursor.All(), changed)
+	k.bScatter = bind(km.scatter, x.Assign.All(), sc.cursor.All(), x.Members.All(), changed)
+	k.bSort = bind(km.sort, x.Starts.All(), x.Counts.All(), x.Members.All(), changed, x.Assign.All())
+	k.bUpdate = bind(k.update, keys, x.Starts.All(), x.Counts.All(), x.Members.All(), x.Centroids.All(), x.Norms.All(), changed, sc.halves.All())
+	if err != nil {
+		return nil, errors.Join(err, k.release())
+	}
+	return k, nil
+}
+
+// kmeansShape is the push constants and grid sizes of a clustering's
+// dispatches.
+type kmeansShape struct {
+	h, c, n, first, headWords uint32
+	span, spanClusters, spans uint32
+	assignGroups, sortGroups  uint32
+	maxIter                   int
+}
+
+// record appends a whole clustering to cmd: the outputs cleared (poisoned
+// first in tests), the initial centroids as the update of the one-member
+// clusters of rows, then maxIter steps of assignment, scan, scatter, sort
+// and update, each behind a barrier, and the changed counts copied for
+// reading back. With ts, it writes a timestamp after the initial update
+// and after every dispatch, and returns the timestamps written.
+func (km *KMeans) record(cmd *vk.Commands, x *kvcache.Clusters, rows []uint32, sc kmeansScratch, k *kmeansBound, s kmeansShape, ts *vk.Timestamps) int {
+	stamp := 0
+	mark := func() {
+		if ts != nil {
+			cmd.Timestamp(ts, stamp)
+			stamp++
 		}
 	}
 	if ts != nil {
-		d, err := ts.Durations(stamp)
-		if err != nil {
-			return err
+		cmd.Reset(ts)
+	}
+	if km.poison {
+		// Tests: whatever the clustering leaves unwritten shows.
+		for _, b := range []*vk.Buffer{x.Centroids, x.Norms, x.Starts, x.Members} {
+			cmd.Fill(b.All(), kmeansPoison)
 		}
-		stages.Init = d[1]
-		for it := 0; it < maxIter; it++ {
-			b := 1 + 5*it
-			stages.Assign += d[b+1]
-			stages.Scan += d[b+2]
-			stages.Scatter += d[b+3]
-			stages.Sort += d[b+4]
-			stages.Update += d[b+5]
+		cmd.Barrier()
+	}
+	cmd.Update(x.Members.All(), rows)
+	cmd.Fill(x.Assign.All(), math.MaxUint32)
+	cmd.Fill(x.Counts.All(), 0)
+	cmd.Fill(sc.changed.All(), 0)
+	cmd.Barrier()
+	mark()
+	cmd.Dispatch(k.update, k.bUpdate, []uint32{s.n, s.headWords, s.c, 0, 1, 0, s.span, s.spanClusters}, s.c, s.h, 1)
+	cmd.Barrier()
+	mark()
+	for it := uint32(0); it < uint32(s.maxIter); it++ {
+		cmd.Dispatch(k.assign, k.bAssign, []uint32{s.n, s.first, s.headWords, s.c, it, s.span, s.spanClusters}, s.assignGroups, s.h, 1)
+		cmd.Barrier()
+		mark()
+		cmd.Dispatch(km.scan, k.bScan, []uint32{s.c, it, s.span, s.spanClusters}, s.spans, s.h, 1)
+		cmd.Barrier()
+		mark()
+		cmd.Dispatch(km.scatter, k.bScatter, []uint32{s.n, s.first, s.c, it, s.span}, uint32(ceilDiv(int(s.n), 256)), s.h, 1)
+		cmd.Barrier()
+		mark()
+		cmd.Dispatch(km.sort, k.bSort, []uint32{s.n, s.c, it, s.first, s.span, s.spanClusters}, s.sortGroups, s.h, 1)
+		cmd.Barrier()
+		mark()
+		zero := uint32(0)
+		if int(it) < s.maxIter-1 {
+			zero = 1 // the next assignment counts afresh
 		}
-		stages.GPU, err = ts.Elapsed(0, stamp-1)
-		if err != nil {
-			return err
+		cmd.Dispatch(k.update, k.bUpdate, []uint32{s.n, s.headWords, s.c, it, 0, zero, s.span, s.spanClusters}, s.c, s.h, 1)
+		cmd.Barrier()
+		mark()
+	}
+	cmd.Copy(sc.changed.Slice(0, sc.changedBytes), sc.readback.Slice(0, sc.changedBytes))
+	return stamp
+}
+
+// iterationsRun returns the steps a clustering ran, from the tokens that
+// changed cluster per step for each of its groups (heads × spans): up to
+// the first step in which none changed, else maxIter.
+func iterationsRun(changed []uint32, groups, maxIter int) int {
+	for it := 0; it < maxIter; it++ {
+		moved := false
+		for _, m := range changed[it*groups : (it+1)*groups] {
+			moved = moved || m > 0
+		}
+		if !moved {
+			return it + 1
 		}
 	}
-	return nil
+	return maxIter
+}
+
+// add adds the stages' GPU times from the stamp timestamps of a
+// clustering of maxIter steps (KMeans.record) and sets GPU to the whole.
+func (st *KMeansStages) add(ts *vk.Timestamps, stamp, maxIter int) error {
+	d, err := ts.Durations(stamp)
+	if err != nil {
+		return err
+	}
+	st.Init = d[1]
+	for it := 0; it < maxIter; it++ {
+		b := 1 + 5*it
+		st.Assign += d[b+1]
+		st.Scan += d[b+2]
+		st.Scatter += d[b+3]
+		st.Sort += d[b+4]
+		st.Update += d[b+5]
+	}
+	st.GPU, err = ts.Elapsed(0, stamp-1)
+	return err
 }
