@@ -268,27 +268,10 @@ func Compare(t *trace.Trace, opts CompareOptions) (*Comparison, error) {
 	c.layout = sparse.BaselineLayout{Sinks: opts.Sinks, Window: opts.Window}
 	// H2O walks the queries in order of position.
 	slices.SortStableFunc(c.queries, func(a, b int) int { return int(t.QPos[a]) - int(t.QPos[b]) })
-	observe := opts.H2OObserve
-	if observe == nil {
-		observe = []int{}
-		evaluated := map[int]bool{}
-		for _, qi := range c.queries {
-			evaluated[qi] = true
-		}
-		for qi := 0; qi < t.Queries(); qi++ {
-			if !evaluated[qi] && t.QPos[qi] < t.QPos[c.queries[0]] {
-				observe = append(observe, qi)
-			}
-		}
+	observe, err := h2oObserved(t, c.queries, opts.H2OObserve)
+	if err != nil {
+		return nil, err
 	}
-	observe = slices.Clone(observe)
-	slices.SortStableFunc(observe, func(a, b int) int { return int(t.QPos[a]) - int(t.QPos[b]) })
-	for _, qi := range observe {
-		if qi < 0 || qi >= t.Queries() || t.QPos[qi] > t.QPos[c.queries[0]] {
-			return nil, fmt.Errorf("evaluate: Compare: H2O observes query %d, outside [0, %d) or after the first evaluated one", qi, t.Queries())
-		}
-	}
-
 	out := &Comparison{Tokens: t.Tokens, QHeads: t.QHeads, KVHeads: t.KVHeads, HeadDim: t.HeadDim, Options: opts}
 	out.Options.Prefill, out.Options.Queries, out.Options.H2OObserve = c.prefill, slices.Clone(c.queries), observe
 	out.Options.BudgetFrom, out.Options.P = slices.Clone(opts.BudgetFrom), slices.Clone(opts.P)
@@ -299,40 +282,9 @@ func Compare(t *trace.Trace, opts CompareOptions) (*Comparison, error) {
 			out.Kinds = append(out.Kinds, k.String())
 		}
 	}
-
-	run := opts.policies()
-	for _, p := range AdaptivePolicies() {
-		if slices.Contains(run, p) {
-			c.entries = append(c.entries, PolicyResult{Policy: p})
-		}
-	}
-	for _, from := range opts.BudgetFrom {
-		for _, p := range FixedBudgetPolicies() {
-			if slices.Contains(run, p) {
-				c.entries = append(c.entries, PolicyResult{Policy: p, BudgetFrom: from})
-			}
-		}
-	}
-	var h2o []int // entries of H2O
-	for e, en := range c.entries {
-		if en.Policy == PolicyH2O {
-			h2o = append(h2o, e)
-		}
-	}
+	h2o := c.listEntries()
 	nq, np := len(c.queries), len(opts.P)
-	c.cases = make([][][][]compareCase, np)
-	c.budgets = make([][]float64, np)
-	for pi := range c.cases {
-		c.cases[pi] = make([][][]compareCase, len(c.entries))
-		c.budgets[pi] = make([]float64, len(c.entries))
-		for e := range c.cases[pi] {
-			c.cases[pi][e] = make([][]compareCase, nq)
-			for a := range c.cases[pi][e] {
-				c.cases[pi][e][a] = make([]compareCase, t.QHeads)
-			}
-		}
-	}
-
+	c.allocate()
 	workers := opts.workers()
 	c.progress = opts.counter(t.KVHeads * (1 + 2*nq + np*len(h2o)))
 
@@ -344,14 +296,7 @@ func Compare(t *trace.Trace, opts CompareOptions) (*Comparison, error) {
 	if c.heads, err = opts.clusterHeads(t, rows, c.prefill, c.progress); err != nil {
 		return nil, err
 	}
-
 	// The adaptive policies, and the references of every (query, head).
-	c.refs = make([][]compareRef, nq)
-	c.vmax = make([][]float64, nq)
-	for a := range c.refs {
-		c.refs[a] = make([]compareRef, t.QHeads)
-		c.vmax[a] = make([]float64, t.KVHeads)
-	}
 	err = parallelFor(nq*t.KVHeads, workers, func(i int) error {
 		err := c.adaptive(i/t.KVHeads, i%t.KVHeads)
 		c.progress()
@@ -360,25 +305,7 @@ func Compare(t *trace.Trace, opts CompareOptions) (*Comparison, error) {
 	if err != nil {
 		return nil, err
 	}
-
-	// The budgets the fixed-budget policies get.
-	for pi := range opts.P {
-		for e, en := range c.entries {
-			if en.BudgetFrom == "" {
-				continue
-			}
-			src := slices.IndexFunc(c.entries, func(x PolicyResult) bool { return x.Policy == en.BudgetFrom && x.BudgetFrom == "" })
-			sum, n := 0.0, 0
-			for _, row := range c.cases[pi][src] {
-				for _, cs := range row {
-					sum += float64(cs.own)
-					n++
-				}
-			}
-			c.budgets[pi][e] = sum / float64(n)
-		}
-	}
-
+	c.matchBudgets()
 	// Quest and StreamingLLM per (query, KV head); H2O per (KV head, P,
 	// budget source), stepping through the queries.
 	err = parallelFor(nq*t.KVHeads, workers, func(i int) error {
@@ -398,31 +325,137 @@ func Compare(t *trace.Trace, opts CompareOptions) (*Comparison, error) {
 	if err != nil {
 		return nil, err
 	}
+	out.Results = c.results(out.Kinds)
+	return out, nil
+}
 
-	for pi, p := range opts.P {
+// h2oObserved returns the queries H2O observes before the evaluated ones
+// (sorted by position), in order of position: observe, or where it is
+// nil every query not evaluated that comes before the first evaluated
+// one. It refuses a query outside the trace or after the first evaluated.
+func h2oObserved(t *trace.Trace, queries, observe []int) ([]int, error) {
+	if observe == nil {
+		observe = []int{}
+		evaluated := map[int]bool{}
+		for _, qi := range queries {
+			evaluated[qi] = true
+		}
+		for qi := 0; qi < t.Queries(); qi++ {
+			if !evaluated[qi] && t.QPos[qi] < t.QPos[queries[0]] {
+				observe = append(observe, qi)
+			}
+		}
+	}
+	observe = slices.Clone(observe)
+	slices.SortStableFunc(observe, func(a, b int) int { return int(t.QPos[a]) - int(t.QPos[b]) })
+	for _, qi := range observe {
+		if qi < 0 || qi >= t.Queries() || t.QPos[qi] > t.QPos[queries[0]] {
+			return nil, fmt.Errorf("evaluate: Compare: H2O observes query %d, outside [0, %d) or after the first evaluated one", qi, t.Queries())
+		}
+	}
+	return observe, nil
+}
+
+// listEntries lists the entries the options ask for: the adaptive
+// policies, then the fixed-budget policies for each budget source. It
+// returns the entries of H2O.
+func (c *comparer) listEntries() (h2o []int) {
+	run := c.opts.policies()
+	for _, p := range AdaptivePolicies() {
+		if slices.Contains(run, p) {
+			c.entries = append(c.entries, PolicyResult{Policy: p})
+		}
+	}
+	for _, from := range c.opts.BudgetFrom {
+		for _, p := range FixedBudgetPolicies() {
+			if slices.Contains(run, p) {
+				c.entries = append(c.entries, PolicyResult{Policy: p, BudgetFrom: from})
+			}
+		}
+	}
+	for e, en := range c.entries {
+		if en.Policy == PolicyH2O {
+			h2o = append(h2o, e)
+		}
+	}
+	return h2o
+}
+
+// allocate makes the cases ([P][entry][query][query head]), the budgets
+// ([P][entry]), the references ([query][query head]) and the value
+// maxima ([query][KV head]).
+func (c *comparer) allocate() {
+	t, nq, np := c.t, len(c.queries), len(c.opts.P)
+	c.cases = make([][][][]compareCase, np)
+	c.budgets = make([][]float64, np)
+	for pi := range c.cases {
+		c.cases[pi] = make([][][]compareCase, len(c.entries))
+		c.budgets[pi] = make([]float64, len(c.entries))
+		for e := range c.cases[pi] {
+			c.cases[pi][e] = make([][]compareCase, nq)
+			for a := range c.cases[pi][e] {
+				c.cases[pi][e][a] = make([]compareCase, t.QHeads)
+			}
+		}
+	}
+	c.refs = make([][]compareRef, nq)
+	c.vmax = make([][]float64, nq)
+	for a := range c.refs {
+		c.refs[a] = make([]compareRef, t.QHeads)
+		c.vmax[a] = make([]float64, t.KVHeads)
+	}
+}
+
+// matchBudgets sets each fixed-budget entry's budget at each P: the mean
+// size of its budget source's own selections over every case at P.
+func (c *comparer) matchBudgets() {
+	for pi := range c.opts.P {
+		for e, en := range c.entries {
+			if en.BudgetFrom == "" {
+				continue
+			}
+			src := slices.IndexFunc(c.entries, func(x PolicyResult) bool { return x.Policy == en.BudgetFrom && x.BudgetFrom == "" })
+			sum, n := 0.0, 0
+			for _, row := range c.cases[pi][src] {
+				for _, cs := range row {
+					sum += float64(cs.own)
+					n++
+				}
+			}
+			c.budgets[pi][e] = sum / float64(n)
+		}
+	}
+}
+
+// results gathers the cases into a result per P: per entry, its
+// statistics over every case and per query head (of kind kinds[h] where
+// kinds is not nil).
+func (c *comparer) results(kinds []string) []CompareResult {
+	var out []CompareResult
+	for pi, p := range c.opts.P {
 		r := CompareResult{P: p}
 		for e, en := range c.entries {
 			pr := PolicyResult{Policy: en.Policy, BudgetFrom: en.BudgetFrom, Budget: c.budgets[pi][e]}
 			bound := en.Policy != PolicyDoubleP
 			var all []compareCase
-			for h := 0; h < t.QHeads; h++ {
+			for h := 0; h < c.t.QHeads; h++ {
 				var hc []compareCase
 				for a := range c.queries {
 					hc = append(hc, c.cases[pi][e][a][h])
 				}
 				all = append(all, hc...)
 				head := PolicyHead{Head: h, KVHead: h / c.group, PolicyStats: compareStats(hc, p, bound)}
-				if out.Kinds != nil {
-					head.Kind = out.Kinds[h]
+				if kinds != nil {
+					head.Kind = kinds[h]
 				}
 				pr.Heads = append(pr.Heads, head)
 			}
 			pr.PolicyStats = compareStats(all, p, bound)
 			r.Policies = append(r.Policies, pr)
 		}
-		out.Results = append(out.Results, r)
+		out = append(out, r)
 	}
-	return out, nil
+	return out
 }
 
 // Validate reports the first problem with the options that does not
