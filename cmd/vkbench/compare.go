@@ -15,6 +15,7 @@ import (
 	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
+	"github.com/vksparse/vksparse/vk"
 )
 
 // compareRow is one row of `vkbench compare`'s GPU table.
@@ -89,31 +90,15 @@ func compare(args []string) error {
 		return err
 	}
 	defer dev.Release()
-	policies := evaluate.DefaultPolicies(pList)
-	if *variants != "" {
-		var targets []sparse.DoubleP
-		for _, v := range strings.Split(*variants, ",") {
-			var o sparse.DoubleP
-			if _, err := fmt.Sscanf(v, "%g/%g", &o.P1, &o.P2); err != nil {
-				return fmt.Errorf("-double-p: %q is not p1/p2", v)
-			}
-			targets = append(targets, o)
-		}
-		policies = append(policies, evaluate.DoublePVariants(targets)...)
+	policies, err := comparePolicies(pList, *variants)
+	if err != nil {
+		return err
 	}
-	prog := &progress{total: len(traces) * len(policies)}
-	var rows []compareRow
-	for i, t := range traces {
-		runs, err := evaluate.Steps(dev, t, sparse.DenseOptions{ClusterChunk: *chunk}, sparse.KMeansOptions{AvgClusterSize: *clusterSize, Span: sparse.KMeansDefaultSpan, Seed: uint64(*seed)}, policies, *sinks, *recent, *reps, func(name string) { prog.step(fmt.Sprintf("%s: %s", names[i], name)) })
-		if err != nil {
-			prog.finish()
-			return err
-		}
-		for _, r := range runs {
-			rows = append(rows, compareRow{Source: names[i], StepRun: r})
-		}
+	rows, err := timeSteps(dev, traces, names, policies, sparse.DenseOptions{ClusterChunk: *chunk},
+		sparse.KMeansOptions{AvgClusterSize: *clusterSize, Span: sparse.KMeansDefaultSpan, Seed: uint64(*seed)}, *sinks, *recent, *reps)
+	if err != nil {
+		return err
 	}
-	prog.finish()
 	printSteps(rows)
 
 	out := compareReport{Steps: rows, Fidelity: []compareFidelity{}}
@@ -121,30 +106,16 @@ func compare(args []string) error {
 		if !fid.on(*tracePath != "", t.Tokens) {
 			continue
 		}
-		o := copts
-		o.Queries = lastQueries(t, *queries)
-		p := &progress{}
-		what := fmt.Sprintf("fidelity %s: %d queries", names[i], len(o.Queries))
-		o.Progress = func(_, total int) { p.total = total; p.step(what) }
-		c, err := evaluate.Compare(t, o)
-		p.finish()
+		f, err := compareFidelityOf(t, names[i], copts, *queries)
 		if err != nil {
 			return err
 		}
-		out.Fidelity = append(out.Fidelity, compareFidelity{Source: names[i], Comparison: c})
+		out.Fidelity = append(out.Fidelity, f)
 	}
 	if len(out.Fidelity) > 0 {
 		fmt.Println()
 		printFidelity(os.Stdout, out.Fidelity)
-		for _, f := range out.Fidelity {
-			for _, r := range f.Results {
-				for _, pr := range r.Policies {
-					if pr.BoundApplies && pr.BoundWorst > 1 {
-						fmt.Fprintf(os.Stderr, "vkbench: %s P=%g %s: output error exceeds the bound 2(1 − p(I))·max‖v‖ (worst ratio %.3g)\n", f.Source, r.P, policyLabel(pr), pr.BoundWorst)
-					}
-				}
-			}
-		}
+		warnBounds(out.Fidelity)
 	}
 	if *plotPath != "" {
 		if len(out.Fidelity) == 0 {
@@ -157,6 +128,75 @@ func compare(args []string) error {
 		return writeJSON(*jsonPath, "compare "+strings.Join(args, " "), dev.Info(), out)
 	}
 	return nil
+}
+
+// comparePolicies returns the policies whose steps `vkbench compare`
+// times: the defaults at each P, and Double-P at each p1/p2 pair of
+// variants (comma-separated; "" for none).
+func comparePolicies(pList []float64, variants string) ([]evaluate.Policy, error) {
+	policies := evaluate.DefaultPolicies(pList)
+	if variants == "" {
+		return policies, nil
+	}
+	var targets []sparse.DoubleP
+	for _, v := range strings.Split(variants, ",") {
+		var o sparse.DoubleP
+		if _, err := fmt.Sscanf(v, "%g/%g", &o.P1, &o.P2); err != nil {
+			return nil, fmt.Errorf("-double-p: %q is not p1/p2", v)
+		}
+		targets = append(targets, o)
+	}
+	return append(policies, evaluate.DoublePVariants(targets)...), nil
+}
+
+// timeSteps times every policy's step on each trace (evaluate.Steps), one
+// row per (trace, policy), and prints them.
+func timeSteps(dev *vk.Device, traces []*trace.Trace, names []string, policies []evaluate.Policy, dense sparse.DenseOptions, clustering sparse.KMeansOptions, sinks, recent, reps int) ([]compareRow, error) {
+	prog := &progress{total: len(traces) * len(policies)}
+	var rows []compareRow
+	for i, t := range traces {
+		runs, err := evaluate.Steps(dev, t, dense, clustering, policies, sinks, recent, reps, func(name string) { prog.step(fmt.Sprintf("%s: %s", names[i], name)) })
+		if err != nil {
+			prog.finish()
+			return nil, err
+		}
+		for _, r := range runs {
+			rows = append(rows, compareRow{Source: names[i], StepRun: r})
+		}
+	}
+	prog.finish()
+	printSteps(rows)
+	return rows, nil
+}
+
+// compareFidelityOf compares every policy's fidelity on t, named name,
+// over its last queries tail queries (evaluate.Compare with copts).
+func compareFidelityOf(t *trace.Trace, name string, copts evaluate.CompareOptions, queries int) (compareFidelity, error) {
+	o := copts
+	o.Queries = lastQueries(t, queries)
+	p := &progress{}
+	what := fmt.Sprintf("fidelity %s: %d queries", name, len(o.Queries))
+	o.Progress = func(_, total int) { p.total = total; p.step(what) }
+	c, err := evaluate.Compare(t, o)
+	p.finish()
+	if err != nil {
+		return compareFidelity{}, err
+	}
+	return compareFidelity{Source: name, Comparison: c}, nil
+}
+
+// warnBounds reports on stderr every policy whose output error exceeded
+// its bound where the bound applies.
+func warnBounds(fids []compareFidelity) {
+	for _, f := range fids {
+		for _, r := range f.Results {
+			for _, pr := range r.Policies {
+				if pr.BoundApplies && pr.BoundWorst > 1 {
+					fmt.Fprintf(os.Stderr, "vkbench: %s P=%g %s: output error exceeds the bound 2(1 − p(I))·max‖v‖ (worst ratio %.3g)\n", f.Source, r.P, policyLabel(pr), pr.BoundWorst)
+				}
+			}
+		}
+	}
 }
 
 // printSteps prints the GPU table of `vkbench compare`.

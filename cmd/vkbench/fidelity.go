@@ -144,80 +144,15 @@ func fidelity(args []string) error {
 		return err
 	}
 
-	var sources []tacticSource
-	if *tracePath != "" {
-		tr, err := trace.Read(*tracePath)
-		if err != nil {
-			return err
-		}
-		tail := evaluate.TailQueries(tr)
-		if *queries > 0 {
-			if *queries > len(tail) {
-				return fmt.Errorf("-queries: %s has %d consecutive tail queries, not %d", *tracePath, len(tail), *queries)
-			}
-			tail = tail[len(tail)-*queries:]
-		}
-		opts.Queries = tail
-		sources = append(sources, tacticSource{name: filepath.Base(*tracePath), units: tr.KVHeads * (1 + len(tail)),
-			load: func() (*trace.Trace, error) { return tr, nil }})
-	} else {
-		nList, err := ints(*ns)
-		if err != nil {
-			return fmt.Errorf("-n: %v", err)
-		}
-		for _, n := range nList {
-			d := workload.DefaultConfig(n)
-			cfg, err := workload.NamedConfig(*kindsName, n, d.QHeads, d.KVHeads, d.HeadDim)
-			if err != nil {
-				return fmt.Errorf("-kinds: %v", err)
-			}
-			cfg.Seed = *seed
-			if *queries > 0 {
-				cfg.Queries = *queries
-			}
-			name := "generator"
-			if *kindsName != "mixed" {
-				name += " " + *kindsName
-			}
-			sources = append(sources, tacticSource{name: name, seed: cfg.Seed, units: cfg.KVHeads * (1 + cfg.Queries),
-				load: func() (*trace.Trace, error) { return workload.Generate(cfg) }})
-		}
+	sources, err := fidelitySources(*tracePath, *queries, *ns, *kindsName, *seed, &opts)
+	if err != nil {
+		return err
 	}
-
-	prog := &progress{}
-	for _, s := range sources {
-		prog.total += s.units * len(spanList)
+	bound := boundSpec{gbps: *bandwidth, floorUs: *floor, dispatches: *dispatches, batches: batches}
+	results, err := evaluateSources(sources, spanList, opts, bound)
+	if err != nil {
+		return err
 	}
-	var results []tacticResult
-	for _, s := range sources {
-		tr, err := s.load()
-		if err != nil {
-			prog.finish()
-			return err
-		}
-		for _, span := range spanList {
-			what := fmt.Sprintf("tactic %s n=%d span=%d", s.name, tr.Tokens, span)
-			opts.Progress = func(int, int) { prog.step(what) }
-			opts.KMeansSpan = span
-			ev, err := evaluate.Tactic(tr, opts)
-			if err != nil {
-				prog.finish()
-				return err
-			}
-			for _, r := range ev.Results {
-				row := tacticResult{Source: s.name, Seed: s.seed, Tokens: ev.Tokens, QHeads: ev.QHeads, KVHeads: ev.KVHeads, HeadDim: ev.HeadDim,
-					Prefill: ev.Options.Prefill, Queries: ev.Options.Queries, Sinks: ev.Options.Sinks, Span: span, Fit: ev.Options.Fit, TacticResult: r}
-				bw := *bandwidth * 1e3 // bytes per µs
-				for _, b := range batches {
-					row.Bounds = append(row.Bounds, stepBound{Batch: b, GBps: *bandwidth, FloorUs: *floor, Dispatches: *dispatches,
-						StepUs: r.Traffic.BoundUs(bw, *floor, *dispatches, b), DenseUs: r.Traffic.DenseBoundUs(bw, *floor, b),
-						Speedup: r.Traffic.BoundSpeedup(bw, *floor, *dispatches, b)})
-				}
-				results = append(results, row)
-			}
-		}
-	}
-	prog.finish()
 
 	printTactic(results, *perHead)
 	for _, r := range results {
@@ -234,6 +169,103 @@ func fidelity(args []string) error {
 		return writeJSON(*jsonPath, "fidelity "+strings.Join(args, " "), vk.Info{}, results)
 	}
 	return nil
+}
+
+// fidelitySources returns the layers to evaluate: the trace at tracePath
+// (its last queries consecutive tail queries, set into opts.Queries), or
+// else a generated layer of the named kinds for each length in ns.
+func fidelitySources(tracePath string, queries int, ns, kindsName string, seed int64, opts *evaluate.TacticOptions) ([]tacticSource, error) {
+	if tracePath != "" {
+		tr, err := trace.Read(tracePath)
+		if err != nil {
+			return nil, err
+		}
+		tail := evaluate.TailQueries(tr)
+		if queries > 0 {
+			if queries > len(tail) {
+				return nil, fmt.Errorf("-queries: %s has %d consecutive tail queries, not %d", tracePath, len(tail), queries)
+			}
+			tail = tail[len(tail)-queries:]
+		}
+		opts.Queries = tail
+		return []tacticSource{{name: filepath.Base(tracePath), units: tr.KVHeads * (1 + len(tail)),
+			load: func() (*trace.Trace, error) { return tr, nil }}}, nil
+	}
+	nList, err := ints(ns)
+	if err != nil {
+		return nil, fmt.Errorf("-n: %v", err)
+	}
+	var sources []tacticSource
+	for _, n := range nList {
+		d := workload.DefaultConfig(n)
+		cfg, err := workload.NamedConfig(kindsName, n, d.QHeads, d.KVHeads, d.HeadDim)
+		if err != nil {
+			return nil, fmt.Errorf("-kinds: %v", err)
+		}
+		cfg.Seed = seed
+		if queries > 0 {
+			cfg.Queries = queries
+		}
+		name := "generator"
+		if kindsName != "mixed" {
+			name += " " + kindsName
+		}
+		sources = append(sources, tacticSource{name: name, seed: cfg.Seed, units: cfg.KVHeads * (1 + cfg.Queries),
+			load: func() (*trace.Trace, error) { return workload.Generate(cfg) }})
+	}
+	return sources, nil
+}
+
+// boundSpec is how a step is bounded: read at gbps GB/s, each of its
+// dispatches costing floorUs before any work, for each batch size.
+type boundSpec struct {
+	gbps, floorUs float64
+	dispatches    int
+	batches       []int
+}
+
+// bounds returns the step's bound for each batch size.
+func (b boundSpec) bounds(t evaluate.StepTraffic) []stepBound {
+	bw := b.gbps * 1e3 // bytes per µs
+	var out []stepBound
+	for _, n := range b.batches {
+		out = append(out, stepBound{Batch: n, GBps: b.gbps, FloorUs: b.floorUs, Dispatches: b.dispatches,
+			StepUs: t.BoundUs(bw, b.floorUs, b.dispatches, n), DenseUs: t.DenseBoundUs(bw, b.floorUs, n),
+			Speedup: t.BoundSpeedup(bw, b.floorUs, b.dispatches, n)})
+	}
+	return out
+}
+
+// evaluateSources evaluates Tactic on every source with every K-means
+// span, one row per (source, span, P), with its bounds.
+func evaluateSources(sources []tacticSource, spanList []int, opts evaluate.TacticOptions, bound boundSpec) ([]tacticResult, error) {
+	prog := &progress{}
+	defer prog.finish()
+	for _, s := range sources {
+		prog.total += s.units * len(spanList)
+	}
+	var results []tacticResult
+	for _, s := range sources {
+		tr, err := s.load()
+		if err != nil {
+			return nil, err
+		}
+		for _, span := range spanList {
+			what := fmt.Sprintf("tactic %s n=%d span=%d", s.name, tr.Tokens, span)
+			opts.Progress = func(int, int) { prog.step(what) }
+			opts.KMeansSpan = span
+			ev, err := evaluate.Tactic(tr, opts)
+			if err != nil {
+				return nil, err
+			}
+			for _, r := range ev.Results {
+				results = append(results, tacticResult{Source: s.name, Seed: s.seed, Tokens: ev.Tokens, QHeads: ev.QHeads, KVHeads: ev.KVHeads, HeadDim: ev.HeadDim,
+					Prefill: ev.Options.Prefill, Queries: ev.Options.Queries, Sinks: ev.Options.Sinks, Span: span, Fit: ev.Options.Fit, TacticResult: r,
+					Bounds: bound.bounds(r.Traffic)})
+			}
+		}
+	}
+	return results, nil
 }
 
 // printTactic prints one row per (layer, P) and, with perHead, a table of
