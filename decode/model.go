@@ -308,7 +308,7 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 		if err == nil {
 			// The index keeps its centroids in fp16, as the selection reads them.
 			if err = errors.Join(sl.cache.Reorder(x), x.Halve(m.dev)); err != nil {
-				x.Release()
+				err = errors.Join(err, x.Release())
 			}
 		}
 		if err != nil {
