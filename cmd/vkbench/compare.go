@@ -150,7 +150,7 @@ func comparePolicies(pList []float64, variants string) ([]evaluate.Policy, error
 }
 
 // timeSteps times every policy's step on each trace (evaluate.Steps), one
-// row per (trace, policy), and prints them.
+// row per (trace, policy).
 func timeSteps(dev *vk.Device, traces []*trace.Trace, names []string, policies []evaluate.Policy, dense sparse.DenseOptions, clustering sparse.KMeansOptions, sinks, recent, reps int) ([]compareRow, error) {
 	prog := &progress{total: len(traces) * len(policies)}
 	var rows []compareRow
@@ -165,7 +165,6 @@ func timeSteps(dev *vk.Device, traces []*trace.Trace, names []string, policies [
 		}
 	}
 	prog.finish()
-	printSteps(rows)
 	return rows, nil
 }
 

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"cmp"
+	"errors"
 	"image/png"
 	"os"
 	"path/filepath"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/trace"
+	"github.com/vksparse/vksparse/vk"
 )
 
 // testComparison is a made-up comparison at two P, listed in an order
@@ -183,5 +185,37 @@ func TestPlotStepsWritesPNG(t *testing.T) {
 	defer f.Close()
 	if _, err := png.Decode(f); err != nil {
 		t.Fatalf("not a PNG: %v", err)
+	}
+}
+
+// TestCompareRunPrintsOneTable runs `vkbench compare` at a small size and
+// checks that its table of steps is printed once, with a row per policy.
+func TestCompareRunPrintsOneTable(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "stdout")
+	f, err := os.Create(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout := os.Stdout
+	os.Stdout = f
+	err = compare([]string{"-n", "1024", "-heads", "8", "-kv-heads", "2", "-dim", "64", "-fidelity=false", "-reps", "2", "-kinds", "mixed"})
+	os.Stdout = stdout
+	f.Close()
+	if err != nil {
+		if os.Getenv("VKSPARSE_REQUIRE_DEVICE") == "" && (errors.Is(err, vk.ErrNoLoader) || errors.Is(err, vk.ErrNoDevice)) {
+			t.Skipf("no Vulkan device to run compare on (%v)", err)
+		}
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := string(b)
+	if n := strings.Count(text, "speed-up"); n != 1 {
+		t.Fatalf("the table's header appears %d times, want once:\n%s", n, text)
+	}
+	if n := strings.Count(text, " tactic P=0.9 "); n != 1 {
+		t.Fatalf("Tactic's row appears %d times, want once:\n%s", n, text)
 	}
 }
