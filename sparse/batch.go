@@ -109,7 +109,7 @@ func (b *Batch) Attend(q []float32) ([]float32, error) {
 	if err := b.Rebalance(); err != nil {
 		return nil, err
 	}
-	if err := runOnce(b.dense.dev, b.Record); err != nil {
+	if err := b.dense.dev.Do(b.Record); err != nil {
 		return nil, err
 	}
 	out := make([]float32, len(q))

@@ -63,7 +63,7 @@ func TestDeltaPagesMatchReference(t *testing.T) {
 			require.NoError(t, err)
 			require.NoError(t, dense.Release())
 			require.Equal(t, ref, out, "writing the logits leaves the output as it was")
-			require.NoError(t, runOnce(dev, x.Record))
+			require.NoError(t, dev.Do(x.Record))
 			got, err := x.Scores()
 			require.NoError(t, err)
 
@@ -151,7 +151,7 @@ func TestDeltaSelectMatchesReference(t *testing.T) {
 			require.NoError(t, err)
 			nan := math.Float32bits(float32(math.NaN()))
 			require.NoError(t, dev.Run(func(c *vk.Commands) { c.Fill(x.Index().Starts.All(), nan) }))
-			require.NoError(t, runOnce(dev, x.Record))
+			require.NoError(t, dev.Do(x.Record))
 			want, err := DeltaSelectRef(s64, tc.budget, tc.recent)
 			require.NoError(t, err)
 			got, err := x.Picked()

@@ -712,7 +712,7 @@ func (p *DensePlan) SetOutput(r vk.Range) error {
 	return err
 }
 
-func (p *DensePlan) run() error { return runOnce(p.d.dev, p.Record) }
+func (p *DensePlan) run() error { return p.d.dev.Do(p.Record) }
 
 // Time records warmup+reps back-to-back runs of the attention in one
 // submission, with a timestamp after each, so the GPU stays busy as in a
@@ -787,26 +787,6 @@ func (w *stopwatch) release() error {
 	err := errors.Join(releaseAll(w.stamps), releaseAll(w.cmd))
 	w.stamps, w.cmd = nil, nil
 	return err
-}
-
-// runOnce records record into a fresh command buffer, submits it and waits.
-func runOnce(dev *vk.Device, record func(*vk.Commands) error) error {
-	c, err := dev.NewCommands()
-	if err != nil {
-		return err
-	}
-	defer c.Release()
-	if err := c.Begin(); err != nil {
-		return err
-	}
-	if err := record(c); err != nil {
-		c.End()
-		return err
-	}
-	if err := c.End(); err != nil {
-		return err
-	}
-	return c.Submit()
 }
 
 func ceilDiv(a, b int) int { return (a + b - 1) / b }

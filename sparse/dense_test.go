@@ -65,26 +65,8 @@ func listsRef(t *testing.T, h Heads, q []float32, k, v []float64, n int, lists [
 
 func requireClose(t *testing.T, want []float64, got []float32, dim int, tol float64, what string) {
 	t.Helper()
-	for h := 0; h*dim < len(want); h++ {
-		var num, den float64
-		for i := h * dim; i < (h+1)*dim; i++ {
-			diff := float64(got[i]) - want[i]
-			if math.IsNaN(float64(got[i])) {
-				diff = math.Inf(1)
-			}
-			num += diff * diff
-			den += want[i] * want[i]
-		}
-		rel := math.Sqrt(num / math.Max(den, 1e-300))
-		if !(rel < tol) {
-			var first []string
-			for i := h * dim; i < (h+1)*dim && len(first) < 5; i++ {
-				if math.Abs(float64(got[i])-want[i]) > tol*math.Sqrt(den/float64(dim)) || math.IsNaN(float64(got[i])) {
-					first = append(first, fmt.Sprintf("[%d] got %g want %g", i-h*dim, got[i], want[i]))
-				}
-			}
-			t.Fatalf("%s: head %d relative error %.3g ≥ %.g; first mismatches: %v", what, h, rel, tol, first)
-		}
+	if err := CompareHeads(want, got, dim, tol); err != nil {
+		t.Fatalf("%s: %v", what, err)
 	}
 }
 

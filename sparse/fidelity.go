@@ -270,3 +270,38 @@ func (o *FidelityOracle) Measure(selected []int32, out []float64, clusters [][]i
 	f.Err, f.RelErr, err = outputError(out, o.dense)
 	return f, err
 }
+
+// CompareHeads compares an output got ([heads][dim] float32) with its
+// float64 reference want, head by head: it returns an error naming the
+// first head whose relative error ‖got − want‖ / ‖want‖ is not below tol
+// (NaN counts as infinitely far), with that head's first few elements off
+// by more than tol times want's root mean square; nil when every head is
+// within tol.
+func CompareHeads(want []float64, got []float32, dim int, tol float64) error {
+	if len(got) != len(want) || dim < 1 || len(want)%dim != 0 {
+		return fmt.Errorf("sparse: CompareHeads: %d elements against %d, heads of %d", len(got), len(want), dim)
+	}
+	for h := 0; h*dim < len(want); h++ {
+		var num, den float64
+		for i := h * dim; i < (h+1)*dim; i++ {
+			diff := float64(got[i]) - want[i]
+			if math.IsNaN(diff) {
+				diff = math.Inf(1)
+			}
+			num += diff * diff
+			den += want[i] * want[i]
+		}
+		rel := math.Sqrt(num / math.Max(den, 1e-300))
+		if rel < tol {
+			continue
+		}
+		var first []string
+		for i := h * dim; i < (h+1)*dim && len(first) < 5; i++ {
+			if d := math.Abs(float64(got[i]) - want[i]); !(d <= tol*math.Sqrt(den/float64(dim))) {
+				first = append(first, fmt.Sprintf("[%d] got %g want %g", i-h*dim, got[i], want[i]))
+			}
+		}
+		return fmt.Errorf("head %d relative error %.3g ≥ %.g; first mismatches: %v", h, rel, tol, first)
+	}
+	return nil
+}

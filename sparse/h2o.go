@@ -335,7 +335,7 @@ func (s *H2OSelector) Observe(q []float32) error {
 	if err := s.scratch.Buffer.WriteFloat32(s.scratch.Offset+s.layout().obs, q); err != nil {
 		return err
 	}
-	return runOnce(s.dense.dev, func(c *vk.Commands) error {
+	return s.dense.dev.Do(func(c *vk.Commands) error {
 		s.recordScore(c, s.observeBind, true)
 		c.ComputeBarrier()
 		s.recordChoose(c, true)

@@ -51,17 +51,6 @@ func TestH2OStepMatchesReference(t *testing.T) {
 	lo, hi := layout.Middle(n)
 	fixed := layout.Fixed(n)
 	m := hi - lo
-	qsOf := func(q []float32, g int) [][]float64 {
-		var qs [][]float64
-		for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
-			qh := make([]float64, h.Dim)
-			for i := range qh {
-				qh[i] = float64(q[hh*h.Dim+i])
-			}
-			qs = append(qs, qh)
-		}
-		return qs
-	}
 
 	// The default selection gathers the first radix level's bin in shared
 	// memory within one workgroup a head here; small workgroups with room
@@ -117,7 +106,7 @@ func TestH2OStepMatchesReference(t *testing.T) {
 			require.NoError(t, sel.Observe(q))
 			for g := range exact {
 				ks, _ := kv(g)
-				qs := qsOf(q, g)
+				qs := h.GroupQueries(q, g)
 				require.NoError(t, exact[g].Observe(qs, ks, scale))
 				for j, qh := range qs {
 					p, err := SoftmaxRef(qh, ks, scale)
@@ -153,7 +142,7 @@ func TestH2OStepMatchesReference(t *testing.T) {
 			var want []float64
 			for g := 0; g < h.KV; g++ {
 				ks, vs := kv(g)
-				qs := qsOf(q, g)
+				qs := h.GroupQueries(q, g)
 				state, err := NewH2O(h.Group(), layout)
 				require.NoError(t, err)
 				var rs [][]int

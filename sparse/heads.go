@@ -20,6 +20,20 @@ func (h Heads) Group() int { return h.Query / h.KV }
 // Scale returns the attention scale 1/√Dim that multiplies every q·k.
 func (h Heads) Scale() float64 { return 1 / math.Sqrt(float64(h.Dim)) }
 
+// GroupQueries returns the query heads of KV head g from q ([Hq][D]
+// float32) as float64 rows, [Group][D]: what the float64 references take.
+func (h Heads) GroupQueries(q []float32, g int) [][]float64 {
+	qs := make([][]float64, 0, h.Group())
+	for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
+		qh := make([]float64, h.Dim)
+		for i := range qh {
+			qh[i] = float64(q[hh*h.Dim+i])
+		}
+		qs = append(qs, qh)
+	}
+	return qs
+}
+
 // scaleBits returns Scale as the float32 bits a kernel's push constants
 // take.
 func (h Heads) scaleBits() uint32 { return math.Float32bits(float32(h.Scale())) }

@@ -426,7 +426,7 @@ func (s *LuKAStep) Segment() (int, error) {
 	mode := map[LuKACompressor]uint32{LuKAMean: 0, LuKAWeighted: 1, LuKARandom: 2}[s.opts.Compressor]
 	push := []uint32{uint32(s.S), uint32(s.layer.HeadBytes() / 4), uint32(max(s.maxS, 1) * half), uint32(s.ring - 1),
 		mode, math.Float32bits(float32(1 / s.opts.Tau)), s.opts.Seed}
-	err := runOnce(s.dense.dev, func(c *vk.Commands) error {
+	err := s.dense.dev.Do(func(c *vk.Commands) error {
 		c.Dispatch(s.compress, s.compBind, push, uint32(target-s.S), uint32(h.KV), 1)
 		return nil
 	})
@@ -562,7 +562,7 @@ func (s *LuKAStep) Attend(q []float32) ([]float32, error) {
 	if err := s.SetQuery(q); err != nil {
 		return nil, err
 	}
-	if err := runOnce(s.dense.dev, s.Record); err != nil {
+	if err := s.dense.dev.Do(s.Record); err != nil {
 		return nil, err
 	}
 	h := s.dense.heads

@@ -152,7 +152,7 @@ func (s *Step) Attend(q []float32) ([]float32, error) {
 	if err := s.plan.Rebalance(1); err != nil {
 		return nil, err
 	}
-	if err := runOnce(s.dense.dev, s.Record); err != nil {
+	if err := s.dense.dev.Do(s.Record); err != nil {
 		return nil, err
 	}
 	out := make([]float32, len(q))
@@ -229,7 +229,7 @@ func timeStages(dev *vk.Device, ns, warmup, reps int, record func(c *vk.Commands
 		return nil, 0, err
 	}
 	defer stamps.Release()
-	err = runOnce(dev, func(c *vk.Commands) error {
+	err = dev.Do(func(c *vk.Commands) error {
 		c.Reset(stamps)
 		c.Timestamp(stamps, 0)
 		for r := 0; r < warmup+reps; r++ {

@@ -245,6 +245,28 @@ func (d *Device) Run(fn func(*Commands)) error {
 	return c.once(fn)
 }
 
+// Do records fn into a fresh command buffer, submits it and waits; an
+// error from fn (or from recording) is returned before anything is
+// submitted.
+func (d *Device) Do(fn func(*Commands) error) error {
+	c, err := d.NewCommands()
+	if err != nil {
+		return err
+	}
+	defer c.Release()
+	if err := c.Begin(); err != nil {
+		return err
+	}
+	if err := fn(c); err != nil {
+		c.End()
+		return err
+	}
+	if err := c.End(); err != nil {
+		return err
+	}
+	return c.Submit()
+}
+
 // Timestamps is a pool of timestamp queries.
 type Timestamps struct {
 	dev  *Device

@@ -98,16 +98,7 @@ func (in *Inputs) KV(g int) (keys, values []float64) {
 
 // QueryHeads returns the queries of KV head g's query heads in float64.
 func (in *Inputs) QueryHeads(q []float32, g int) [][]float64 {
-	h := in.Heads
-	var qs [][]float64
-	for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
-		qh := make([]float64, h.Dim)
-		for i := range qh {
-			qh[i] = float64(q[hh*h.Dim+i])
-		}
-		qs = append(qs, qh)
-	}
-	return qs
+	return in.Heads.GroupQueries(q, g)
 }
 
 // Policy describes a policy's step to the suite. New and Reference are
@@ -302,7 +293,7 @@ func checkStep(t *testing.T, p Policy, in *Inputs, twin bool) {
 // replayStep runs s again for the queries it holds and returns the output.
 func replayStep(t *testing.T, dev *vk.Device, s Step) []float32 {
 	t.Helper()
-	must(t, record(dev, s.Record), "running the step again")
+	must(t, dev.Do(s.Record), "running the step again")
 	return readOutput(t, s)
 }
 
@@ -362,7 +353,7 @@ func checkReleased(t *testing.T, dev *vk.Device, s Step, q []float32) {
 		"Release":  s.Release,
 		"SetQuery": func() error { return s.SetQuery(q) },
 		"Attend":   func() error { _, err := s.Attend(q); return err },
-		"Record":   func() error { return record(dev, s.Record) },
+		"Record":   func() error { return dev.Do(s.Record) },
 	} {
 		err := callSafely(call)
 		if !errors.Is(err, vk.ErrReleased) {
@@ -382,26 +373,6 @@ func callSafely(call func() error) (err error) {
 		}
 	}()
 	return call()
-}
-
-// record records one submission of fn, runs it and waits.
-func record(dev *vk.Device, fn func(*vk.Commands) error) error {
-	c, err := dev.NewCommands()
-	if err != nil {
-		return err
-	}
-	defer c.Release()
-	if err := c.Begin(); err != nil {
-		return err
-	}
-	if err := fn(c); err != nil {
-		c.End()
-		return err
-	}
-	if err := c.End(); err != nil {
-		return err
-	}
-	return c.Submit()
 }
 
 // poison fills s's output and scratch with NaN.
@@ -491,29 +462,8 @@ func requireIdentical(t *testing.T, want, got []float32, what string) {
 // ‖got − want‖ / ‖want‖ < tol; it reports the first mismatching elements.
 func requireClose(t *testing.T, want []float64, got []float32, dim int, tol float64, what string) {
 	t.Helper()
-	if len(got) != len(want) {
-		t.Fatalf("%s: %d elements, want %d", what, len(got), len(want))
-	}
-	for h := 0; h*dim < len(want); h++ {
-		var num, den float64
-		for i := h * dim; i < (h+1)*dim; i++ {
-			diff := float64(got[i]) - want[i]
-			if math.IsNaN(diff) {
-				diff = math.Inf(1)
-			}
-			num += diff * diff
-			den += want[i] * want[i]
-		}
-		rel := math.Sqrt(num / math.Max(den, 1e-300))
-		if !(rel < tol) {
-			var first []string
-			for i := h * dim; i < (h+1)*dim && len(first) < 5; i++ {
-				if d := math.Abs(float64(got[i]) - want[i]); !(d <= tol*math.Sqrt(den/float64(dim))) {
-					first = append(first, fmt.Sprintf("[%d] got %g want %g", i-h*dim, got[i], want[i]))
-				}
-			}
-			t.Fatalf("%s: head %d relative error %.3g ≥ %.g; first mismatches: %v", what, h, rel, tol, first)
-		}
+	if err := sparse.CompareHeads(want, got, dim, tol); err != nil {
+		t.Fatalf("%s: %v", what, err)
 	}
 }
 
