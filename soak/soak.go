@@ -642,54 +642,58 @@ func (r *runner) compare(pi, slot, layer int, q, out []float32) error {
 	ls := r.st.slots[slot][layer]
 	pol := &r.rep.Policies[pi]
 	mass := r.cfg.Policies[pi].Mass
-	scale := 1 / math.Sqrt(float64(h.Dim))
-	qh := make([]float64, h.Dim)
-	for head := range h.Query {
-		g := head / h.Group()
-		for d := range qh {
-			qh[d] = float64(q[head*h.Dim+d])
-		}
-		ref, err := sparse.AttendRef(qh, ls.kf[g], ls.vf[g], scale)
-		if err != nil {
-			return err
-		}
-		lo, hi, maxNorm, maxAbs := valueBounds(ls.vf[g], h.Dim)
-		got := out[head*h.Dim : (head+1)*h.Dim]
-		var num, den float64
-		for d, x := range got {
-			diff := float64(x) - ref[d]
-			num += diff * diff
-			den += ref[d] * ref[d]
-			if slack := RelTol * maxAbs; !(float64(x) >= lo[d]-slack && float64(x) <= hi[d]+slack) {
-				return fmt.Errorf("head %d: output[%d] = %v outside the values' range [%v, %v]", head, d, x, lo[d], hi[d])
+	for g := range h.KV {
+		vr := valueBounds(ls.vf[g], h.Dim) // once for the group's heads
+		for i, qh := range h.GroupQueries(q, g) {
+			head := g*h.Group() + i
+			ref, err := sparse.AttendRef(qh, ls.kf[g], ls.vf[g], h.Scale())
+			if err != nil {
+				return err
 			}
-		}
-		errNorm, refNorm := math.Sqrt(num), math.Sqrt(den)
-		tol := RelTol*refNorm + 2*(1-mass)*maxNorm
-		pol.Heads++
-		pol.WorstRelative = max(pol.WorstRelative, errNorm/math.Max(refNorm, 1e-300))
-		pol.WorstShare = max(pol.WorstShare, errNorm/tol)
-		if !(errNorm <= tol) {
-			return fmt.Errorf("head %d: ‖o − dense‖ = %.3g, tolerance %.3g (‖dense‖ = %.3g, mass %v)", head, errNorm, tol, refNorm, mass)
+			got := out[head*h.Dim : (head+1)*h.Dim]
+			var num, den float64
+			for d, x := range got {
+				diff := float64(x) - ref[d]
+				num += diff * diff
+				den += ref[d] * ref[d]
+				if slack := RelTol * vr.maxAbs; !(float64(x) >= vr.lo[d]-slack && float64(x) <= vr.hi[d]+slack) {
+					return fmt.Errorf("head %d: output[%d] = %v outside the values' range [%v, %v]", head, d, x, vr.lo[d], vr.hi[d])
+				}
+			}
+			errNorm, refNorm := math.Sqrt(num), math.Sqrt(den)
+			tol := RelTol*refNorm + 2*(1-mass)*vr.maxNorm
+			pol.Heads++
+			pol.WorstRelative = max(pol.WorstRelative, errNorm/math.Max(refNorm, 1e-300))
+			pol.WorstShare = max(pol.WorstShare, errNorm/tol)
+			if !(errNorm <= tol) {
+				return fmt.Errorf("head %d: ‖o − dense‖ = %.3g, tolerance %.3g (‖dense‖ = %.3g, mass %v)", head, errNorm, tol, refNorm, mass)
+			}
 		}
 	}
 	return nil
 }
 
-// valueBounds returns each coordinate's least and greatest value over the
-// rows of v (n×d), the largest row norm and the largest magnitude.
-func valueBounds(v []float64, d int) (lo, hi []float64, maxNorm, maxAbs float64) {
-	lo, hi = slices.Clone(v[:d]), slices.Clone(v[:d])
+// valueRange is what bounds an attention output over some value rows:
+// each coordinate's least and greatest value, the largest row norm and
+// the largest magnitude.
+type valueRange struct {
+	lo, hi          []float64
+	maxNorm, maxAbs float64
+}
+
+// valueBounds returns the valueRange of the rows of v (n×d).
+func valueBounds(v []float64, d int) valueRange {
+	vr := valueRange{lo: slices.Clone(v[:d]), hi: slices.Clone(v[:d])}
 	for t := 0; t*d < len(v); t++ {
 		var sq float64
 		for i, x := range v[t*d : (t+1)*d] {
-			lo[i], hi[i] = min(lo[i], x), max(hi[i], x)
+			vr.lo[i], vr.hi[i] = min(vr.lo[i], x), max(vr.hi[i], x)
 			sq += x * x
-			maxAbs = max(maxAbs, math.Abs(x))
+			vr.maxAbs = max(vr.maxAbs, math.Abs(x))
 		}
-		maxNorm = max(maxNorm, math.Sqrt(sq))
+		vr.maxNorm = max(vr.maxNorm, math.Sqrt(sq))
 	}
-	return lo, hi, maxNorm, maxAbs
+	return vr
 }
 
 // check compares every model with the float64 model: the slots' states,

@@ -184,7 +184,7 @@ func (b *Buffer) Write(offset uint64, data []byte) error {
 		for done := uint64(0); done < uint64(len(data)); done += stage.size {
 			n := min(stage.size, uint64(len(data))-done)
 			copy(unsafe.Slice((*byte)(stage.mapped), stage.size), data[done:done+n])
-			if err := cmd.once(func(c *Commands) { c.Copy(stage.Slice(0, n), b.Slice(offset+done, n)) }); err != nil {
+			if err := cmd.once(func(c *Commands) error { c.Copy(stage.Slice(0, n), b.Slice(offset+done, n)); return nil }); err != nil {
 				return err
 			}
 		}
@@ -207,7 +207,7 @@ func (b *Buffer) Read(offset uint64, out []byte) error {
 	return b.dev.staged(func(stage *Buffer, cmd *Commands) error {
 		for done := uint64(0); done < uint64(len(out)); done += stage.size {
 			n := min(stage.size, uint64(len(out))-done)
-			if err := cmd.once(func(c *Commands) { c.Copy(b.Slice(offset+done, n), stage.Slice(0, n)) }); err != nil {
+			if err := cmd.once(func(c *Commands) error { c.Copy(b.Slice(offset+done, n), stage.Slice(0, n)); return nil }); err != nil {
 				return err
 			}
 			copy(out[done:done+n], unsafe.Slice((*byte)(stage.mapped), stage.size))

@@ -223,37 +223,9 @@ func (c *Commands) Submit() error {
 	return c.dev.result("vkResetFences", vk.ResetFences(c.dev.device, 1, fences))
 }
 
-// once records fn between Begin and End and submits it.
-func (c *Commands) once(fn func(*Commands)) error {
-	if err := c.Begin(); err != nil {
-		return err
-	}
-	fn(c)
-	if err := c.End(); err != nil {
-		return err
-	}
-	return c.Submit()
-}
-
-// Run records fn into a fresh command buffer, submits it and waits.
-func (d *Device) Run(fn func(*Commands)) error {
-	c, err := d.NewCommands()
-	if err != nil {
-		return err
-	}
-	defer c.Release()
-	return c.once(fn)
-}
-
-// Do records fn into a fresh command buffer, submits it and waits; an
-// error from fn (or from recording) is returned before anything is
-// submitted.
-func (d *Device) Do(fn func(*Commands) error) error {
-	c, err := d.NewCommands()
-	if err != nil {
-		return err
-	}
-	defer c.Release()
+// once records fn between Begin and End and submits it; an error from fn
+// (or from recording) is returned before anything is submitted.
+func (c *Commands) once(fn func(*Commands) error) error {
 	if err := c.Begin(); err != nil {
 		return err
 	}
@@ -265,6 +237,23 @@ func (d *Device) Do(fn func(*Commands) error) error {
 		return err
 	}
 	return c.Submit()
+}
+
+// Run records fn into a fresh command buffer, submits it and waits.
+func (d *Device) Run(fn func(*Commands)) error {
+	return d.Do(func(c *Commands) error { fn(c); return nil })
+}
+
+// Do records fn into a fresh command buffer, submits it and waits; an
+// error from fn (or from recording) is returned before anything is
+// submitted.
+func (d *Device) Do(fn func(*Commands) error) error {
+	c, err := d.NewCommands()
+	if err != nil {
+		return err
+	}
+	defer c.Release()
+	return c.once(fn)
 }
 
 // Timestamps is a pool of timestamp queries.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	vk "github.com/vulkan-go/vulkan"
 )
@@ -50,9 +51,9 @@ type faults struct {
 	mu     sync.Mutex
 	on     bool // Options.Faults
 	armed  *Fault
-	seen   int  // calls at armed.Site since it was armed
-	fired  bool // the armed fault has fired
-	lost   bool // the device is lost, really or by injection
+	seen   int         // calls at armed.Site since it was armed
+	fired  bool        // the armed fault has fired
+	lost   atomic.Bool // the device is lost, really or by injection
 	counts [sites]int
 }
 
@@ -99,9 +100,7 @@ func (d *Device) Calls(site Site) int {
 // returned VK_ERROR_DEVICE_LOST, or a fault was injected), nil before.
 // Every call that would use the device then fails; Release still works.
 func (d *Device) Lost() error {
-	d.faults.mu.Lock()
-	defer d.faults.mu.Unlock()
-	if d.faults.lost {
+	if d.faults.lost.Load() {
 		return fmt.Errorf("%w: the device was lost earlier; release what it holds and open another", ErrDeviceLost)
 	}
 	return nil
@@ -110,14 +109,14 @@ func (d *Device) Lost() error {
 // call is what the device does before a call at site: it fails with the
 // armed fault when its turn has come, or because the device is lost.
 func (d *Device) call(site Site, name string) error {
-	d.faults.mu.Lock()
-	defer d.faults.mu.Unlock()
-	if d.faults.lost {
+	if d.faults.lost.Load() {
 		return &Result{Call: name, Code: vk.ErrorDeviceLost}
 	}
 	if !d.faults.on {
 		return nil
 	}
+	d.faults.mu.Lock()
+	defer d.faults.mu.Unlock()
 	d.faults.counts[site]++
 	f := d.faults.armed
 	if f == nil || f.Site != site || d.faults.fired {
@@ -129,7 +128,8 @@ func (d *Device) call(site Site, name string) error {
 	d.faults.fired = true
 	code := vk.ErrorOutOfDeviceMemory
 	if errors.Is(f.Err, ErrDeviceLost) {
-		code, d.faults.lost = vk.ErrorDeviceLost, true
+		code = vk.ErrorDeviceLost
+		d.faults.lost.Store(true)
 	}
 	return &Result{Call: name + " (injected)", Code: code}
 }
@@ -138,9 +138,7 @@ func (d *Device) call(site Site, name string) error {
 // when r says so.
 func (d *Device) result(name string, r vk.Result) error {
 	if r == vk.ErrorDeviceLost {
-		d.faults.mu.Lock()
-		d.faults.lost = true
-		d.faults.mu.Unlock()
+		d.faults.lost.Store(true)
 	}
 	return check(name, r)
 }
