@@ -32,6 +32,7 @@ import (
 	"fmt"
 	"math"
 	"sync"
+	"unsafe"
 
 	"github.com/x448/float16"
 
@@ -251,19 +252,25 @@ func (l *Layer) write(k, v []uint16, n int) error {
 // writePositions records that slots [from, from+n) of every head hold
 // their own positions, where the layer keeps positions.
 func (l *Layer) writePositions(from, n int) error {
-	if l.positions == nil {
+	return l.dev.Upload(l.positionUploads(from, n)...)
+}
+
+// positionUploads returns the writes of the identity positions of slots
+// [from, from+n) of every head (none before the first Reorder).
+func (l *Layer) positionUploads(from, n int) []vk.Upload {
+	if l.positions == nil || n == 0 {
 		return nil
 	}
 	ids := make([]uint32, n)
 	for i := range ids {
 		ids[i] = uint32(from + i)
 	}
-	for h := 0; h < l.kvHeads; h++ {
-		if err := l.positions.WriteUint32(uint64(h*l.capacity+from)*4, ids); err != nil {
-			return err
-		}
+	raw := unsafe.Slice((*byte)(unsafe.Pointer(&ids[0])), 4*n)
+	ups := make([]vk.Upload, l.kvHeads)
+	for h := range ups {
+		ups[h] = vk.Upload{To: l.positions, Offset: uint64(h*l.capacity+from) * 4, Data: raw}
 	}
-	return nil
+	return ups
 }
 
 // Append adds one token: k and v hold [KVHeads][HeadDim] fp16 bit
@@ -308,19 +315,26 @@ func (l *Layer) Extend(k, v []uint16, count int) error {
 // was when the device fails.
 func (l *Layer) appendRows(k, v []uint16, count int) error {
 	rows := count * l.headDim
+	ups := make([]vk.Upload, 0, 3*l.kvHeads)
 	for h := 0; h < l.kvHeads; h++ {
 		off := uint64(h)*l.HeadBytes() + uint64(l.n*l.headDim*2)
-		if err := errors.Join(
-			l.keys.WriteUint16(off, k[h*rows:(h+1)*rows]),
-			l.values.WriteUint16(off, v[h*rows:(h+1)*rows])); err != nil {
-			return err
-		}
+		ups = append(ups,
+			vk.Upload{To: l.keys, Offset: off, Data: halfBytes(k[h*rows : (h+1)*rows])},
+			vk.Upload{To: l.values, Offset: off, Data: halfBytes(v[h*rows : (h+1)*rows])})
 	}
-	if err := l.writePositions(l.n, count); err != nil {
+	if err := l.dev.Upload(append(ups, l.positionUploads(l.n, count)...)...); err != nil {
 		return err
 	}
 	l.n += count
 	return nil
+}
+
+// halfBytes views fp16 bit patterns as bytes.
+func halfBytes(s []uint16) []byte {
+	if len(s) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(&s[0])), 2*len(s))
 }
 
 // Truncate drops the tokens from n on (0 ≤ n ≤ Len); their slots are

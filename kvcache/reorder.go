@@ -58,11 +58,10 @@ func (l *Layer) Reorder(x *Clusters) error {
 			return err
 		}
 	}
-	pipe, err := l.dev.NewPipeline(vk.Kernel{Name: "kv_reorder", SPIRV: code, Bindings: 6, PushWords: 5, Specialization: []uint32{reorderWorkgroup, uint32(l.headDim)}})
+	pipe, err := l.dev.SharedPipeline(vk.Kernel{Name: "kv_reorder", SPIRV: code, Bindings: 6, PushWords: 5, Specialization: []uint32{reorderWorkgroup, uint32(l.headDim)}})
 	if err != nil {
 		return err
 	}
-	defer pipe.Release()
 	rowBytes := uint64(l.headDim) * 2
 	span := uint64(x.Count) * rowBytes
 	var bufs []*vk.Buffer

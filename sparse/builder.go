@@ -113,16 +113,18 @@ func (b *builder) kernel(name string, bindings, push int, spec ...uint32) *vk.Pi
 	return pipe
 }
 
-// runKernelOnce builds the shader name, runs one dispatch of it over
-// bindings with push and groups workgroups, waits, and releases it: the
-// kernels a selector runs once, when it is made.
+// runKernelOnce runs one dispatch of the shader name over bindings with
+// push and groups workgroups, and waits: the kernels a selector runs once,
+// when it is made. The device compiles the shader once (vk.SharedPipeline).
 func runKernelOnce(dev *vk.Device, name string, spec []uint32, bindings []vk.Range, push []uint32, groups [3]uint32) error {
-	b := &builder{dev: dev}
-	pipe := b.kernel(name, len(bindings), len(push), spec...)
-	if b.err != nil {
-		return b.err
+	code, err := shaders.SPIRV(name)
+	if err != nil {
+		return err
 	}
-	defer pipe.Release()
+	pipe, err := dev.SharedPipeline(vk.Kernel{Name: name, SPIRV: code, Bindings: len(bindings), PushWords: len(push), Specialization: spec})
+	if err != nil {
+		return err
+	}
 	bind, err := pipe.Bind(bindings...)
 	if err != nil {
 		return err

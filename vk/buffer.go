@@ -17,13 +17,16 @@ const (
 	HostVisible
 )
 
-// Buffer is a storage buffer bound to its own memory allocation.
+// Buffer is a storage buffer bound to its own memory allocation, or, when
+// small, to a range of a block it shares with others.
 type Buffer struct {
 	dev    *Device
 	buffer vk.Buffer
-	memory vk.DeviceMemory
+	memory vk.DeviceMemory // its own allocation (nil in a shared block)
+	block  *block          // the shared block it lies in (nil: its own)
+	offset uint64          // its offset in the block
 	size   uint64
-	held   uint64 // bytes of the allocation
+	held   uint64 // bytes of the allocation, or of its range of the block
 	// staging marks the device's own staging buffer, which Allocated
 	// does not count.
 	staging bool
@@ -89,30 +92,51 @@ func (d *Device) NewBuffer(size uint64, kind Memory) (*Buffer, error) {
 		vk.DestroyBuffer(d.device, buf, nil)
 		return nil, fmt.Errorf("%w: buffer of %d bytes exceeds the device's memory heap (%d bytes)", ErrOutOfMemory, size, heap)
 	}
-	var mem vk.DeviceMemory
-	mai := vk.MemoryAllocateInfo{SType: vk.StructureTypeMemoryAllocateInfo, AllocationSize: req.Size, MemoryTypeIndex: typ}
 	err := d.call(Allocation, "vkAllocateMemory")
-	if err == nil {
+	var (
+		mem    vk.DeviceMemory
+		shared *block
+		offset uint64
+	)
+	if err == nil && uint64(req.Size) <= sharedMax {
+		shared, offset, err = d.takeShared(typ, uint64(req.Size), max(uint64(req.Alignment), 1))
+		if err == nil {
+			mem = shared.mem
+		}
+	} else if err == nil {
+		mai := vk.MemoryAllocateInfo{SType: vk.StructureTypeMemoryAllocateInfo, AllocationSize: req.Size, MemoryTypeIndex: typ}
 		err = d.result("vkAllocateMemory", vk.AllocateMemory(d.device, &mai, nil, &mem))
 	}
 	if err != nil {
 		vk.DestroyBuffer(d.device, buf, nil)
 		return nil, fmt.Errorf("vk: allocating a buffer of %d bytes: %w", size, err)
 	}
-	if err := check("vkBindBufferMemory", vk.BindBufferMemory(d.device, buf, mem, 0)); err != nil {
-		vk.FreeMemory(d.device, mem, nil)
+	free := func() {
+		if shared != nil {
+			d.giveShared(shared, offset, uint64(req.Size))
+		} else {
+			vk.FreeMemory(d.device, mem, nil)
+		}
+	}
+	if err := check("vkBindBufferMemory", vk.BindBufferMemory(d.device, buf, mem, vk.DeviceSize(offset))); err != nil {
+		free()
 		vk.DestroyBuffer(d.device, buf, nil)
 		return nil, err
 	}
-	b := &Buffer{dev: d, buffer: buf, memory: mem, size: size, held: uint64(req.Size), kind: kind}
+	b := &Buffer{dev: d, buffer: buf, size: size, held: uint64(req.Size), kind: kind, block: shared, offset: offset}
+	if shared == nil {
+		b.memory = mem
+	}
 	if kind == HostVisible {
 		var p unsafe.Pointer
 		err := d.call(Mapping, "vkMapMemory")
-		if err == nil {
+		if err == nil && shared != nil {
+			p = unsafe.Add(shared.host, offset) // the block is mapped once, whole
+		} else if err == nil {
 			err = d.result("vkMapMemory", vk.MapMemory(d.device, mem, 0, vk.DeviceSize(size), 0, &p))
 		}
 		if err != nil {
-			vk.FreeMemory(d.device, mem, nil)
+			free()
 			vk.DestroyBuffer(d.device, buf, nil)
 			return nil, err
 		}
@@ -150,12 +174,16 @@ func (b *Buffer) Release() error {
 	if b == nil || b.buffer == nil {
 		return ErrReleased
 	}
-	if b.mapped != nil {
+	if b.mapped != nil && b.block == nil {
 		vk.UnmapMemory(b.dev.device, b.memory)
-		b.mapped = nil
 	}
+	b.mapped = nil
 	vk.DestroyBuffer(b.dev.device, b.buffer, nil)
-	vk.FreeMemory(b.dev.device, b.memory, nil)
+	if b.block != nil {
+		b.dev.giveShared(b.block, b.offset, b.held)
+	} else {
+		vk.FreeMemory(b.dev.device, b.memory, nil)
+	}
 	b.buffer = nil
 	b.dev.untrack(b)
 	if !b.staging {
@@ -190,6 +218,68 @@ func (b *Buffer) Write(offset uint64, data []byte) error {
 		}
 		return nil
 	}, uint64(len(data)))
+}
+
+// Upload is one copy of host data into a buffer: Data at byte Offset of To.
+type Upload struct {
+	To     *Buffer
+	Offset uint64
+	Data   []byte
+}
+
+// Upload copies each upload's data into its buffer, the device-local
+// ones through the staging buffer in as few submissions as it holds
+// (one, for uploads of up to 64 MiB together): a token's keys, values
+// and positions cost one round trip, not one each. Every range is checked
+// before anything is copied.
+func (d *Device) Upload(ups ...Upload) error {
+	var staged uint64
+	for _, u := range ups {
+		if err := u.To.inRange("Write", u.Offset, uint64(len(u.Data))); err != nil {
+			return err
+		}
+		if u.To.dev != d {
+			return fmt.Errorf("vk: Device.Upload into a buffer of another device")
+		}
+		if u.To.kind != HostVisible {
+			staged += uint64(len(u.Data))
+		}
+	}
+	if err := d.Lost(); err != nil {
+		return err
+	}
+	if staged > stagingChunk {
+		for _, u := range ups { // too big to pack: one buffer at a time
+			if err := u.To.Write(u.Offset, u.Data); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	for _, u := range ups {
+		if u.To.kind == HostVisible {
+			copy(unsafe.Slice((*byte)(u.To.mapped), u.To.size)[u.Offset:], u.Data)
+		}
+	}
+	if staged == 0 {
+		return nil
+	}
+	return d.staged(func(stage *Buffer, cmd *Commands) error {
+		host := unsafe.Slice((*byte)(stage.mapped), stage.size)
+		return cmd.once(func(c *Commands) error {
+			at := uint64(0)
+			for _, u := range ups {
+				n := uint64(len(u.Data))
+				if u.To.kind == HostVisible || n == 0 {
+					continue
+				}
+				copy(host[at:], u.Data)
+				c.Copy(stage.Slice(at, n), u.To.Slice(u.Offset, n))
+				at += n
+			}
+			return nil
+		})
+	}, staged)
 }
 
 // Read copies len(out) bytes from the buffer at offset into out.

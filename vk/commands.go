@@ -1,6 +1,7 @@
 package vk
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -244,16 +245,52 @@ func (d *Device) Run(fn func(*Commands)) error {
 	return d.Do(func(c *Commands) error { fn(c); return nil })
 }
 
-// Do records fn into a fresh command buffer, submits it and waits; an
-// error from fn (or from recording) is returned before anything is
-// submitted.
+// Do records fn into a command buffer, submits it and waits; an error
+// from fn (or from recording) is returned before anything is submitted.
+// The command buffers are the device's own, kept from one call to the
+// next (creating one, with its fence, costs hundreds of microseconds on
+// some drivers); one that a call failed with is released, not kept.
 func (d *Device) Do(fn func(*Commands) error) error {
-	c, err := d.NewCommands()
+	c, err := d.idleCommands()
 	if err != nil {
 		return err
 	}
-	defer c.Release()
-	return c.once(fn)
+	if err = c.once(fn); err != nil {
+		return errors.Join(err, c.Release())
+	}
+	d.keepCommands(c)
+	return nil
+}
+
+// idleCommands returns a command buffer of the device's that no call is
+// using, making one when none is idle.
+func (d *Device) idleCommands() (*Commands, error) {
+	d.idleMu.Lock()
+	if n := len(d.idle); n > 0 {
+		c := d.idle[n-1]
+		d.idle = d.idle[:n-1]
+		d.idleMu.Unlock()
+		return c, nil
+	}
+	d.idleMu.Unlock()
+	return d.NewCommands()
+}
+
+// keepCommands keeps c for a later Do.
+func (d *Device) keepCommands(c *Commands) {
+	d.idleMu.Lock()
+	d.idle = append(d.idle, c)
+	d.idleMu.Unlock()
+}
+
+// releaseIdle releases the command buffers kept for Do.
+func (d *Device) releaseIdle() {
+	d.idleMu.Lock()
+	defer d.idleMu.Unlock()
+	for _, c := range d.idle {
+		c.Release()
+	}
+	d.idle = nil
 }
 
 // Timestamps is a pool of timestamp queries.

@@ -384,6 +384,14 @@ type Device struct {
 	stage    *Buffer    // host-visible staging of Buffer.Read and Write, kept
 	stageCmd *Commands  // their command buffer
 
+	blocks blocks // device memory that small buffers share
+
+	idleMu sync.Mutex  // serializes idle
+	idle   []*Commands // Do's command buffers, kept between calls
+
+	sharedMu sync.Mutex           // serializes SharedPipeline
+	shared   map[string]*Pipeline // SharedPipeline's, by kernel
+
 	faults faults // injected failures, and whether the device is lost
 }
 
@@ -538,6 +546,7 @@ func (d *Device) Release() error {
 		}
 	}
 	d.releaseStaging()
+	d.releaseIdle()
 	d.mu.Lock()
 	var leaked []string
 	for _, what := range d.live {
@@ -553,6 +562,8 @@ func (d *Device) Release() error {
 		return fmt.Errorf("vk: releasing device: %w", errors.Join(errs...))
 	}
 	before := uint64(C.vks_messages_errors())
+	d.releaseShared()
+	d.releaseBlocks()
 	vk.DestroyDevice(d.device, nil)
 	d.device = nil
 	after := uint64(C.vks_messages_errors())

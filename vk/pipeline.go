@@ -8,6 +8,7 @@ import "C"
 
 import (
 	"fmt"
+	"hash/crc32"
 	"runtime"
 	"strings"
 	"unsafe"
@@ -37,6 +38,7 @@ type Pipeline struct {
 	pipeline  vk.Pipeline
 	bindings  int
 	pushWords int
+	shared    bool // the device's own (SharedPipeline): Release leaves it
 }
 
 // NewPipeline compiles a kernel for the device.
@@ -158,10 +160,49 @@ func (p *Pipeline) Statistics() ([]Statistic, error) {
 	return out, nil
 }
 
-// Release destroys the pipeline.
+// SharedPipeline returns the device's own compiled copy of k, compiling
+// it on the first call for k's code, bindings, push words and
+// specialization, and the same pipeline on every later one: kernels that
+// callers would otherwise compile again for each short-lived use (a
+// reorder, a one-off dispatch). The device owns it and destroys it when it
+// is released; Release on it does nothing and returns nil.
+func (d *Device) SharedPipeline(k Kernel) (*Pipeline, error) {
+	key := fmt.Sprint(k.Name, len(k.SPIRV), crc32.ChecksumIEEE(k.SPIRV), k.Bindings, k.PushWords, k.Specialization)
+	d.sharedMu.Lock()
+	defer d.sharedMu.Unlock()
+	if p, ok := d.shared[key]; ok {
+		return p, d.Lost()
+	}
+	p, err := d.NewPipeline(k)
+	if err != nil {
+		return nil, err
+	}
+	d.untrack(p) // the device's own: no caller leaks it
+	p.shared = true
+	if d.shared == nil {
+		d.shared = map[string]*Pipeline{}
+	}
+	d.shared[key] = p
+	return p, nil
+}
+
+// releaseShared destroys the pipelines SharedPipeline made.
+func (d *Device) releaseShared() {
+	d.sharedMu.Lock()
+	defer d.sharedMu.Unlock()
+	for _, p := range d.shared {
+		p.destroy()
+	}
+	d.shared = nil
+}
+
+// Release destroys the pipeline (a shared one stays: see SharedPipeline).
 func (p *Pipeline) Release() error {
 	if p == nil || p.pipeline == nil {
 		return ErrReleased
+	}
+	if p.shared {
+		return nil
 	}
 	p.destroy()
 	p.dev.untrack(p)

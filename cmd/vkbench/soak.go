@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"runtime/pprof"
 	"sort"
 	"time"
 
@@ -29,8 +30,9 @@ func soakCmd(args []string) error {
 	maxPrefill := fs.Int("max-prefill", 0, "longest prefill drawn (0: half the capacity)")
 	duration := fs.Duration("duration", 0, "end the soak at the first step past this wall time (0: run every step)")
 	jsonPath := fs.String("json", "", "write the report as JSON to this file")
+	profile := fs.String("cpuprofile", "", "write a CPU profile of the soak (go tool pprof) to this file")
 	fs.Parse(args)
-	if err := checkOutputs(output{"json", *jsonPath}); err != nil {
+	if err := checkOutputs(output{"json", *jsonPath}, output{"cpuprofile", *profile}); err != nil {
 		return err
 	}
 	cfg := soak.Config{
@@ -49,6 +51,17 @@ func soakCmd(args []string) error {
 		return err
 	}
 	defer dev.Release()
+	if *profile != "" {
+		f, err := os.Create(*profile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 	prog := &progress{total: *steps}
 	start := time.Now()
 	draw := max(1, *steps/1000)
