@@ -1,5 +1,10 @@
 package vk
 
+/*
+#include "native.h"
+*/
+import "C"
+
 import (
 	"errors"
 	"fmt"
@@ -76,11 +81,11 @@ func (c *Commands) Release() error {
 // Begin starts recording, discarding what was recorded before.
 func (c *Commands) Begin() error {
 	c.err = nil
-	if err := check("vkResetCommandBuffer", vk.ResetCommandBuffer(c.cb, 0)); err != nil {
-		return err
+	var which *C.char
+	if r := vk.Result(C.vks_begin(c.handle(), &which)); r != vk.Success {
+		return check(C.GoString(which), r)
 	}
-	bi := vk.CommandBufferBeginInfo{SType: vk.StructureTypeCommandBufferBeginInfo}
-	return check("vkBeginCommandBuffer", vk.BeginCommandBuffer(c.cb, &bi))
+	return nil
 }
 
 // End finishes recording and returns the first recording error.
@@ -127,11 +132,12 @@ func (c *Commands) bindKernel(p *Pipeline, b *Binding, push []uint32) bool {
 		c.fail(fmt.Errorf("vk: kernel %s dispatched without its own live binding", p.name))
 		return false
 	}
-	vk.CmdBindPipeline(c.cb, vk.PipelineBindPointCompute, p.pipeline)
-	vk.CmdBindDescriptorSets(c.cb, vk.PipelineBindPointCompute, p.layout, 0, 1, []vk.DescriptorSet{b.set}, 0, nil)
+	var words *C.uint32_t
 	if len(push) > 0 {
-		vk.CmdPushConstants(c.cb, p.layout, vk.ShaderStageFlags(vk.ShaderStageComputeBit), 0, uint32(4*len(push)), unsafe.Pointer(&push[0]))
+		words = (*C.uint32_t)(unsafe.Pointer(&push[0]))
 	}
+	C.vks_cmd_bind_kernel(c.handle(), C.VkPipeline(unsafe.Pointer(p.pipeline)), C.VkPipelineLayout(unsafe.Pointer(p.layout)),
+		C.VkDescriptorSet(unsafe.Pointer(b.set)), words, C.uint32_t(len(push)))
 	return true
 }
 
@@ -144,27 +150,22 @@ func (c *Commands) fail(err error) {
 // Barrier makes all earlier shader and transfer writes visible to later
 // shader, transfer and indirect-argument reads.
 func (c *Commands) Barrier() {
-	mb := []vk.MemoryBarrier{{
-		SType:         vk.StructureTypeMemoryBarrier,
-		SrcAccessMask: vk.AccessFlags(vk.AccessShaderWriteBit | vk.AccessTransferWriteBit),
-		DstAccessMask: vk.AccessFlags(vk.AccessShaderReadBit | vk.AccessShaderWriteBit | vk.AccessTransferReadBit | vk.AccessTransferWriteBit | vk.AccessIndirectCommandReadBit),
-	}}
-	src := vk.PipelineStageFlags(vk.PipelineStageComputeShaderBit | vk.PipelineStageTransferBit)
-	dst := vk.PipelineStageFlags(vk.PipelineStageComputeShaderBit | vk.PipelineStageTransferBit | vk.PipelineStageDrawIndirectBit)
-	vk.CmdPipelineBarrier(c.cb, src, dst, 0, 1, mb, 0, nil, 0, nil)
+	C.vks_cmd_barrier(c.handle(),
+		C.uint32_t(vk.PipelineStageComputeShaderBit|vk.PipelineStageTransferBit),
+		C.uint32_t(vk.PipelineStageComputeShaderBit|vk.PipelineStageTransferBit|vk.PipelineStageDrawIndirectBit),
+		C.uint32_t(vk.AccessShaderWriteBit|vk.AccessTransferWriteBit),
+		C.uint32_t(vk.AccessShaderReadBit|vk.AccessShaderWriteBit|vk.AccessTransferReadBit|vk.AccessTransferWriteBit|vk.AccessIndirectCommandReadBit))
 }
 
 // ComputeBarrier makes earlier compute-shader writes visible to later
 // compute-shader reads and writes, and orders nothing else.
 func (c *Commands) ComputeBarrier() {
-	mb := []vk.MemoryBarrier{{
-		SType:         vk.StructureTypeMemoryBarrier,
-		SrcAccessMask: vk.AccessFlags(vk.AccessShaderWriteBit),
-		DstAccessMask: vk.AccessFlags(vk.AccessShaderReadBit | vk.AccessShaderWriteBit),
-	}}
-	stage := vk.PipelineStageFlags(vk.PipelineStageComputeShaderBit)
-	vk.CmdPipelineBarrier(c.cb, stage, stage, 0, 1, mb, 0, nil, 0, nil)
+	C.vks_cmd_barrier(c.handle(), C.uint32_t(vk.PipelineStageComputeShaderBit), C.uint32_t(vk.PipelineStageComputeShaderBit),
+		C.uint32_t(vk.AccessShaderWriteBit), C.uint32_t(vk.AccessShaderReadBit|vk.AccessShaderWriteBit))
 }
+
+// handle returns the command buffer as the C helpers take it.
+func (c *Commands) handle() C.VkCommandBuffer { return C.VkCommandBuffer(unsafe.Pointer(c.cb)) }
 
 // Fill records writing the 32-bit word value over a range (size a multiple of 4).
 func (c *Commands) Fill(r Range, value uint32) {
@@ -197,7 +198,8 @@ func (c *Commands) Copy(src, dst Range) {
 		c.fail(fmt.Errorf("vk: Copy of %d bytes into %d bytes, or out of range", src.Size, dst.Size))
 		return
 	}
-	vk.CmdCopyBuffer(c.cb, src.Buffer.buffer, dst.Buffer.buffer, 1, []vk.BufferCopy{{SrcOffset: vk.DeviceSize(src.Offset), DstOffset: vk.DeviceSize(dst.Offset), Size: vk.DeviceSize(src.Size)}})
+	C.vks_cmd_copy(c.handle(), C.VkBuffer(unsafe.Pointer(src.Buffer.buffer)), C.VkBuffer(unsafe.Pointer(dst.Buffer.buffer)),
+		C.uint64_t(src.Offset), C.uint64_t(dst.Offset), C.uint64_t(src.Size))
 }
 
 // SubmitTimeout bounds how long Submit waits for the GPU.
@@ -205,24 +207,27 @@ var SubmitTimeout = 2 * time.Minute
 
 // Submit runs the recorded commands and waits for them to finish.
 func (c *Commands) Submit() error {
-	si := []vk.SubmitInfo{{SType: vk.StructureTypeSubmitInfo, CommandBufferCount: 1, PCommandBuffers: []vk.CommandBuffer{c.cb}}}
 	// The queue is shared by every goroutine using the device; Vulkan wants
 	// its submissions serialized. The wait below needs no lock.
 	if err := c.dev.call(Submission, "vkQueueSubmit"); err != nil {
 		return err
 	}
 	c.dev.queueMu.Lock()
-	err := c.dev.result("vkQueueSubmit", vk.QueueSubmit(c.dev.queue, 1, si, c.fence))
+	err := c.dev.result("vkQueueSubmit", vk.Result(C.vks_queue_submit(C.VkQueue(unsafe.Pointer(c.dev.queue)), c.handle(), C.VkFence(unsafe.Pointer(c.fence)))))
 	c.dev.queueMu.Unlock()
 	if err != nil {
 		return err
 	}
-	fences := []vk.Fence{c.fence}
-	if err := c.dev.result("vkWaitForFences", vk.WaitForFences(c.dev.device, 1, fences, vk.True, uint64(SubmitTimeout.Nanoseconds()))); err != nil {
-		return err
-	}
-	return c.dev.result("vkResetFences", vk.ResetFences(c.dev.device, 1, fences))
+	var which *C.char
+	r := C.vks_wait_fence(C.VkDevice(unsafe.Pointer(c.dev.device)), C.VkFence(unsafe.Pointer(c.fence)),
+		C.uint64_t(submitSpin.Nanoseconds()), C.uint64_t(SubmitTimeout.Nanoseconds()), &which)
+	return c.dev.result(C.GoString(which), vk.Result(r))
 }
+
+// submitSpin is how long Submit polls its fence before it sleeps in
+// vkWaitForFences: most submissions (a copy, one step) finish within it,
+// and a sleeping wait adds tens of microseconds to each.
+const submitSpin = 200 * time.Microsecond
 
 // once records fn between Begin and End and submits it; an error from fn
 // (or from recording) is returned before anything is submitted.

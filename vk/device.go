@@ -309,6 +309,9 @@ func instanceFor(validate bool) (vk.Instance, error) {
 			return nil, err
 		}
 	}
+	if C.vks_hot_init(C.VkInstance(unsafe.Pointer(inst))) == 0 {
+		return nil, fmt.Errorf("%w: the Vulkan loader lacks a core 1.0 command", ErrUnsupported)
+	}
 	instances[validate] = inst
 	return inst, nil
 }

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static PFN_vkGetInstanceProcAddr gipa;
 
@@ -314,4 +315,155 @@ VkResult vks_pipeline_statistics(VkInstance instance, VkDevice device, VkPipelin
 	}
 	free(s);
 	return r;
+}
+
+// The calls made for every transfer, binding and dispatch, resolved once:
+// the loader's entry points dispatch on the handle, so they serve every
+// instance and device.
+static PFN_vkUpdateDescriptorSets p_update_sets;
+static PFN_vkCreateDescriptorPool p_create_pool;
+static PFN_vkDestroyDescriptorPool p_destroy_pool;
+static PFN_vkAllocateDescriptorSets p_alloc_sets;
+static PFN_vkCmdCopyBuffer p_copy;
+static PFN_vkCmdPipelineBarrier p_barrier;
+static PFN_vkCmdBindPipeline p_bind_pipeline;
+static PFN_vkCmdBindDescriptorSets p_bind_sets;
+static PFN_vkCmdPushConstants p_push;
+static PFN_vkQueueSubmit p_submit;
+static PFN_vkGetFenceStatus p_fence_status;
+static PFN_vkWaitForFences p_wait_fences;
+static PFN_vkResetFences p_reset_fences;
+static PFN_vkResetCommandBuffer p_reset_cb;
+static PFN_vkBeginCommandBuffer p_begin_cb;
+static pthread_once_t hot_once = PTHREAD_ONCE_INIT;
+static VkInstance hot_instance;
+
+static void hot_resolve(void) {
+	p_update_sets = (PFN_vkUpdateDescriptorSets)gipa(hot_instance, "vkUpdateDescriptorSets");
+	p_create_pool = (PFN_vkCreateDescriptorPool)gipa(hot_instance, "vkCreateDescriptorPool");
+	p_destroy_pool = (PFN_vkDestroyDescriptorPool)gipa(hot_instance, "vkDestroyDescriptorPool");
+	p_alloc_sets = (PFN_vkAllocateDescriptorSets)gipa(hot_instance, "vkAllocateDescriptorSets");
+	p_copy = (PFN_vkCmdCopyBuffer)gipa(hot_instance, "vkCmdCopyBuffer");
+	p_barrier = (PFN_vkCmdPipelineBarrier)gipa(hot_instance, "vkCmdPipelineBarrier");
+	p_bind_pipeline = (PFN_vkCmdBindPipeline)gipa(hot_instance, "vkCmdBindPipeline");
+	p_bind_sets = (PFN_vkCmdBindDescriptorSets)gipa(hot_instance, "vkCmdBindDescriptorSets");
+	p_push = (PFN_vkCmdPushConstants)gipa(hot_instance, "vkCmdPushConstants");
+	p_submit = (PFN_vkQueueSubmit)gipa(hot_instance, "vkQueueSubmit");
+	p_fence_status = (PFN_vkGetFenceStatus)gipa(hot_instance, "vkGetFenceStatus");
+	p_wait_fences = (PFN_vkWaitForFences)gipa(hot_instance, "vkWaitForFences");
+	p_reset_fences = (PFN_vkResetFences)gipa(hot_instance, "vkResetFences");
+	p_reset_cb = (PFN_vkResetCommandBuffer)gipa(hot_instance, "vkResetCommandBuffer");
+	p_begin_cb = (PFN_vkBeginCommandBuffer)gipa(hot_instance, "vkBeginCommandBuffer");
+}
+
+int vks_hot_init(VkInstance instance) {
+	hot_instance = instance;
+	pthread_once(&hot_once, hot_resolve);
+	return p_reset_cb && p_begin_cb && p_fence_status && p_wait_fences && p_reset_fences && p_update_sets && p_create_pool && p_destroy_pool && p_alloc_sets && p_copy && p_barrier && p_bind_pipeline && p_bind_sets && p_push && p_submit;
+}
+
+VkResult vks_make_buffer_set(VkDevice device, VkDescriptorSetLayout layout, uint32_t n,
+	const VkBuffer *buffers, const uint64_t *offsets, const uint64_t *ranges,
+	VkDescriptorPool *pool_out, VkDescriptorSet *set_out) {
+	VkDescriptorPoolSize size = {VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, n > 0 ? n : 1};
+	VkDescriptorPoolCreateInfo pci = {VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO};
+	pci.maxSets = 1;
+	pci.poolSizeCount = 1;
+	pci.pPoolSizes = &size;
+	VkDescriptorPool pool;
+	VkResult r = p_create_pool(device, &pci, NULL, &pool);
+	if (r != VK_SUCCESS) return r;
+	VkDescriptorSetAllocateInfo ai = {VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO};
+	ai.descriptorPool = pool;
+	ai.descriptorSetCount = 1;
+	ai.pSetLayouts = &layout;
+	VkDescriptorSet set;
+	r = p_alloc_sets(device, &ai, &set);
+	if (r != VK_SUCCESS) {
+		p_destroy_pool(device, pool, NULL);
+		return r;
+	}
+	VkDescriptorBufferInfo *infos = calloc(n > 0 ? n : 1, sizeof *infos);
+	VkWriteDescriptorSet *writes = calloc(n > 0 ? n : 1, sizeof *writes);
+	if (!infos || !writes) {
+		free(infos);
+		free(writes);
+		p_destroy_pool(device, pool, NULL);
+		return VK_ERROR_OUT_OF_HOST_MEMORY;
+	}
+	if (n > 0) {
+		for (uint32_t i = 0; i < n; i++) {
+			infos[i].buffer = buffers[i];
+			infos[i].offset = offsets[i];
+			infos[i].range = ranges[i];
+			writes[i].sType = VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET;
+			writes[i].dstSet = set;
+			writes[i].dstBinding = i;
+			writes[i].descriptorCount = 1;
+			writes[i].descriptorType = VK_DESCRIPTOR_TYPE_STORAGE_BUFFER;
+			writes[i].pBufferInfo = &infos[i];
+		}
+		p_update_sets(device, n, writes, 0, NULL);
+	}
+	free(infos);
+	free(writes);
+	*pool_out = pool;
+	*set_out = set;
+	return VK_SUCCESS;
+}
+
+void vks_cmd_copy(VkCommandBuffer cb, VkBuffer src, VkBuffer dst, uint64_t src_offset, uint64_t dst_offset, uint64_t size) {
+	VkBufferCopy region = {src_offset, dst_offset, size};
+	p_copy(cb, src, dst, 1, &region);
+}
+
+void vks_cmd_barrier(VkCommandBuffer cb, uint32_t src_stages, uint32_t dst_stages, uint32_t src_access, uint32_t dst_access) {
+	VkMemoryBarrier mb = {VK_STRUCTURE_TYPE_MEMORY_BARRIER};
+	mb.srcAccessMask = src_access;
+	mb.dstAccessMask = dst_access;
+	p_barrier(cb, src_stages, dst_stages, 0, 1, &mb, 0, NULL, 0, NULL);
+}
+
+void vks_cmd_bind_kernel(VkCommandBuffer cb, VkPipeline pipeline, VkPipelineLayout layout, VkDescriptorSet set,
+	const uint32_t *push, uint32_t push_words) {
+	p_bind_pipeline(cb, VK_PIPELINE_BIND_POINT_COMPUTE, pipeline);
+	p_bind_sets(cb, VK_PIPELINE_BIND_POINT_COMPUTE, layout, 0, 1, &set, 0, NULL);
+	if (push_words > 0) p_push(cb, layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, 4 * push_words, push);
+}
+
+VkResult vks_queue_submit(VkQueue queue, VkCommandBuffer cb, VkFence fence) {
+	VkSubmitInfo si = {VK_STRUCTURE_TYPE_SUBMIT_INFO};
+	si.commandBufferCount = 1;
+	si.pCommandBuffers = &cb;
+	return p_submit(queue, 1, &si, fence);
+}
+
+static uint64_t now_ns(void) {
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+VkResult vks_wait_fence(VkDevice device, VkFence fence, uint64_t spin_ns, uint64_t timeout_ns, const char **which) {
+	uint64_t start = now_ns();
+	VkResult r;
+	*which = "vkGetFenceStatus";
+	while ((r = p_fence_status(device, fence)) == VK_NOT_READY && now_ns() - start < spin_ns) {
+	}
+	if (r == VK_NOT_READY) {
+		*which = "vkWaitForFences";
+		r = p_wait_fences(device, 1, &fence, VK_TRUE, timeout_ns);
+	}
+	if (r != VK_SUCCESS) return r;
+	*which = "vkResetFences";
+	return p_reset_fences(device, 1, &fence);
+}
+
+VkResult vks_begin(VkCommandBuffer cb, const char **which) {
+	*which = "vkResetCommandBuffer";
+	VkResult r = p_reset_cb(cb, 0);
+	if (r != VK_SUCCESS) return r;
+	*which = "vkBeginCommandBuffer";
+	VkCommandBufferBeginInfo bi = {VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
+	return p_begin_cb(cb, &bi);
 }

@@ -74,4 +74,33 @@ VkResult vks_create_compute_pipeline(VkInstance instance, VkDevice device, VkSha
 // terminating 0.
 VkResult vks_pipeline_statistics(VkInstance instance, VkDevice device, VkPipeline pipeline, char *buf, int len);
 
+// vks_hot_init resolves, once per process, the calls below (made for every
+// transfer, binding and dispatch, where the Go binding's marshalling of
+// structs costs more than the call); it returns 0 when one is missing.
+int vks_hot_init(VkInstance instance);
+// vks_make_buffer_set creates a descriptor pool holding one set of layout
+// and points the set's binding i at [offsets[i], +ranges[i]) of
+// buffers[i], for i < n; on failure nothing is left created.
+VkResult vks_make_buffer_set(VkDevice device, VkDescriptorSetLayout layout, uint32_t n,
+	const VkBuffer *buffers, const uint64_t *offsets, const uint64_t *ranges,
+	VkDescriptorPool *pool_out, VkDescriptorSet *set_out);
+// vks_cmd_copy records one buffer copy.
+void vks_cmd_copy(VkCommandBuffer cb, VkBuffer src, VkBuffer dst, uint64_t src_offset, uint64_t dst_offset, uint64_t size);
+// vks_cmd_barrier records one global memory barrier.
+void vks_cmd_barrier(VkCommandBuffer cb, uint32_t src_stages, uint32_t dst_stages, uint32_t src_access, uint32_t dst_access);
+// vks_cmd_bind_kernel binds a compute pipeline, its descriptor set and its
+// push constants.
+void vks_cmd_bind_kernel(VkCommandBuffer cb, VkPipeline pipeline, VkPipelineLayout layout, VkDescriptorSet set,
+	const uint32_t *push, uint32_t push_words);
+// vks_queue_submit submits one command buffer, signalling fence.
+VkResult vks_queue_submit(VkQueue queue, VkCommandBuffer cb, VkFence fence);
+// vks_wait_fence waits until fence is signalled, polling it for up to
+// spin_ns (a short submission's result comes back sooner than a sleeping
+// wait wakes up), then blocking for up to timeout_ns, and resets it;
+// *which names the call a failure came from.
+VkResult vks_wait_fence(VkDevice device, VkFence fence, uint64_t spin_ns, uint64_t timeout_ns, const char **which);
+// vks_begin resets cb and begins recording; *which names the call a
+// failure came from.
+VkResult vks_begin(VkCommandBuffer cb, const char **which);
+
 #endif

@@ -226,7 +226,10 @@ func (p *Pipeline) Bind(ranges ...Range) (*Binding, error) {
 	if len(ranges) != p.bindings {
 		return nil, fmt.Errorf("vk: kernel %s has %d bindings, got %d ranges", p.name, p.bindings, len(ranges))
 	}
-	infos := make([]vk.DescriptorBufferInfo, len(ranges))
+	n := len(ranges)
+	bufs := make([]C.VkBuffer, max(n, 1))
+	offsets := make([]C.uint64_t, max(n, 1))
+	sizes := make([]C.uint64_t, max(n, 1))
 	for i, r := range ranges {
 		if r.Buffer == nil || r.Buffer.buffer == nil {
 			return nil, fmt.Errorf("vk: kernel %s binding %d: no buffer", p.name, i)
@@ -243,45 +246,22 @@ func (p *Pipeline) Bind(ranges ...Range) (*Binding, error) {
 		case r.Offset%d.info.StorageOffsetAlignment != 0:
 			return nil, fmt.Errorf("vk: kernel %s binding %d: offset %d not a multiple of %d", p.name, i, r.Offset, d.info.StorageOffsetAlignment)
 		}
-		infos[i] = vk.DescriptorBufferInfo{Buffer: r.Buffer.buffer, Offset: vk.DeviceSize(r.Offset), Range: vk.DeviceSize(size)}
+		bufs[i] = C.VkBuffer(unsafe.Pointer(r.Buffer.buffer))
+		offsets[i], sizes[i] = C.uint64_t(r.Offset), C.uint64_t(size)
 	}
-	b := &Binding{pipe: p}
-	var pool vk.DescriptorPool
-	dpci := vk.DescriptorPoolCreateInfo{
-		SType:         vk.StructureTypeDescriptorPoolCreateInfo,
-		MaxSets:       1,
-		PoolSizeCount: 1,
-		PPoolSizes:    []vk.DescriptorPoolSize{{Type: vk.DescriptorTypeStorageBuffer, DescriptorCount: uint32(max(1, len(ranges)))}},
-	}
-	if err := check("vkCreateDescriptorPool", vk.CreateDescriptorPool(d.device, &dpci, nil, &pool)); err != nil {
+	if err := d.call(Allocation, "vkAllocateDescriptorSets"); err != nil {
 		return nil, err
 	}
-	b.pool = pool
-	sets := make([]vk.DescriptorSet, 1)
-	dsai := vk.DescriptorSetAllocateInfo{SType: vk.StructureTypeDescriptorSetAllocateInfo, DescriptorPool: b.pool, DescriptorSetCount: 1, PSetLayouts: []vk.DescriptorSetLayout{p.setLayout}}
-	err := d.call(Allocation, "vkAllocateDescriptorSets")
-	if err == nil {
-		err = d.result("vkAllocateDescriptorSets", vk.AllocateDescriptorSets(d.device, &dsai, &sets[0]))
-	}
-	if err != nil {
-		vk.DestroyDescriptorPool(d.device, b.pool, nil)
+	var (
+		pool C.VkDescriptorPool
+		set  C.VkDescriptorSet
+	)
+	r := C.vks_make_buffer_set(C.VkDevice(unsafe.Pointer(d.device)), C.VkDescriptorSetLayout(unsafe.Pointer(p.setLayout)),
+		C.uint32_t(n), &bufs[0], &offsets[0], &sizes[0], &pool, &set)
+	if err := d.result("vkAllocateDescriptorSets", vk.Result(r)); err != nil {
 		return nil, err
 	}
-	b.set = sets[0]
-	writes := make([]vk.WriteDescriptorSet, len(ranges))
-	for i := range writes {
-		writes[i] = vk.WriteDescriptorSet{
-			SType:           vk.StructureTypeWriteDescriptorSet,
-			DstSet:          b.set,
-			DstBinding:      uint32(i),
-			DescriptorCount: 1,
-			DescriptorType:  vk.DescriptorTypeStorageBuffer,
-			PBufferInfo:     infos[i : i+1],
-		}
-	}
-	if len(writes) > 0 {
-		vk.UpdateDescriptorSets(d.device, uint32(len(writes)), writes, 0, nil)
-	}
+	b := &Binding{pipe: p, pool: vk.DescriptorPool(unsafe.Pointer(pool)), set: vk.DescriptorSet(unsafe.Pointer(set))}
 	d.track(b, "binding of "+p.name)
 	return b, nil
 }
