@@ -220,13 +220,15 @@ func (c *Commands) Submit() error {
 	}
 	var which *C.char
 	r := C.vks_wait_fence(C.VkDevice(unsafe.Pointer(c.dev.device)), C.VkFence(unsafe.Pointer(c.fence)),
-		C.uint64_t(submitSpin.Nanoseconds()), C.uint64_t(SubmitTimeout.Nanoseconds()), &which)
+		C.uint64_t(c.dev.spin.Nanoseconds()), C.uint64_t(SubmitTimeout.Nanoseconds()), &which)
 	return c.dev.result(C.GoString(which), vk.Result(r))
 }
 
-// submitSpin is how long Submit polls its fence before it sleeps in
-// vkWaitForFences: most submissions (a copy, one step) finish within it,
-// and a sleeping wait adds tens of microseconds to each.
+// submitSpin is how long Submit polls its fence on a GPU before it sleeps
+// in vkWaitForFences: most submissions (a copy, one step) finish within
+// it, and a sleeping wait adds tens of microseconds to each. A software
+// renderer does not poll: its work runs on the CPU cores that polling
+// would take.
 const submitSpin = 200 * time.Microsecond
 
 // once records fn between Begin and End and submits it; an error from fn

@@ -45,6 +45,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 	"unsafe"
 
 	vk "github.com/vulkan-go/vulkan"
@@ -389,6 +390,8 @@ type Device struct {
 
 	blocks blocks // device memory that small buffers share
 
+	spin time.Duration // how long Submit polls its fence
+
 	idleMu sync.Mutex  // serializes idle
 	idle   []*Commands // Do's command buffers, kept between calls
 
@@ -424,6 +427,9 @@ func Open(opts Options) (*Device, error) {
 		return nil, err
 	}
 	d.info, d.physical = infos[idx], pds[idx]
+	if d.info.Type != "cpu" {
+		d.spin = submitSpin
+	}
 	vk.GetPhysicalDeviceMemoryProperties(d.physical, &d.memory)
 	d.memory.Deref()
 	for i := range d.memory.MemoryTypes {
