@@ -43,6 +43,28 @@
 // tokens past the index its batch built. Attended reports the rows each
 // sequence's last step read.
 //
+// # Dense fallback
+//
+// A layer under Tactic, Double-P, Quest, StreamingLLM or H2O attends a
+// sequence densely whenever the policy's step over it would cost more than
+// dense attention (Config.Fallback, or a policy's WithFallback:
+// FallbackAuto, the default; FallbackNever runs the policy always,
+// FallbackAlways attends densely always). Costs come from a cost model of
+// the device (Config.Costs, else sparse.Calibrate's, measured once per
+// device): a step costs its dependent dispatches times the floor of one
+// plus the bytes it reads over the bandwidth (Policy.Cost; dense attention
+// is one dispatch reading every key and value). A clustered policy's cost
+// counts the share of its index its last step took (0 before its first
+// step, so it runs once and is then weighed by what it read). The choice
+// is made per sequence, from that sequence's own tokens, index and last
+// step, when the layer's batch is built and again at every SetQuery; a
+// change of any sequence's choice builds the layer's batch again, as a
+// change of the active slots does. The policy's batch attends the
+// sequences that keep it, and a dense plan each the others, all writing
+// into the layer's output. Choices reports each slot's choice and costs.
+// A sequence attended densely gets dense attention's output, bit for bit.
+// The oracles, DELTA and LuKA never fall back.
+//
 // # Concurrency
 //
 // A Model's methods are safe for concurrent use: a mutex serializes them,

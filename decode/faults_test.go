@@ -274,7 +274,7 @@ func (w *faultWorld) checkStored(what string) [][]int {
 }
 
 func newFaultWorld(t *testing.T, dev *vk.Device, p faultPolicy, f *fixture) *faultWorld {
-	m, err := New(dev, Config{Heads: faultHeads, Layers: len(p.layout), Slots: 2, Capacity: faultCapacity, Layout: p.layout})
+	m, err := New(dev, Config{Fallback: FallbackNever, Heads: faultHeads, Layers: len(p.layout), Slots: 2, Capacity: faultCapacity, Layout: p.layout})
 	require.NoError(t, err)
 	return &faultWorld{t: t, m: m, f: f, layers: len(p.layout)}
 }

@@ -86,7 +86,7 @@ func TestBatchInvariance(t *testing.T) {
 			layers := len(p.layout)
 			f := newFixture(t, faultHeads, layers, []int{faultCapacity, faultCapacity, faultCapacity})
 			n := []int{faultSecond, faultFirst + 3, faultFirst}
-			cfg := Config{Heads: faultHeads, Layers: layers, Slots: 3, Capacity: faultCapacity, Layout: p.layout}
+			cfg := Config{Fallback: FallbackNever, Heads: faultHeads, Layers: layers, Slots: 3, Capacity: faultCapacity, Layout: p.layout}
 			var runs []*placed
 			for _, seqs := range [][]int{{2, -1, -1}, {0, 1, 2}, {0, 1, 2}} {
 				m, err := New(dev, cfg)

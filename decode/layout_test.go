@@ -54,7 +54,7 @@ func TestModelLayoutMatchesSteps(t *testing.T) {
 	layers := len(layout)
 	prefill := []int{1300, 900}
 	f := newFixture(t, testHeads, layers, []int{1500, 1100})
-	m, err := New(dev, Config{Heads: testHeads, Layers: layers, Slots: 3, Capacity: 1600, Layout: layout})
+	m, err := New(dev, Config{Fallback: FallbackNever, Heads: testHeads, Layers: layers, Slots: 3, Capacity: 1600, Layout: layout})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, m.Release()) }()
 	for s, n := range prefill {

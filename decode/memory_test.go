@@ -52,7 +52,7 @@ func TestModelMemoryBeyondCaches(t *testing.T) {
 	} {
 		pol := tc.pol
 		before := dev.Allocated()
-		m, err := New(dev, Config{Heads: heads, Layers: layers, Slots: slots, Capacity: capacity, Policy: pol})
+		m, err := New(dev, Config{Fallback: FallbackNever, Heads: heads, Layers: layers, Slots: slots, Capacity: capacity, Policy: pol})
 		require.NoError(t, err)
 		for s := 0; s < slots; s++ {
 			for l := 0; l < layers; l++ {

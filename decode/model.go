@@ -23,6 +23,14 @@ type Config struct {
 	// own: Layout, when set, has one policy per layer.
 	Policy Policy
 	Layout []Policy
+	// Fallback is when a layer under a sparse policy attends a sequence
+	// densely instead (the zero value, FallbackAuto: whenever the policy's
+	// step would cost more); a policy's WithFallback overrides it for its
+	// layers.
+	Fallback Fallback
+	// Costs prices the steps for FallbackAuto; nil: sparse.Calibrate's
+	// model of the device, measured once per device and process.
+	Costs *sparse.CostModel
 }
 
 // LayerPolicy returns the policy of layer l as the config gives it.
@@ -46,6 +54,10 @@ type Model struct {
 	ws     *sparse.Workspace // the partials of every layer's attention, a region per active slot
 	builds int               // Δ-layer batches built so far (their generations)
 	cmd    *vk.Commands      // Attend's
+	costs  *sparse.CostModel // what the fallback weighs steps by; nil where no layer weighs them
+	// fallback is each layer's (FallbackNever where its policy never falls
+	// back).
+	fallback []Fallback
 	slots  []slot
 	layers []layerBatch
 	active []int // slots whose every layer is prefilled, ascending: the batches' order
@@ -70,6 +82,9 @@ type seqLayer struct {
 	// the tokens appended since its segmenter last ran.
 	luka     *sparse.LuKAStep
 	appended int
+	// share is the part of its index that the clustered policy's last step
+	// took (0 before any): the estimate of the next step's cost.
+	share float64
 }
 
 // layerBatch is the attention of one layer over the active slots: one
@@ -80,6 +95,12 @@ type layerBatch struct {
 	steps  *sparse.Batch       // every other policy
 	delta  *deltaBatch         // a DELTA Δ-layer
 	luka   []*sparse.LuKAStep  // LuKA: each sequence's step (the slots own them)
+	// members are the active slots (their positions in Active) that the
+	// policy's batch above attends, in order; dense holds, at the others'
+	// positions, a dense plan each (the fallback), nil at the members'.
+	members []int
+	dense   []*sparse.DensePlan
+	choices []Choice // of a layer that may fall back: each active slot's
 	// gen numbers a Δ-layer's builds; a layer reusing its pick was built
 	// against build source (and is built again when they differ).
 	gen, source int
@@ -90,9 +111,12 @@ type layerBatch struct {
 	queried bool // queries uploaded to this batch
 }
 
-// built reports whether the layer has a batch.
-func (b *layerBatch) exists() bool {
-	return b.plan != nil || b.tactic != nil || b.steps != nil || b.delta != nil || b.luka != nil
+// exists reports whether the layer has a batch.
+func (b *layerBatch) exists() bool { return b.built != nil }
+
+// sparse reports whether the layer's policy batch attends some sequence.
+func (b *layerBatch) sparse() bool {
+	return b.tactic != nil || b.steps != nil || b.delta != nil || b.luka != nil
 }
 
 // step returns sequence i's step of a sparse batch.
@@ -103,38 +127,56 @@ func (b *layerBatch) step(i int) *sparse.Step {
 	return b.steps.Step(i)
 }
 
-// direct makes every sequence's step of a sparse batch write its output
-// into its place in out ([B][Hq][D], Active order).
+// direct makes every sequence's step of a sparse batch, and every dense
+// plan of its fallback, write its output into its place in out ([B][Hq][D],
+// Active order).
 func (b *layerBatch) direct(per uint64) error {
-	for i := range b.built {
+	for j, i := range b.members {
 		r := b.out.Slice(uint64(i)*per, per)
 		var err error
 		switch {
 		case b.delta != nil:
-			err = b.delta.plans[i].SetOutput(r)
+			err = b.delta.plans[j].SetOutput(r)
 		case b.luka != nil:
-			err = b.luka[i].SetOutput(r)
+			err = b.luka[j].SetOutput(r)
 		default:
-			err = b.step(i).SetOutput(r)
+			err = b.step(j).SetOutput(r)
 		}
 		if err != nil {
 			return err
 		}
 	}
+	for i, p := range b.dense {
+		if p != nil {
+			if err := p.SetOutput(b.out.Slice(uint64(i)*per, per)); err != nil {
+				return err
+			}
+		}
+	}
 	return nil
 }
 
-// share moves the batch's partials into the model's workspace.
+// share moves the batch's partials into the model's workspace: the
+// policy's batch into the first regions, the fallback's plans into the
+// regions after.
 func (b *layerBatch) share(ws *sparse.Workspace) error {
+	var err error
 	switch {
 	case b.plan != nil:
-		return b.plan.Share(ws, 0)
+		err = b.plan.Share(ws, 0)
 	case b.tactic != nil:
-		return b.tactic.Share(ws)
+		err = b.tactic.Share(ws)
 	case b.steps != nil:
-		return b.steps.Share(ws)
+		err = b.steps.Share(ws)
+	} // a Δ-layer's plans share theirs when made
+	region := len(b.members)
+	for _, p := range b.dense {
+		if p != nil && err == nil {
+			err = p.Share(ws, region)
+			region++
+		}
 	}
-	return nil // a Δ-layer's plans share theirs when made
+	return err
 }
 
 // release frees the batch (not the output buffer).
@@ -152,7 +194,13 @@ func (b *layerBatch) release() error {
 	if b.delta != nil {
 		errs = append(errs, b.delta.release())
 	}
+	for _, p := range b.dense {
+		if p != nil {
+			errs = append(errs, p.Release())
+		}
+	}
 	b.plan, b.tactic, b.steps, b.delta, b.luka, b.built, b.queried = nil, nil, nil, nil, nil, nil, false
+	b.members, b.dense, b.choices = nil, nil, nil
 	return errors.Join(errs...)
 }
 
@@ -168,9 +216,20 @@ func (cfg Config) validate() ([]Policy, error) {
 	if cfg.Layout != nil && len(cfg.Layout) != cfg.Layers {
 		return nil, fmt.Errorf("decode: a layout of %d policies for %d layers", len(cfg.Layout), cfg.Layers)
 	}
+	if err := cfg.Fallback.check(); err != nil {
+		return nil, err
+	}
+	if cfg.Costs != nil {
+		if err := cfg.Costs.Validate(); err != nil {
+			return nil, fmt.Errorf("decode: %w", err)
+		}
+	}
 	policies := make([]Policy, cfg.Layers)
 	for l := range policies {
 		p, err := cfg.LayerPolicy(l).resolve(cfg.Capacity)
+		if err == nil {
+			err = p.fallback.check()
+		}
 		if err != nil {
 			return nil, fmt.Errorf("decode: layer %d: %w", l, err)
 		}
@@ -197,6 +256,23 @@ func New(dev *vk.Device, cfg Config) (*Model, error) {
 	}
 	m := &Model{dev: dev, cfg: cfg, policy: policies, slots: make([]slot, cfg.Slots), layers: make([]layerBatch, cfg.Layers), ws: sparse.NewWorkspace(dev)}
 	h := cfg.Heads
+	m.fallback = make([]Fallback, cfg.Layers)
+	for l, p := range policies {
+		if m.fallback[l] = FallbackNever; p.FallsBack() {
+			m.fallback[l] = cfg.fallbackOf(p)
+		}
+	}
+	switch {
+	case cfg.Costs != nil:
+		m.costs = new(sparse.CostModel)
+		*m.costs = *cfg.Costs
+	case cfg.needsCostModel(policies):
+		var c sparse.CostModel
+		if c, err = sparse.Calibrate(dev); err != nil {
+			return nil, fmt.Errorf("decode: the dense fallback's cost model (give Config.Costs, or FallbackNever): %w", err)
+		}
+		m.costs = &c
+	}
 	m.dense, err = sparse.NewDense(dev, h)
 	if err == nil && slices.ContainsFunc(policies, Policy.Clustered) {
 		m.km, err = sparse.NewKMeans(dev, h.KV, h.Dim)
@@ -489,13 +565,15 @@ func (m *Model) clusterTail(slot, layer int) error {
 		if err != nil {
 			return fail(err)
 		}
-		if b := m.layers[layer].tactic; b != nil {
+		if lb := &m.layers[layer]; lb.tactic != nil {
 			i, _ := slices.BinarySearch(m.active, slot)
-			if err := b.Step(i).SetClusters(joined); err != nil {
-				return errors.Join(fail(err), joined.Release())
-			}
-			if err := b.Share(m.ws); err != nil {
-				return errors.Join(fail(err), m.layers[layer].release(), joined.Release())
+			if j := slices.Index(lb.members, i); j >= 0 {
+				if err := lb.tactic.Step(j).SetClusters(joined); err != nil {
+					return errors.Join(fail(err), joined.Release())
+				}
+				if err := lb.share(m.ws); err != nil {
+					return errors.Join(fail(err), m.layers[layer].release(), joined.Release())
+				}
 			}
 		} else if err := m.layers[layer].release(); err != nil {
 			return errors.Join(fail(err), joined.Release())
@@ -620,15 +698,17 @@ func (m *Model) Attended(layer int) ([]float64, error) {
 	}
 	out := make([]float64, len(m.active))
 	for i, s := range m.active {
-		if b.plan != nil || b.delta != nil {
-			out[i] = float64(m.slots[s].seq[layer].cache.Len())
-			continue
-		}
+		out[i] = float64(m.slots[s].seq[layer].cache.Len())
+	}
+	if b.plan != nil || b.delta != nil {
+		return out, nil
+	}
+	for j, i := range b.members {
 		var err error
 		if b.luka != nil {
-			out[i], err = b.luka[i].Attended()
+			out[i], err = b.luka[j].Attended()
 		} else {
-			out[i], err = b.step(i).Attended()
+			out[i], err = b.step(j).Attended()
 		}
 		if err != nil {
 			return nil, fmt.Errorf("decode: layer %d: %w", layer, err)
@@ -689,7 +769,14 @@ func (m *Model) stale(layer int) bool {
 // (or a stale one).
 func (m *Model) build(layer int) error {
 	b := &m.layers[layer]
-	if m.stale(layer) {
+	if err := m.measure(layer); err != nil {
+		return err
+	}
+	choices, err := m.choose(layer)
+	if err != nil {
+		return err
+	}
+	if m.stale(layer) || (b.exists() && choices != nil && b.flipped(choices)) {
 		if err := m.releaseLayer(layer); err != nil {
 			return fmt.Errorf("decode: layer %d: %w", layer, err)
 		}
@@ -697,15 +784,22 @@ func (m *Model) build(layer int) error {
 	if b.exists() {
 		return nil
 	}
-	caches := make([]*kvcache.Layer, len(m.active))
-	indexes := make([]*kvcache.Clusters, len(m.active))
+	// The policy's batch attends the members; the fallback's dense plans
+	// the others.
+	var caches []*kvcache.Layer
+	var indexes []*kvcache.Clusters
+	var members []int
 	built := make([]int, len(m.active))
 	for i, s := range m.active {
 		sl := &m.slots[s].seq[layer]
-		caches[i], indexes[i], built[i] = sl.cache, sl.clusters, sl.cache.Len()
+		built[i] = sl.cache.Len()
+		if choices == nil || !choices[i].Dense {
+			caches, indexes, members = append(caches, sl.cache), append(indexes, sl.clusters), append(members, i)
+		}
 	}
-	var err error
+	b.members, b.choices = members, choices
 	switch pol := m.policy[layer]; {
+	case len(caches) == 0:
 	case pol.IsDense():
 		b.plan, err = m.dense.Plan(caches)
 	case pol.IsTactic():
@@ -730,7 +824,7 @@ func (m *Model) build(layer int) error {
 		for i := range caches {
 			var st *sparse.Step
 			if st, err = sparse.NewDeltaReuseStepRuns(m.dense, caches[i], src.delta.picks[i], pol.delta.RunPages); err != nil {
-				err = fmt.Errorf("slot %d: %w", m.active[i], err)
+				err = fmt.Errorf("slot %d: %w", m.active[members[i]], err)
 				break
 			}
 			steps = append(steps, st)
@@ -748,7 +842,7 @@ func (m *Model) build(layer int) error {
 		for i := range caches {
 			var st *sparse.Step
 			if st, err = pol.newStep(m.dense, caches[i], indexes[i]); err != nil {
-				err = fmt.Errorf("slot %d: %w", m.active[i], err)
+				err = fmt.Errorf("slot %d: %w", m.active[members[i]], err)
 				break
 			}
 			steps = append(steps, st)
@@ -758,6 +852,14 @@ func (m *Model) build(layer int) error {
 		} else {
 			for _, st := range steps {
 				err = errors.Join(err, st.Release())
+			}
+		}
+	}
+	if len(caches) < len(m.active) {
+		b.dense = make([]*sparse.DensePlan, len(m.active))
+		for i, s := range m.active {
+			if err == nil && choices[i].Dense {
+				b.dense[i], err = m.dense.Plan([]*kvcache.Layer{m.slots[s].seq[layer].cache})
 			}
 		}
 	}
@@ -800,8 +902,23 @@ func (m *Model) setQuery(layer int, q []float32) error {
 		return err
 	}
 	b := &m.layers[layer]
+	per := m.cfg.Heads.Query * m.cfg.Heads.Dim
 	var err error
+	for i, p := range b.dense {
+		if p != nil && err == nil {
+			err = p.SetQuery(q[i*per : (i+1)*per])
+		}
+	}
+	if b.dense != nil && err == nil && len(b.members) > 0 {
+		// The policy's batch takes its members' queries.
+		sub := make([]float32, 0, len(b.members)*per)
+		for _, i := range b.members {
+			sub = append(sub, q[i*per:(i+1)*per]...)
+		}
+		q = sub
+	}
 	switch {
+	case err != nil || !b.sparse() && b.plan == nil:
 	case b.plan != nil:
 		err = b.plan.SetQuery(q)
 	case b.tactic != nil:
@@ -811,9 +928,8 @@ func (m *Model) setQuery(layer int, q []float32) error {
 			err = b.tactic.Rebalance()
 		}
 	case b.delta != nil:
-		err = b.delta.setQuery(q, m.cfg.Heads.Query*m.cfg.Heads.Dim)
+		err = b.delta.setQuery(q, per)
 	case b.luka != nil:
-		per := m.cfg.Heads.Query * m.cfg.Heads.Dim
 		for i, st := range b.luka {
 			if err = st.SetQuery(q[i*per : (i+1)*per]); err != nil {
 				break
@@ -860,7 +976,18 @@ func (m *Model) record(layer int, c *vk.Commands) error {
 	// Every layer's partials lie in the one workspace: order this layer's
 	// attention after whatever c recorded before.
 	c.ComputeBarrier()
+	// The fallback's dense attention (one dispatch a sequence, each in
+	// regions of its own) runs beside the policy's first stage.
+	for _, p := range b.dense {
+		if p != nil {
+			if err := p.Record(c); err != nil {
+				return err
+			}
+		}
+	}
 	switch {
+	case !b.sparse() && b.plan == nil:
+		return nil
 	case b.plan != nil:
 		return b.plan.Record(c)
 	case b.tactic != nil:
@@ -1001,6 +1128,11 @@ func (m *Model) Memory() (Memory, error) {
 		case b.delta != nil:
 			mem.Other += b.delta.bytes()
 		}
+		for _, p := range b.dense {
+			if p != nil {
+				mem.Other += p.Bytes()
+			}
+		}
 	}
 	if m.km != nil {
 		mem.Other += m.km.Bytes()
@@ -1026,10 +1158,10 @@ func (m *Model) Time(layer, warmup, reps int) ([]time.Duration, error) {
 	switch {
 	case b.plan != nil:
 		return b.plan.Time(warmup, reps)
+	case b.dense != nil || b.delta != nil || b.luka != nil:
+		return m.timeRecord(layer, warmup, reps)
 	case b.tactic != nil:
 		return b.tactic.Time(warmup, reps)
-	case b.delta != nil || b.luka != nil:
-		return m.timeRecord(layer, warmup, reps)
 	}
 	return b.steps.Time(warmup, reps)
 }

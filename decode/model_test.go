@@ -222,7 +222,7 @@ func TestModelTacticMatchesReference(t *testing.T) {
 		total = append(total, prefill[s]+appends[s])
 	}
 	f := newFixture(t, testHeads, layers, total)
-	m, err := New(dev, Config{Heads: testHeads, Layers: layers, Slots: 3, Capacity: 2600,
+	m, err := New(dev, Config{Fallback: FallbackNever, Heads: testHeads, Layers: layers, Slots: 3, Capacity: 2600,
 		Policy: Tactic(0.9, sparse.TacticDecoderOptions{Sinks: sinks, Recluster: recluster, KMeans: sparse.KMeansOptions{Seed: 3}})})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, m.Release()) }()
@@ -335,7 +335,7 @@ func TestModelFreeAndReuse(t *testing.T) {
 	dev := vktest.Open(t)
 	const layers = 2
 	f := newFixture(t, testHeads, layers, []int{700, 900})
-	m, err := New(dev, Config{Heads: testHeads, Layers: layers, Slots: 2, Capacity: 1000,
+	m, err := New(dev, Config{Fallback: FallbackNever, Heads: testHeads, Layers: layers, Slots: 2, Capacity: 1000,
 		Policy: Tactic(0.9, sparse.TacticDecoderOptions{Recluster: 64})})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, m.Release()) }()
@@ -443,7 +443,7 @@ func TestModelRejectsBadInput(t *testing.T) {
 
 	const layers, capacity = 2, 520
 	f := newFixture(t, h, layers, []int{capacity, capacity})
-	m, err := New(dev, Config{Heads: h, Layers: layers, Slots: 2, Capacity: capacity, Policy: tactic})
+	m, err := New(dev, Config{Fallback: FallbackNever, Heads: h, Layers: layers, Slots: 2, Capacity: capacity, Policy: tactic})
 	require.NoError(t, err)
 	f.prefill(t, m, 1, capacity-2)
 	k, v := f.data[0][0].rows(0, 300)

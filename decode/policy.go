@@ -47,6 +47,10 @@ type Policy struct {
 	delta   sparse.Delta                // DELTA's budget and pages
 	source  int                         // DELTA: the Δ-layer whose pick a layer reuses
 	luka    sparse.LuKA                 // LuKA's clustered attention
+	// fallback, where fallbackSet, replaces Config.Fallback for the
+	// policy's layers (WithFallback).
+	fallback    Fallback
+	fallbackSet bool
 }
 
 // Dense attends every stored token.

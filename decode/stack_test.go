@@ -23,7 +23,7 @@ func TestTimeStack(t *testing.T) {
 	layout, err := DeltaLayout(layers, sparse.Delta{Warmup: 2, Refresh: []int{2, 4}, Pages: 8, Recent: 2, PageSize: 16})
 	require.NoError(t, err)
 	f := newFixture(t, testHeads, layers, []int{n})
-	m, err := New(dev, Config{Heads: testHeads, Layers: layers, Slots: 1, Capacity: n, Layout: layout})
+	m, err := New(dev, Config{Fallback: FallbackNever, Heads: testHeads, Layers: layers, Slots: 1, Capacity: n, Layout: layout})
 	require.NoError(t, err)
 	released := false
 	defer func() {

@@ -320,7 +320,7 @@ func TestRunnerRejectsBadInput(t *testing.T) {
 
 	// Tactic needs a prompt past its sinks: decode.Model refuses it and
 	// the slot stays idle.
-	mt, err := decode.New(dev, decode.Config{Heads: modelHeads, Layers: 6, Slots: 1, Capacity: 64, Policy: decode.Tactic(0.9, sparse.TacticDecoderOptions{Sinks: 4})})
+	mt, err := decode.New(dev, decode.Config{Fallback: decode.FallbackNever, Heads: modelHeads, Layers: 6, Slots: 1, Capacity: 64, Policy: decode.Tactic(0.9, sparse.TacticDecoderOptions{Sinks: 4})})
 	require.NoError(t, err)
 	defer func() { require.NoError(t, mt.Release()) }()
 	rt, err := NewRunner(dev, w, mt, Options{CPUPrefill: true})

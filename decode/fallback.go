@@ -1,0 +1,270 @@
+package decode
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/sparse"
+)
+
+// Fallback is when a layer under a sparse policy attends a sequence
+// densely instead (see the package documentation, "Dense fallback").
+type Fallback int
+
+const (
+	// FallbackAuto attends a sequence densely whenever the policy's step
+	// would cost more than dense attention by the model's cost model.
+	FallbackAuto Fallback = iota
+	// FallbackNever always runs the policy.
+	FallbackNever
+	// FallbackAlways always attends densely.
+	FallbackAlways
+)
+
+// String names the fallback.
+func (f Fallback) String() string {
+	switch f {
+	case FallbackAuto:
+		return "auto"
+	case FallbackNever:
+		return "policy"
+	case FallbackAlways:
+		return "dense"
+	}
+	return fmt.Sprintf("fallback %d", int(f))
+}
+
+// check refuses an unknown fallback.
+func (f Fallback) check() error {
+	if f < FallbackAuto || f > FallbackAlways {
+		return fmt.Errorf("decode: unknown %v", f)
+	}
+	return nil
+}
+
+// WithFallback returns the policy with its layers' fallback set to f, in
+// place of Config.Fallback.
+func (p Policy) WithFallback(f Fallback) Policy {
+	p.fallback, p.fallbackSet = f, true
+	return p
+}
+
+// FallsBack reports whether the policy's layers may attend densely
+// instead (Tactic, Double-P, Quest, StreamingLLM, H2O). The oracles, kept
+// for measurement, DELTA's and LuKA's layers, whose state spans layers
+// and steps, always run their policy.
+func (p Policy) FallsBack() bool {
+	switch p.kind {
+	case kindTactic, kindDoubleP, kindQuest, kindStreaming, kindH2O:
+		return true
+	}
+	return false
+}
+
+// Choice is how a layer attends one sequence, and why: the costs of the
+// policy's step (estimated, see Policy.Cost) and of dense attention over
+// the sequence's tokens at the batch's build, priced by the model's cost
+// model (zero times when it has none: FallbackNever and FallbackAlways
+// need none).
+type Choice struct {
+	Slot     int      `json:"slot"`
+	Fallback Fallback `json:"fallback"`
+	// Dense reports whether the sequence is attended densely.
+	Dense      bool        `json:"dense"`
+	Tokens     int         `json:"tokens"`
+	PolicyCost sparse.Cost `json:"policy_cost"`
+	DenseCost  sparse.Cost `json:"dense_cost"`
+	PolicyUs   float64     `json:"policy_us"`
+	DenseUs    float64     `json:"dense_us"`
+}
+
+// Cost returns about what one step of the policy costs over a sequence of
+// tokens tokens of heads' geometry: its dependent dispatches and the bytes
+// its selection and attention read (as sparse.Step.Cost counts them). A
+// positional policy's rows follow from its budget over the middle of
+// sparse.DefaultBaselineLayout. A clustered policy's follow from its index
+// (x: the clusters of the tokens past the sinks, the rest attended in
+// full) and share, the part of the indexed tokens its selection takes (the
+// last step's, sparse.Step.IndexedShare); Tactic's fit adds its key rows
+// (sparse.TacticFit.SampledRows). Policies without a fallback report an
+// error.
+func (p Policy) Cost(h sparse.Heads, tokens int, x *kvcache.Clusters, share float64) (sparse.Cost, error) {
+	lo, hi := sparse.DefaultBaselineLayout().Middle(tokens)
+	middle := max(hi-lo, 0)
+	outside := float64(tokens - middle)
+	row := float64(2 * h.Dim)
+	switch p.kind {
+	case kindQuest:
+		pages := (middle + sparse.QuestPageSize - 1) / sparse.QuestPageSize
+		k := p.budget / sparse.QuestPageSize
+		if p.budget >= middle {
+			k = pages
+		}
+		bounds := 2*float64(pages*h.KV)*row + float64(4*h.Query*pages)
+		return sparse.Cost{Dispatches: len(sparse.SelectStages) + 1, Bytes: bounds + h.AttentionBytes(outside+float64(min(k*sparse.QuestPageSize, middle)))}, nil
+	case kindStreaming:
+		return sparse.Cost{Dispatches: 1, Bytes: h.AttentionBytes(outside + float64(min(p.budget, middle)))}, nil
+	case kindH2O:
+		scores := float64(tokens*h.KV)*row + float64(4*h.Query*middle)
+		return sparse.Cost{Dispatches: len(sparse.H2OStages) + 1, Bytes: scores + h.AttentionBytes(outside+float64(min(p.budget, middle)))}, nil
+	case kindTactic, kindDoubleP:
+		if x == nil {
+			return sparse.Cost{}, fmt.Errorf("decode: %s's cost needs the sequence's index", p)
+		}
+		rows := float64(tokens-x.Count) + share*float64(x.Count)
+		if p.kind == kindTactic {
+			return h.TacticCost(p.opts.Fit, x.Count, x.C, rows), nil
+		}
+		return sparse.Cost{Dispatches: len(sparse.DoublePStages) + 1, Bytes: sparse.CentroidBytes(h, x.C) + h.AttentionBytes(rows)}, nil
+	}
+	return sparse.Cost{}, fmt.Errorf("decode: %s never falls back to dense attention: no cost to weigh", p)
+}
+
+// fallbackOf returns the layer's fallback: the policy's own
+// (WithFallback), else the config's.
+func (cfg Config) fallbackOf(p Policy) Fallback {
+	if p.fallbackSet {
+		return p.fallback
+	}
+	return cfg.Fallback
+}
+
+// needsCostModel reports whether some layer of cfg weighs costs.
+func (cfg Config) needsCostModel(policies []Policy) bool {
+	for _, p := range policies {
+		if p.FallsBack() && cfg.fallbackOf(p) == FallbackAuto {
+			return true
+		}
+	}
+	return false
+}
+
+// choose returns how the layer attends each active slot (Active order),
+// nil for a layer that never falls back. A slot's choice depends on that
+// sequence alone (its tokens, index and last measured share) and the cost
+// model, never on the other sequences of the batch.
+func (m *Model) choose(layer int) ([]Choice, error) {
+	pol := m.policy[layer]
+	if !pol.FallsBack() {
+		return nil, nil
+	}
+	mode := m.fallback[layer]
+	out := make([]Choice, len(m.active))
+	for i, s := range m.active {
+		sl := &m.slots[s].seq[layer]
+		c := Choice{Slot: s, Fallback: mode, Tokens: sl.cache.Len(), Dense: mode == FallbackAlways}
+		c.DenseCost = m.cfg.Heads.DenseCost(c.Tokens)
+		var err error
+		if c.PolicyCost, err = pol.Cost(m.cfg.Heads, c.Tokens, sl.clusters, sl.share); err != nil {
+			return nil, fmt.Errorf("decode: layer %d slot %d: %w", layer, s, err)
+		}
+		if m.costs != nil {
+			c.PolicyUs, c.DenseUs = m.costs.Us(c.PolicyCost), m.costs.Us(c.DenseCost)
+			if mode == FallbackAuto {
+				c.Dense = c.PolicyUs > c.DenseUs
+			}
+		}
+		out[i] = c
+	}
+	return out, nil
+}
+
+// measure keeps, for each sequence the layer's clustered policy attended
+// in its last step, the share of its index the step took (the estimate
+// of its next steps' cost).
+func (m *Model) measure(layer int) error {
+	b := &m.layers[layer]
+	if !b.queried || !m.policy[layer].Clustered() || (b.tactic == nil && b.steps == nil) {
+		return nil
+	}
+	for j, i := range b.members {
+		share, err := b.step(j).IndexedShare()
+		if err != nil {
+			return fmt.Errorf("decode: layer %d: %w", layer, err)
+		}
+		m.slots[m.active[i]].seq[layer].share = share
+	}
+	return nil
+}
+
+// flipped reports whether some active slot's choice differs from the one
+// the layer's batch was built with.
+func (b *layerBatch) flipped(now []Choice) bool {
+	if len(now) != len(b.choices) {
+		return true
+	}
+	for i := range now {
+		if now[i].Dense != b.choices[i].Dense {
+			return true
+		}
+	}
+	return false
+}
+
+// SetFallback sets the layer's fallback from its next SetQuery or Attend
+// on (a change of choice builds the layer's batch again there). A layer
+// that never falls back refuses it; FallbackAuto on a model without a cost
+// model calibrates the device (sparse.Calibrate).
+func (m *Model) SetFallback(layer int, f Fallback) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := errors.Join(m.live(), m.checkLayer(layer), f.check()); err != nil {
+		return err
+	}
+	if pol := m.policy[layer]; !pol.FallsBack() {
+		return fmt.Errorf("decode: layer %d (%s) never falls back to dense attention", layer, pol)
+	}
+	if f == FallbackAuto && m.costs == nil {
+		c, err := sparse.Calibrate(m.dev)
+		if err != nil {
+			return fmt.Errorf("decode: the dense fallback's cost model: %w", err)
+		}
+		m.costs = &c
+	}
+	m.fallback[layer] = f
+	return nil
+}
+
+// Fallback returns the layer's fallback (FallbackNever for a layer that
+// never falls back).
+func (m *Model) Fallback(layer int) (Fallback, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := errors.Join(m.live(), m.checkLayer(layer)); err != nil {
+		return 0, err
+	}
+	return m.fallback[layer], nil
+}
+
+// Choices returns how the layer attends each active slot (Active order),
+// as its batch was built at the last SetQuery or Attend, with the costs
+// that decided it; a layer that never falls back (Dense, the oracles,
+// DELTA, LuKA) reports an error.
+func (m *Model) Choices(layer int) ([]Choice, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if err := errors.Join(m.live(), m.checkLayer(layer)); err != nil {
+		return nil, err
+	}
+	if pol := m.policy[layer]; !pol.FallsBack() {
+		return nil, fmt.Errorf("decode: layer %d (%s) never falls back to dense attention", layer, pol)
+	}
+	b := &m.layers[layer]
+	if !b.queried {
+		return nil, fmt.Errorf("decode: layer %d has chosen nothing since the active slots changed: SetQuery first", layer)
+	}
+	return append([]Choice(nil), b.choices...), nil
+}
+
+// CostModel returns the cost model the model weighs its layers' steps by,
+// and whether it has one (only where some layer's fallback is
+// FallbackAuto, unless Config.Costs gave one).
+func (m *Model) CostModel() (sparse.CostModel, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.costs == nil {
+		return sparse.CostModel{}, false
+	}
+	return *m.costs, true
+}

@@ -1,0 +1,282 @@
+package sparse
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"sync"
+	"time"
+
+	"github.com/vksparse/vksparse/shaders"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// Cost is what one sequence's step of a layer costs the device: the
+// dependent dispatches it runs (each waits for the one before) and the
+// bytes it reads from memory.
+type Cost struct {
+	Dispatches int     `json:"dispatches"`
+	Bytes      float64 `json:"bytes"`
+}
+
+// CostModel prices a Cost on a device: every dependent dispatch pays
+// FloorUs before any work, and the bytes stream at ReadGBps (10⁹ bytes a
+// second). The step costs Dispatches·FloorUs + Bytes/(ReadGBps·10³) µs.
+type CostModel struct {
+	FloorUs  float64 `json:"floor_us"`
+	ReadGBps float64 `json:"read_gb_per_s"`
+}
+
+// Validate refuses a floor that is negative or not finite and a bandwidth
+// that is not positive and finite.
+func (m CostModel) Validate() error {
+	if !(m.FloorUs >= 0) || math.IsInf(m.FloorUs, 0) || !(m.ReadGBps > 0) || math.IsInf(m.ReadGBps, 0) {
+		return fmt.Errorf("sparse: a cost model of %v µs a dispatch and %v GB/s: the floor must be ≥ 0 and the bandwidth > 0, both finite", m.FloorUs, m.ReadGBps)
+	}
+	return nil
+}
+
+// Us returns what c costs under the model, in µs.
+func (m CostModel) Us(c Cost) float64 {
+	return float64(c.Dispatches)*m.FloorUs + c.Bytes/(m.ReadGBps*1e3)
+}
+
+// rowBytes is the bytes of one fp16 row of keys (or values) of a KV head.
+func (h Heads) rowBytes() float64 { return float64(2 * h.Dim) }
+
+// AttentionBytes returns what attention reads when each KV head attends
+// rows rows: their fp16 keys and values.
+func (h Heads) AttentionBytes(rows float64) float64 {
+	return 2 * rows * float64(h.KV) * h.rowBytes()
+}
+
+// DenseCost returns dense attention's cost over tokens tokens: one
+// dispatch (DensePlan.Record) reading every key and value row.
+func (h Heads) DenseCost(tokens int) Cost {
+	return Cost{Dispatches: 1, Bytes: h.AttentionBytes(float64(tokens))}
+}
+
+// selectionReader is a selector that counts the bytes its stages read in
+// one step.
+type selectionReader interface {
+	selectionBytes() float64
+}
+
+// selectionBytes returns what sel's stages read in one step: its own count
+// where it keeps one, otherwise the fp16 centroids of its index and one
+// float32 score per query head and cluster (a lower bound).
+func selectionBytes(sel Selector, h Heads) float64 {
+	if r, ok := sel.(selectionReader); ok {
+		return r.selectionBytes()
+	}
+	x := sel.Selection().Clusters
+	if x == nil {
+		return 0
+	}
+	return CentroidBytes(h, x.C)
+}
+
+// CentroidBytes returns what scoring c clusters per KV head reads: their
+// fp16 centroids, and one float32 score per query head and cluster read
+// back by the stage after.
+func CentroidBytes(h Heads, c int) float64 {
+	return float64(c)*float64(h.KV)*h.rowBytes() + float64(4*h.Query*c)
+}
+
+// Cost returns the cost of the last step that ran: its stages (Stages)
+// and the bytes its selection and its attention read, the attention's
+// from the rows the step attended (Attended; ask before appending).
+func (s *Step) Cost() (Cost, error) {
+	rows, err := s.Attended()
+	if err != nil {
+		return Cost{}, err
+	}
+	h := s.dense.heads
+	return Cost{Dispatches: len(s.Stages()), Bytes: selectionBytes(s.sel, h) + h.AttentionBytes(rows)}, nil
+}
+
+// IndexedShare returns the share of its index's tokens that the last
+// step that ran attended for a KV head, mean over KV heads (the members
+// of the clusters its heads took, and the pseudo-tokens), in [0, 1] for
+// an index of tokens; 0 for an empty index.
+func (s *Step) IndexedShare() (float64, error) {
+	if s.plan == nil {
+		return 0, vk.ErrReleased
+	}
+	taken, err := s.plan.Taken()
+	if err != nil {
+		return 0, err
+	}
+	x := s.plan.index()
+	if x == nil || x.Count == 0 || len(taken) == 0 {
+		return 0, nil
+	}
+	sum := 0.0
+	for _, t := range taken {
+		sum += float64(t)
+	}
+	return sum / float64(len(taken)) / float64(x.Count), nil
+}
+
+// selectionBytes: Quest reads its pages' fp16 key bounds (lo and hi); the
+// oracle reads every stored key. Both read back a score per query head
+// and row.
+func (s *binSelector) selectionBytes() float64 {
+	h := s.dense.heads
+	rows := s.rowCount()
+	read := float64(rows) * float64(h.KV) * h.rowBytes()
+	if s.kind == scoreBounds {
+		read *= 2
+	}
+	return read + float64(4*h.Query*rows)
+}
+
+// selectionBytes: StreamingLLM's choice is fixed when it is built.
+func (s *StreamingSelector) selectionBytes() float64 { return 0 }
+
+// selectionBytes: H2O scores every stored key for its accumulation, and
+// its choice reads the accumulated attention of every indexed token.
+func (s *H2OSelector) selectionBytes() float64 {
+	h := s.dense.heads
+	return float64(s.layer.Len())*float64(h.KV)*h.rowBytes() + float64(4*h.Query*s.Selection().Clusters.C)
+}
+
+// selectionBytes: Double-P scores its fp16 centroids, then cuts over the
+// scores.
+func (s *DoublePSelector) selectionBytes() float64 {
+	return CentroidBytes(s.dense.heads, s.Selection().Clusters.C)
+}
+
+// calibrations caches Calibrate's models per device (calibrationKey).
+var calibrations sync.Map
+
+// calibrationKey names a device and its driver.
+func calibrationKey(info vk.Info) string {
+	return fmt.Sprintf("%s|%04x:%04x|%s|%d", info.Name, info.VendorID, info.DeviceID, info.Driver, info.DriverVersion)
+}
+
+// Calibrate returns dev's cost model, measured on its first call for that
+// device and driver (name, IDs and driver version) and cached for the
+// process: the floor is the median time per dispatch of chains of
+// calibrationChain dispatches that read nothing, each after a compute
+// barrier; the bandwidth is a large buffer's bytes over the median time
+// of one dispatch reading it, less the floor. It needs timestamps on the
+// compute queue.
+func Calibrate(dev *vk.Device) (CostModel, error) {
+	key := calibrationKey(dev.Info())
+	if m, ok := calibrations.Load(key); ok {
+		return m.(CostModel), nil
+	}
+	m, err := measureCostModel(dev)
+	if err != nil {
+		return CostModel{}, err
+	}
+	calibrations.Store(key, m)
+	return m, nil
+}
+
+// calibrationChain is the dependent dispatches of one timed chain.
+const calibrationChain = 32
+
+// calibrationBytes returns the buffer Calibrate reads: 256 MiB on a GPU,
+// 16 MiB on a CPU (a software renderer), within the device's limits.
+func calibrationBytes(info vk.Info) uint64 {
+	b := uint64(256 << 20)
+	if info.Type == "cpu" {
+		b = 16 << 20
+	}
+	b = min(b, info.MaxStorageBufferRange, info.MaxAllocation, info.DeviceLocalBytes/4)
+	return b &^ 15
+}
+
+// measureCostModel times the chains and the read (Calibrate).
+func measureCostModel(dev *vk.Device) (_ CostModel, err error) {
+	info := dev.Info()
+	if info.TimestampValidBits == 0 {
+		return CostModel{}, fmt.Errorf("%w: calibrating the cost model needs timestamps on the compute queue: give the model", vk.ErrUnsupported)
+	}
+	code, err := shaders.SPIRV("read_probe")
+	if err != nil {
+		return CostModel{}, err
+	}
+	const wg, groups = 256, 1024
+	var release []interface{ Release() error }
+	defer func() {
+		for i := len(release) - 1; i >= 0; i-- {
+			err = errors.Join(err, release[i].Release())
+		}
+	}()
+	pipe, err := dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{wg}})
+	if err != nil {
+		return CostModel{}, err
+	}
+	release = append(release, pipe)
+	size := calibrationBytes(info)
+	src, err := dev.NewBuffer(size, vk.DeviceLocal)
+	if err != nil {
+		return CostModel{}, err
+	}
+	release = append(release, src)
+	dst, err := dev.NewBuffer(groups*wg*4, vk.DeviceLocal)
+	if err != nil {
+		return CostModel{}, err
+	}
+	release = append(release, dst)
+	bind, err := pipe.Bind(src.All(), dst.All())
+	if err != nil {
+		return CostModel{}, err
+	}
+	release = append(release, bind)
+	cmd, err := dev.NewCommands()
+	if err != nil {
+		return CostModel{}, err
+	}
+	release = append(release, cmd)
+	median := func(t []time.Duration) float64 { return float64(t[len(t)/2].Nanoseconds()) / 1e3 }
+	chain, err := dev.TimeRuns(cmd, 2, 9, func(c *vk.Commands) error {
+		for range calibrationChain {
+			c.ComputeBarrier()
+			c.Dispatch(pipe, bind, []uint32{0}, 1, 1, 1)
+		}
+		return nil
+	})
+	if err != nil {
+		return CostModel{}, err
+	}
+	read, err := dev.TimeRuns(cmd, 1, 5, func(c *vk.Commands) error {
+		c.ComputeBarrier()
+		c.Dispatch(pipe, bind, []uint32{uint32(size / 16)}, groups, 1, 1)
+		return nil
+	})
+	if err != nil {
+		return CostModel{}, err
+	}
+	m := CostModel{FloorUs: median(chain) / calibrationChain}
+	m.ReadGBps = float64(size) / (max(median(read)-m.FloorUs, median(read)/2) * 1e3)
+	if err := m.Validate(); err != nil {
+		return CostModel{}, fmt.Errorf("sparse: calibrating %s: %w", info.Name, err)
+	}
+	return m, nil
+}
+
+// SampledRows returns about how many key rows each query head's fit
+// scores over n clustered tokens in c clusters: the exact part and the
+// two sampling windows, thinned by the stride where it applies (whole
+// clusters overlapping a window make it somewhat more).
+func (f TacticFit) SampledRows(n, c int) float64 {
+	if n <= 0 || c <= 0 {
+		return 0
+	}
+	w := float64(f.windowWidth(n)) / float64(f.windowStride(n, c))
+	return min(float64(n), float64(f.initialTokens(n))+2*w)
+}
+
+// TacticCost returns about what one Tactic step over an index of c
+// clusters holding n tokens costs, when each KV head attends rows rows
+// (the sinks, the tail and its union): its stages (TacticStages, then
+// attention), the fp16 centroids and their scores, the fit's key rows of
+// every query head, and attention's keys and values.
+func (h Heads) TacticCost(fit TacticFit, n, c int, rows float64) Cost {
+	sampled := float64(h.Query) * fit.SampledRows(n, c) * h.rowBytes()
+	return Cost{Dispatches: len(TacticStages) + 1, Bytes: CentroidBytes(h, c) + sampled + h.AttentionBytes(rows)}
+}
