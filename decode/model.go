@@ -58,9 +58,9 @@ type Model struct {
 	// fallback is each layer's (FallbackNever where its policy never falls
 	// back).
 	fallback []Fallback
-	slots  []slot
-	layers []layerBatch
-	active []int // slots whose every layer is prefilled, ascending: the batches' order
+	slots    []slot
+	layers   []layerBatch
+	active   []int // slots whose every layer is prefilled, ascending: the batches' order
 }
 
 // slot is one sequence's state.
