@@ -81,19 +81,28 @@ type Choice struct {
 
 // Cost returns about what one step of the policy costs over a sequence of
 // tokens tokens of heads' geometry: its dependent dispatches and the bytes
-// its selection and attention read (as sparse.Step.Cost counts them). A
-// positional policy's rows follow from its budget over the middle of
-// sparse.DefaultBaselineLayout. A clustered policy's follow from its index
-// (x: the clusters of the tokens past the sinks, the rest attended in
-// full) and share, the part of the indexed tokens its selection takes (the
-// last step's, sparse.Step.IndexedShare); Tactic's fit adds its key rows
-// (sparse.TacticFit.SampledRows). Policies without a fallback report an
-// error.
+// its selection and attention read (as sparse.Step.Cost counts them).
+// Attention reads the tokens outside the policy's index in full, and of
+// the indexed ones a share: share, where positive (the last step's,
+// sparse.Step.IndexedShare: the union of a KV head's query heads), else
+// the least the policy takes (its budget; nothing for a clustered one).
+// A positional policy indexes the middle of sparse.DefaultBaselineLayout;
+// a clustered one's index is x (the clusters of the tokens past the
+// sinks). Tactic's fit adds its key rows (sparse.TacticFit.SampledRows).
+// Policies without a fallback report an error.
 func (p Policy) Cost(h sparse.Heads, tokens int, x *kvcache.Clusters, share float64) (sparse.Cost, error) {
 	lo, hi := sparse.DefaultBaselineLayout().Middle(tokens)
 	middle := max(hi-lo, 0)
 	outside := float64(tokens - middle)
 	row := float64(2 * h.Dim)
+	// taken returns the indexed rows attended out of indexed, least of
+	// them where no share was measured.
+	taken := func(indexed, least int) float64 {
+		if share > 0 {
+			return share * float64(indexed)
+		}
+		return float64(min(least, indexed))
+	}
 	switch p.kind {
 	case kindQuest:
 		pages := (middle + sparse.QuestPageSize - 1) / sparse.QuestPageSize
@@ -102,17 +111,17 @@ func (p Policy) Cost(h sparse.Heads, tokens int, x *kvcache.Clusters, share floa
 			k = pages
 		}
 		bounds := 2*float64(pages*h.KV)*row + float64(4*h.Query*pages)
-		return sparse.Cost{Dispatches: len(sparse.SelectStages) + 1, Bytes: bounds + h.AttentionBytes(outside+float64(min(k*sparse.QuestPageSize, middle)))}, nil
+		return sparse.Cost{Dispatches: len(sparse.SelectStages) + 1, Bytes: bounds + h.AttentionBytes(outside+taken(middle, k*sparse.QuestPageSize))}, nil
 	case kindStreaming:
-		return sparse.Cost{Dispatches: 1, Bytes: h.AttentionBytes(outside + float64(min(p.budget, middle)))}, nil
+		return sparse.Cost{Dispatches: 1, Bytes: h.AttentionBytes(outside + taken(middle, p.budget))}, nil
 	case kindH2O:
 		scores := float64(tokens*h.KV)*row + float64(4*h.Query*middle)
-		return sparse.Cost{Dispatches: len(sparse.H2OStages) + 1, Bytes: scores + h.AttentionBytes(outside+float64(min(p.budget, middle)))}, nil
+		return sparse.Cost{Dispatches: len(sparse.H2OStages) + 1, Bytes: scores + h.AttentionBytes(outside+taken(middle, p.budget))}, nil
 	case kindTactic, kindDoubleP:
 		if x == nil {
 			return sparse.Cost{}, fmt.Errorf("decode: %s's cost needs the sequence's index", p)
 		}
-		rows := float64(tokens-x.Count) + share*float64(x.Count)
+		rows := float64(tokens-x.Count) + taken(x.Count, 0)
 		if p.kind == kindTactic {
 			return h.TacticCost(p.opts.Fit, x.Count, x.C, rows), nil
 		}
@@ -170,12 +179,12 @@ func (m *Model) choose(layer int) ([]Choice, error) {
 	return out, nil
 }
 
-// measure keeps, for each sequence the layer's clustered policy attended
-// in its last step, the share of its index the step took (the estimate
-// of its next steps' cost).
+// measure keeps, for each sequence the layer's policy attended in its
+// last step, the share of its index the step took (the estimate of its
+// next steps' cost).
 func (m *Model) measure(layer int) error {
 	b := &m.layers[layer]
-	if !b.queried || !m.policy[layer].Clustered() || (b.tactic == nil && b.steps == nil) {
+	if !b.queried || !m.policy[layer].FallsBack() || (b.tactic == nil && b.steps == nil) {
 		return nil
 	}
 	for j, i := range b.members {

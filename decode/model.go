@@ -82,8 +82,8 @@ type seqLayer struct {
 	// the tokens appended since its segmenter last ran.
 	luka     *sparse.LuKAStep
 	appended int
-	// share is the part of its index that the clustered policy's last step
-	// took (0 before any): the estimate of the next step's cost.
+	// share is the part of its index that the policy's last step took (0
+	// before any): the estimate of the next step's cost.
 	share float64
 }
 

@@ -1,0 +1,203 @@
+package decode
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/vksparse/vksparse/kvcache"
+	"github.com/vksparse/vksparse/sparse"
+	"github.com/vksparse/vksparse/vk/vktest"
+)
+
+// fallbackLayout is one layer of each policy that falls back.
+func fallbackLayout(recluster int) []Policy {
+	opts := sparse.TacticDecoderOptions{Sinks: 4, Recluster: recluster, KMeans: sparse.KMeansOptions{Seed: 3}}
+	return []Policy{
+		Tactic(0.9, opts),
+		DoubleP(sparse.DefaultDoubleP(), opts),
+		Quest(64).WithRecluster(recluster),
+		StreamingLLM(64).WithRecluster(recluster),
+		H2O(64).WithRecluster(recluster),
+	}
+}
+
+var (
+	// cheapFloor prices dispatches at nothing: the step reading fewer
+	// bytes wins.
+	cheapFloor = sparse.CostModel{FloorUs: 0, ReadGBps: 1}
+	// dearFloor prices a dispatch far above any read here: the step of
+	// fewer dispatches wins.
+	dearFloor = sparse.CostModel{FloorUs: 1e6, ReadGBps: 1}
+)
+
+// poison fills the layer's output buffer with NaN, so that a sequence no
+// kernel writes shows.
+func poison(t *testing.T, m *Model, layer int) {
+	t.Helper()
+	b := m.layers[layer].out
+	nan := make([]float32, b.Size()/4)
+	for i := range nan {
+		nan[i] = float32(math.NaN())
+	}
+	require.NoError(t, b.WriteFloat32(0, nan))
+}
+
+// attendAll attends every layer of m with query i of each active slot's
+// sequence (outputs poisoned first), returning [layer][B·Hq·D].
+func attendAll(t *testing.T, f *fixture, m *Model, i int) [][]float32 {
+	t.Helper()
+	var outs [][]float32
+	for l := 0; l < m.cfg.Layers; l++ {
+		if m.layers[l].out != nil {
+			poison(t, m, l)
+		}
+		out, err := m.Attend(l, f.queries(m, l, i))
+		require.NoError(t, err)
+		outs = append(outs, out)
+	}
+	return outs
+}
+
+// requireBits requires a and b bit-identical.
+func requireBits(t *testing.T, a, b []float32, what string, args ...any) {
+	t.Helper()
+	require.Len(t, b, len(a))
+	for i := range a {
+		if math.Float32bits(a[i]) != math.Float32bits(b[i]) {
+			require.Failf(t, "outputs differ", "%s: value %d: %v and %v", fmt.Sprintf(what, args...), i, a[i], b[i])
+		}
+	}
+}
+
+// checkDense requires slot i's output of the layer to be dense
+// attention's: bit-identical to a dense plan's over the slot's cache (in
+// cluster order under a clustered policy), close to the float64
+// reference.
+func checkDense(t *testing.T, f *fixture, m *Model, layer, i int, q, got []float32, what string) {
+	t.Helper()
+	h := f.h
+	per := h.Query * h.Dim
+	s := m.Active()[i]
+	plan, err := m.dense.Plan([]*kvcache.Layer{m.slots[s].seq[layer].cache})
+	require.NoError(t, err)
+	want, err := plan.Attend(q[i*per : (i+1)*per])
+	require.NoError(t, errors.Join(err, plan.Release()))
+	requireBits(t, want, got[i*per:(i+1)*per], "%s: slot %d attended densely and by a dense plan", what, s)
+	requireClose(t, subsetRef(t, h, f.data[s][layer], q[i*per:(i+1)*per], m.Len(s, layer), nil), got[i*per:(i+1)*per], h.Dim, 1e-3, what)
+}
+
+// TestFallbackChoosesByCost builds models of one layer per policy that
+// falls back, two slots, under forced cost models and overrides, and
+// checks each layer's choice per slot (Choices, Attended) and that a
+// sequence attended densely gets dense attention's output.
+func TestFallbackChoosesByCost(t *testing.T) {
+	dev := vktest.Open(t)
+	layout := fallbackLayout(64)
+	layers := len(layout)
+	prefill := []int{600, 1000}
+	f := newFixture(t, testHeads, layers, []int{1100, 1100})
+	newModel := func(cfg Config) *Model {
+		cfg.Heads, cfg.Layers, cfg.Slots, cfg.Capacity = testHeads, layers, 2, 1100
+		m, err := New(dev, cfg)
+		require.NoError(t, err)
+		t.Cleanup(func() { require.NoError(t, m.Release()) })
+		for s, n := range prefill {
+			f.prefill(t, m, s, n)
+		}
+		return m
+	}
+	denseModel := newModel(Config{Policy: Dense()})
+	attendAll(t, f, denseModel, 0)
+	_, err := denseModel.Choices(0)
+	require.Error(t, err, "a dense layer never falls back")
+
+	perLayer := slices.Clone(layout)
+	perLayer[2] = perLayer[2].WithFallback(FallbackNever)
+	cheap, dear := cheapFloor, dearFloor
+	for _, c := range []struct {
+		name  string
+		cfg   Config
+		dense func(l int) bool // whether layer l attends densely
+	}{
+		{"cheap floor", Config{Layout: layout, Costs: &cheap}, func(int) bool { return false }},
+		// StreamingLLM has no selection stage: one dispatch, as dense.
+		{"dear floor", Config{Layout: layout, Costs: &dear}, func(l int) bool { return l != 3 }},
+		{"always dense, cheap floor", Config{Layout: layout, Costs: &cheap, Fallback: FallbackAlways}, func(int) bool { return true }},
+		{"never dense, dear floor", Config{Layout: layout, Costs: &dear, Fallback: FallbackNever}, func(int) bool { return false }},
+		{"always dense but layer 2", Config{Layout: perLayer, Fallback: FallbackAlways}, func(l int) bool { return l != 2 }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			m := newModel(c.cfg)
+			_, err := m.Choices(0)
+			require.Error(t, err, "no choice before the first SetQuery")
+			outs := attendAll(t, f, m, 0)
+			for l := range layers {
+				what := fmt.Sprintf("layer %d (%s)", l, layout[l])
+				choices, err := m.Choices(l)
+				require.NoError(t, err)
+				attended, err := m.Attended(l)
+				require.NoError(t, err)
+				require.Len(t, choices, len(prefill))
+				for i, ch := range choices {
+					require.Equal(t, i, ch.Slot)
+					require.Equal(t, prefill[i], ch.Tokens)
+					require.Equal(t, c.dense(l), ch.Dense, "%s slot %d: %+v", what, i, ch)
+					require.Equal(t, testHeads.DenseCost(ch.Tokens), ch.DenseCost)
+					if ch.Fallback == FallbackAuto {
+						require.Equal(t, ch.Dense, ch.PolicyUs > ch.DenseUs, "%s slot %d: the cheaper one is chosen", what, i)
+					}
+					if ch.Dense {
+						require.Equal(t, float64(prefill[i]), attended[i], what)
+						checkDense(t, f, m, l, i, f.queries(m, l, 0), outs[l], what)
+					} else {
+						require.Less(t, attended[i], float64(prefill[i]), "%s slot %d: the policy reads fewer rows", what, i)
+						require.False(t, slices.ContainsFunc(outs[l], func(x float32) bool { return math.IsNaN(float64(x)) }), what)
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestFallbackCostMatchesSteps compares Policy.Cost's estimate with the
+// cost its step counts after running (sparse.Step.Cost): the same
+// dispatches, and the same bytes within what the estimate cannot know
+// (whole bins past Quest's pages, Tactic's fit rows the step does not
+// count).
+func TestFallbackCostMatchesSteps(t *testing.T) {
+	dev := vktest.Open(t)
+	layout := fallbackLayout(64)
+	f := newFixture(t, testHeads, len(layout), []int{1000})
+	m, err := New(dev, Config{Heads: testHeads, Layers: len(layout), Slots: 1, Capacity: 1000, Layout: layout, Fallback: FallbackNever})
+	require.NoError(t, err)
+	defer func() { require.NoError(t, m.Release()) }()
+	f.prefill(t, m, 0, 900)
+	attendAll(t, f, m, 0)
+	for l, pol := range layout {
+		step := m.layers[l].step(0)
+		got, err := step.Cost()
+		require.NoError(t, err)
+		share, err := step.IndexedShare()
+		require.NoError(t, err)
+		sl := &m.slots[0].seq[l]
+		want, err := pol.Cost(testHeads, 900, sl.clusters, share)
+		require.NoError(t, err)
+		require.Equal(t, len(step.Stages()), want.Dispatches, "%s", pol)
+		require.Equal(t, got.Dispatches, want.Dispatches, "%s", pol)
+		switch {
+		case pol.IsTactic():
+			// The step counts its centroids, not its fit's rows.
+			require.Greater(t, want.Bytes, got.Bytes, "%s", pol)
+			require.InDelta(t, got.Bytes, want.Bytes, float64(2*testHeads.Dim*testHeads.Query)*pol.opts.Fit.SampledRows(sl.clusters.Count, sl.clusters.C)+1, "%s", pol)
+		default:
+			require.InEpsilon(t, want.Bytes, got.Bytes, 1e-9, "%s", pol)
+		}
+	}
+	_, err = Dense().Cost(testHeads, 900, nil, 0)
+	require.Error(t, err)
+}

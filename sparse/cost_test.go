@@ -1,0 +1,78 @@
+package sparse
+
+import (
+	"math"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/vksparse/vksparse/vk/vktest"
+)
+
+func TestCostModelArithmetic(t *testing.T) {
+	m := CostModel{FloorUs: 4, ReadGBps: 2000}
+	// 3 dispatches of 4 µs, and 10⁶ bytes at 2000 GB/s: 2·10⁶ bytes a µs.
+	require.InDelta(t, 3*4+1e6/2e6, m.Us(Cost{Dispatches: 3, Bytes: 1e6}), 1e-12)
+	require.Zero(t, m.Us(Cost{}))
+	h := Heads{Query: 8, KV: 2, Dim: 64}
+	// Dense: one dispatch, K and V of 2 KV heads × n rows of 64 fp16.
+	d := h.DenseCost(1000)
+	require.Equal(t, 1, d.Dispatches)
+	require.InDelta(t, 2*2*1000*64*2, d.Bytes, 0)
+	require.InDelta(t, d.Bytes, h.AttentionBytes(1000), 0)
+	// Centroids: C fp16 rows per KV head and a float32 score per query head.
+	require.InDelta(t, 50*2*64*2+4*8*50, CentroidBytes(h, 50), 0)
+	for _, bad := range []CostModel{{-1, 1}, {1, 0}, {1, -3}, {math.NaN(), 1}, {1, math.NaN()}, {math.Inf(1), 1}, {1, math.Inf(1)}} {
+		require.Error(t, bad.Validate(), "%+v", bad)
+	}
+	require.NoError(t, CostModel{0, 1}.Validate())
+}
+
+// TestCostCrossover checks the shape the dense fallback relies on: with a
+// floor, a step of more dispatches that reads a shrinking share of dense
+// attention's bytes loses to dense attention below some length and wins
+// above it, and a dearer floor moves that length up.
+func TestCostCrossover(t *testing.T) {
+	h := Heads{Query: 8, KV: 2, Dim: 64}
+	fit := DefaultTacticFit()
+	crossover := func(m CostModel) int {
+		for n := 64; n <= 1<<22; n *= 2 {
+			c := n / 16 // clusters of 16
+			step := h.TacticCost(fit, n, c, 0.1*float64(n))
+			if m.Us(step) < m.Us(h.DenseCost(n)) {
+				return n
+			}
+		}
+		return -1
+	}
+	cheap, dear := crossover(CostModel{FloorUs: 1, ReadGBps: 3000}), crossover(CostModel{FloorUs: 8, ReadGBps: 3000})
+	require.Positive(t, cheap)
+	require.Greater(t, dear, cheap)
+	require.Equal(t, 64, crossover(CostModel{FloorUs: 0, ReadGBps: 3000}), "no floor: the fewer bytes win at once")
+}
+
+func TestTacticFitSampledRows(t *testing.T) {
+	fit := DefaultTacticFit()
+	require.Zero(t, fit.SampledRows(0, 1))
+	for _, n := range []int{100, 10_000, 1 << 20} {
+		got := fit.SampledRows(n, n/16)
+		require.LessOrEqual(t, got, float64(n))
+		// At least the exact part; at most the exact part and two windows.
+		require.GreaterOrEqual(t, got, math.Ceil(fit.InitialFrac*float64(n)))
+		require.LessOrEqual(t, got, math.Ceil(fit.InitialFrac*float64(n))+2*float64(fit.MaxWindow))
+	}
+}
+
+// TestCalibrate measures the device's cost model once and serves it from
+// the cache after.
+func TestCalibrate(t *testing.T) {
+	dev := vktest.Open(t)
+	m, err := Calibrate(dev)
+	require.NoError(t, err)
+	require.NoError(t, m.Validate())
+	require.Positive(t, m.FloorUs)
+	again, err := Calibrate(dev)
+	require.NoError(t, err)
+	require.Equal(t, m, again, "the second call is the cached model")
+	t.Logf("%s: %.2f µs a dispatch, %.1f GB/s", dev.Info().Name, m.FloorUs, m.ReadGBps)
+}
