@@ -201,3 +201,165 @@ func TestFallbackCostMatchesSteps(t *testing.T) {
 	_, err = Dense().Cost(testHeads, 900, nil, 0)
 	require.Error(t, err)
 }
+
+// TestFallbackSwitchesKeepOutputs switches every layer of a model between
+// dense attention and its policy from step to step (SetFallback:
+// FallbackAlways, FallbackNever, FallbackAuto under a cheap floor), with
+// appends crossing reclustering boundaries, beside a twin that always
+// runs the policy. A sequence attended densely gets dense attention's
+// output; under a clustered policy the outputs are bit-identical to the
+// twin's (its batch, built again at every switch, attends as the twin's);
+// under a positional one, whose index (and H2O's accumulated attention)
+// is made with the batch, the first step after a switch is bit-identical
+// to that of a new model holding the same tokens.
+func TestFallbackSwitchesKeepOutputs(t *testing.T) {
+	dev := vktest.Open(t)
+	const recluster = 8
+	layout := fallbackLayout(recluster)
+	layers := len(layout)
+	prefill := []int{300, 420}
+	f := newFixture(t, testHeads, layers, []int{500, 500})
+	cheap := cheapFloor
+	var models []*Model
+	for _, fb := range []Fallback{FallbackAlways, FallbackNever} {
+		m, err := New(dev, Config{Heads: testHeads, Layers: layers, Slots: 2, Capacity: 500, Layout: layout, Fallback: fb, Costs: &cheap})
+		require.NoError(t, err)
+		defer func() { require.NoError(t, m.Release()) }()
+		for s, n := range prefill {
+			f.prefill(t, m, s, n)
+		}
+		models = append(models, m)
+	}
+	m, twin := models[0], models[1]
+	per := testHeads.Query * testHeads.Dim
+	schedule := []Fallback{FallbackAlways, FallbackNever, FallbackAlways, FallbackAuto, FallbackAuto, FallbackAlways,
+		FallbackNever, FallbackNever, FallbackAlways, FallbackAuto, FallbackNever, FallbackAlways}
+	for step, mode := range schedule {
+		if step > 0 {
+			for s := range prefill {
+				f.appendAll(t, m, s, 1)
+				f.appendAll(t, twin, s, 1)
+			}
+		}
+		for l := range layout {
+			require.NoError(t, m.SetFallback(l, mode))
+		}
+		outs, twinOuts := attendAll(t, f, m, step%2), attendAll(t, f, twin, step%2)
+		for l, pol := range layout {
+			what := fmt.Sprintf("step %d (%s) layer %d (%s)", step, mode, l, pol)
+			choices, err := m.Choices(l)
+			require.NoError(t, err)
+			q := f.queries(m, l, step%2)
+			for i, ch := range choices {
+				require.Equal(t, mode == FallbackAlways, ch.Dense, what)
+				got := outs[l][i*per : (i+1)*per]
+				switch {
+				case ch.Dense:
+					checkDense(t, f, m, l, i, q, outs[l], what)
+				case pol.Clustered():
+					requireBits(t, twinOuts[l][i*per:(i+1)*per], got, "%s slot %d: switched and never switched", what, i)
+				case schedule[step-1] == FallbackAlways && pol.kind == kindH2O:
+					// H2O's first step reads what earlier steps of the
+					// workspace left in its scratch, to the last bit.
+					want := freshOutputs(t, f, m, l, step%2)[i*per : (i+1)*per]
+					requireClose(t, float64s(want), got, testHeads.Dim, 1e-5, what)
+				case schedule[step-1] == FallbackAlways:
+					requireBits(t, freshOutputs(t, f, m, l, step%2)[i*per:(i+1)*per], got, "%s slot %d: switched and new", what, i)
+				}
+			}
+		}
+	}
+}
+
+// freshOutputs returns the layer's output of a new model of m's layout,
+// never falling back, whose slots hold the tokens m's slots hold, for
+// query i, its layers attended in order up to that one (they share its
+// workspace).
+func freshOutputs(t *testing.T, f *fixture, m *Model, layer, i int) []float32 {
+	t.Helper()
+	cfg := m.Config()
+	cfg.Fallback = FallbackNever
+	fresh, err := New(m.dev, cfg)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, fresh.Release()) }()
+	for _, s := range m.Active() {
+		for l := range cfg.Layers {
+			n := m.Len(s, l)
+			k, v := f.data[s][l].rows(0, n)
+			require.NoError(t, fresh.Prefill(s, l, k, v, n))
+		}
+	}
+	var out []float32
+	for l := 0; l <= layer; l++ {
+		out, err = fresh.Attend(l, f.queries(fresh, l, i))
+		require.NoError(t, err)
+	}
+	return out
+}
+
+// TestBatchInvarianceAcrossFallback is TestBatchInvariance with every
+// layer switched between dense attention and its policy from step to step
+// (the same switches in every run), for each policy that falls back; and,
+// for the clustered ones, with the batched runs' batches built again at
+// some steps where the lone run's are not, as a batch-mate's change of
+// choice under FallbackAuto does.
+func TestBatchInvarianceAcrossFallback(t *testing.T) {
+	dev := vktest.Open(t)
+	cheap := cheapFloor
+	schedule := []Fallback{FallbackNever, FallbackAlways, FallbackAuto, FallbackAlways, FallbackNever, FallbackNever,
+		FallbackAlways, FallbackAuto, FallbackAuto, FallbackNever}
+	for _, p := range faultPolicies(t) {
+		if !p.layout[0].FallsBack() {
+			continue
+		}
+		t.Run(p.name, func(t *testing.T) {
+			layers := len(p.layout)
+			f := newFixture(t, faultHeads, layers, []int{faultCapacity, faultCapacity, faultCapacity})
+			n := []int{faultSecond, faultFirst + 3, faultFirst}
+			cfg := Config{Heads: faultHeads, Layers: layers, Slots: 3, Capacity: faultCapacity, Layout: p.layout, Costs: &cheap}
+			var runs []*placed
+			for _, seqs := range [][]int{{2, -1, -1}, {0, 1, 2}, {0, 1, 2}} {
+				m, err := New(dev, cfg)
+				require.NoError(t, err)
+				defer func() { require.NoError(t, m.Release()) }()
+				r := &placed{m: m, f: f, seqs: seqs}
+				r.prefill(t, n)
+				runs = append(runs, r)
+			}
+			for step, mode := range schedule {
+				if step > 0 {
+					for _, r := range runs {
+						r.appendAll(t)
+					}
+				}
+				for i, r := range runs {
+					for l := range layers {
+						require.NoError(t, r.m.SetFallback(l, mode))
+						if i > 0 && step%3 == 2 && p.layout[l].Clustered() {
+							require.NoError(t, r.m.releaseLayer(l))
+						}
+					}
+				}
+				var outs []map[int][][]uint32
+				for _, r := range runs {
+					outs = append(outs, r.attend(t, step%2))
+				}
+				for l := 0; l < layers; l++ {
+					what := fmt.Sprintf("step %d (%s) layer %d (%s)", step, mode, l, p.layout[l])
+					require.True(t, slices.Equal(outs[0][2][l], outs[1][2][l]), "%s: sequence 2 alone in slot 0 and batched in slot 2 differ", what)
+					for seq := range 3 {
+						require.True(t, slices.Equal(outs[1][seq][l], outs[2][seq][l]), "%s: sequence %d differs between two runs of the same batch", what, seq)
+					}
+				}
+			}
+		})
+	}
+}
+
+func float64s(x []float32) []float64 {
+	out := make([]float64, len(x))
+	for i, v := range x {
+		out[i] = float64(v)
+	}
+	return out
+}
