@@ -60,6 +60,7 @@ func faultPolicies(t *testing.T) []faultPolicy {
 		{"Quest", same(Quest(80).WithRecluster(faultRecluster))},
 		{"StreamingLLM", same(StreamingLLM(80).WithRecluster(faultRecluster))},
 		{"H2O", same(H2O(80).WithRecluster(faultRecluster))},
+		{"Tactic, dense fallback", same(Tactic(0.9, opts).WithFallback(FallbackAlways))},
 		{"DELTA", delta},
 		{"LuKA", same(LuKA(sparse.LuKA{Segment: 16, Recent: 32, Every: faultRecluster, Rule: sparse.RefineTopK, K: 2}))},
 	}
