@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/sparse"
 )
 
@@ -71,8 +70,11 @@ type Choice struct {
 	Slot     int      `json:"slot"`
 	Fallback Fallback `json:"fallback"`
 	// Dense reports whether the sequence is attended densely.
-	Dense      bool        `json:"dense"`
-	Tokens     int         `json:"tokens"`
+	Dense  bool `json:"dense"`
+	Tokens int  `json:"tokens"`
+	// Share is the part of its index the policy's last step took, that
+	// the policy's cost counts (Policy.Cost; 0 before its first step).
+	Share      float64     `json:"share"`
 	PolicyCost sparse.Cost `json:"policy_cost"`
 	DenseCost  sparse.Cost `json:"dense_cost"`
 	PolicyUs   float64     `json:"policy_us"`
@@ -87,10 +89,11 @@ type Choice struct {
 // sparse.Step.IndexedShare: the union of a KV head's query heads), else
 // the least the policy takes (its budget; nothing for a clustered one).
 // A positional policy indexes the middle of sparse.DefaultBaselineLayout;
-// a clustered one's index is x (the clusters of the tokens past the
-// sinks). Tactic's fit adds its key rows (sparse.TacticFit.SampledRows).
-// Policies without a fallback report an error.
-func (p Policy) Cost(h sparse.Heads, tokens int, x *kvcache.Clusters, share float64) (sparse.Cost, error) {
+// a clustered one's index holds indexed tokens (those past the sinks that
+// have been clustered) in clusters clusters, ignored for the others.
+// Tactic's fit adds its key rows (sparse.TacticFit.SampledRows). Policies
+// without a fallback report an error.
+func (p Policy) Cost(h sparse.Heads, tokens, indexed, clusters int, share float64) (sparse.Cost, error) {
 	lo, hi := sparse.DefaultBaselineLayout().Middle(tokens)
 	middle := max(hi-lo, 0)
 	outside := float64(tokens - middle)
@@ -118,14 +121,14 @@ func (p Policy) Cost(h sparse.Heads, tokens int, x *kvcache.Clusters, share floa
 		scores := float64(tokens*h.KV)*row + float64(4*h.Query*middle)
 		return sparse.Cost{Dispatches: len(sparse.H2OStages) + 1, Bytes: scores + h.AttentionBytes(outside+taken(middle, p.budget))}, nil
 	case kindTactic, kindDoubleP:
-		if x == nil {
-			return sparse.Cost{}, fmt.Errorf("decode: %s's cost needs the sequence's index", p)
+		if indexed < 0 || indexed > tokens || clusters < 0 || clusters > indexed {
+			return sparse.Cost{}, fmt.Errorf("decode: %s's cost over %d tokens, %d of them in %d clusters", p, tokens, indexed, clusters)
 		}
-		rows := float64(tokens-x.Count) + taken(x.Count, 0)
+		rows := float64(tokens-indexed) + taken(indexed, 0)
 		if p.kind == kindTactic {
-			return h.TacticCost(p.opts.Fit, x.Count, x.C, rows), nil
+			return h.TacticCost(p.opts.Fit, indexed, clusters, rows), nil
 		}
-		return sparse.Cost{Dispatches: len(sparse.DoublePStages) + 1, Bytes: sparse.CentroidBytes(h, x.C) + h.AttentionBytes(rows)}, nil
+		return sparse.Cost{Dispatches: len(sparse.DoublePStages) + 1, Bytes: sparse.CentroidBytes(h, clusters) + h.AttentionBytes(rows)}, nil
 	}
 	return sparse.Cost{}, fmt.Errorf("decode: %s never falls back to dense attention: no cost to weigh", p)
 }
@@ -164,8 +167,13 @@ func (m *Model) choose(layer int) ([]Choice, error) {
 		sl := &m.slots[s].seq[layer]
 		c := Choice{Slot: s, Fallback: mode, Tokens: sl.cache.Len(), Dense: mode == FallbackAlways}
 		c.DenseCost = m.cfg.Heads.DenseCost(c.Tokens)
+		indexed, clusters := 0, 0
+		if sl.clusters != nil {
+			indexed, clusters = sl.clusters.Count, sl.clusters.C
+		}
+		c.Share = sl.share
 		var err error
-		if c.PolicyCost, err = pol.Cost(m.cfg.Heads, c.Tokens, sl.clusters, sl.share); err != nil {
+		if c.PolicyCost, err = pol.Cost(m.cfg.Heads, c.Tokens, indexed, clusters, sl.share); err != nil {
 			return nil, fmt.Errorf("decode: layer %d slot %d: %w", layer, s, err)
 		}
 		if m.costs != nil {

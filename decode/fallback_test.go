@@ -185,7 +185,11 @@ func TestFallbackCostMatchesSteps(t *testing.T) {
 		share, err := step.IndexedShare()
 		require.NoError(t, err)
 		sl := &m.slots[0].seq[l]
-		want, err := pol.Cost(testHeads, 900, sl.clusters, share)
+		indexed, clusters := 0, 0
+		if sl.clusters != nil {
+			indexed, clusters = sl.clusters.Count, sl.clusters.C
+		}
+		want, err := pol.Cost(testHeads, 900, indexed, clusters, share)
 		require.NoError(t, err)
 		require.Equal(t, len(step.Stages()), want.Dispatches, "%s", pol)
 		require.Equal(t, got.Dispatches, want.Dispatches, "%s", pol)
@@ -198,8 +202,10 @@ func TestFallbackCostMatchesSteps(t *testing.T) {
 			require.InEpsilon(t, want.Bytes, got.Bytes, 1e-9, "%s", pol)
 		}
 	}
-	_, err = Dense().Cost(testHeads, 900, nil, 0)
+	_, err = Dense().Cost(testHeads, 900, 0, 0, 0)
 	require.Error(t, err)
+	_, err = layout[0].Cost(testHeads, 900, 901, 10, 0)
+	require.Error(t, err, "more indexed tokens than tokens")
 }
 
 // TestFallbackSwitchesKeepOutputs switches every layer of a model between
