@@ -255,8 +255,8 @@ func (m *Model) Fallback(layer int) (Fallback, error) {
 }
 
 // Choices returns how the layer attends each active slot (Active order),
-// as its batch was built at the last SetQuery or Attend, with the costs
-// that decided it; a layer that never falls back (Dense, the oracles,
+// as chosen at the last SetQuery or Attend, with the costs that decided
+// it; a layer that never falls back (Dense, the oracles,
 // DELTA, LuKA) reports an error.
 func (m *Model) Choices(layer int) ([]Choice, error) {
 	m.mu.Lock()

@@ -202,6 +202,21 @@ func TestFallbackCostMatchesSteps(t *testing.T) {
 			require.InEpsilon(t, want.Bytes, got.Bytes, 1e-9, "%s", pol)
 		}
 	}
+	// The next choice counts the share the step took.
+	shares := make([]float64, len(layout))
+	for l := range layout {
+		shares[l], err = m.layers[l].step(0).IndexedShare()
+		require.NoError(t, err)
+	}
+	attendAll(t, f, m, 1)
+	for l, pol := range layout {
+		choices, err := m.Choices(l)
+		require.NoError(t, err)
+		require.Equal(t, shares[l], choices[0].Share, "%s", pol)
+		if pol.kind != kindStreaming { // its kept tokens lie outside its index
+			require.Positive(t, choices[0].Share, "%s", pol)
+		}
+	}
 	_, err = Dense().Cost(testHeads, 900, 0, 0, 0)
 	require.Error(t, err)
 	_, err = layout[0].Cost(testHeads, 900, 901, 10, 0)

@@ -782,6 +782,9 @@ func (m *Model) build(layer int) error {
 		}
 	}
 	if b.exists() {
+		if choices != nil {
+			b.choices = choices // the same choices, at today's costs
+		}
 		return nil
 	}
 	// The policy's batch attends the members; the fallback's dense plans

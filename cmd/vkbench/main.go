@@ -11,6 +11,7 @@
 //	vkbench generate [flags]        the project's model decoding through the library: what each policy layout costs its output
 //	vkbench stack [flags]           attention per decoded token across a whole model: dense against DELTA's layout
 //	vkbench soak [flags]            a long random run of decode models checked against a float64 model
+//	vkbench crossover [flags]       per policy, the length from which its step costs less than dense attention
 //
 // The global flag -progress=auto|always|never (before the command) says
 // whether to draw progress lines on stderr; auto, the default, draws them
@@ -56,6 +57,10 @@ commands:
   soak      a long random run of decode models (prefills, appends, attends,
             frees) checked against a float64 model: caches, outputs,
             validation errors, device memory ("vkbench soak -h" for flags)
+  crossover per policy and layer shape, the shortest length at which the
+            policy's step costs less than dense attention by the device's
+            cost model, where decode's dense fallback hands the layer to
+            the policy ("vkbench crossover -h" for flags)
 
 global flags:
   -progress auto|always|never
@@ -100,6 +105,8 @@ func main() {
 		err = stack(args[1:])
 	case "soak":
 		err = soakCmd(args[1:])
+	case "crossover":
+		err = crossover(args[1:])
 	case "help":
 		fmt.Print(usage)
 		return
