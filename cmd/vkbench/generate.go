@@ -136,10 +136,11 @@ func generate(args []string) error {
 }
 
 // modelConfig is a decode.Config for the weights' geometry, one slot of
-// capacity tokens, with a policy per layer.
+// capacity tokens, with a policy per layer, each always run (never the
+// dense fallback: its cost to the output is what is measured).
 func modelConfig(w *lm.Weights, capacity int, layout []decode.Policy) decode.Config {
 	c := w.Config
-	return decode.Config{Heads: sparse.Heads{Query: c.Heads, KV: c.KVHeads, Dim: c.HeadDim}, Layers: c.Layers, Slots: 1, Capacity: capacity, Layout: layout}
+	return decode.Config{Heads: sparse.Heads{Query: c.Heads, KV: c.KVHeads, Dim: c.HeadDim}, Layers: c.Layers, Slots: 1, Capacity: capacity, Layout: layout, Fallback: decode.FallbackNever}
 }
 
 // wholeResult is what -whole measures.

@@ -221,7 +221,7 @@ func stack(args []string) error {
 // (Model.Time).
 func runStack(dev *vk.Device, heads sparse.Heads, tr *trace.Trace, layout []decode.Policy, name string, warmup, reps int, prog *progress) (run *stackRun, err error) {
 	L := len(layout)
-	m, err := decode.New(dev, decode.Config{Heads: heads, Layers: L, Slots: 1, Capacity: tr.Tokens, Layout: layout})
+	m, err := decode.New(dev, decode.Config{Heads: heads, Layers: L, Slots: 1, Capacity: tr.Tokens, Layout: layout, Fallback: decode.FallbackNever})
 	if err != nil {
 		return nil, err
 	}
