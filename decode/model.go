@@ -621,7 +621,7 @@ func (m *Model) empty(sl *seqLayer) error {
 			errs = append(errs, x.Release())
 		}
 	}
-	sl.clusters, sl.pending = nil, nil
+	sl.clusters, sl.pending, sl.share = nil, nil, 0
 	if sl.luka != nil {
 		errs = append(errs, sl.luka.Release())
 		sl.luka, sl.appended = nil, 0
