@@ -384,3 +384,90 @@ func float64s(x []float32) []float64 {
 	}
 	return out
 }
+
+// TestFallbackMixedBatch prices dispatches so that, under each policy
+// with more dispatches than dense attention, the shorter of two slots is
+// attended densely and the longer by the policy, in one layer's batch: the
+// dense one gets dense attention's output, the other the output a model
+// that never falls back gives it (batch invariance); then, over appends,
+// every choice stays the cheaper one and every dense one dense attention.
+func TestFallbackMixedBatch(t *testing.T) {
+	dev := vktest.Open(t)
+	prefill := []int{600, 1000}
+	per := testHeads.Query * testHeads.Dim
+	for _, pol := range fallbackLayout(64) {
+		if pol.kind == kindStreaming {
+			continue // one dispatch, as dense attention: the floor cannot tip it
+		}
+		t.Run(pol.String(), func(t *testing.T) {
+			f := newFixture(t, testHeads, 1, []int{1100, 1100})
+			var models []*Model
+			for _, fb := range []Fallback{FallbackAuto, FallbackNever} {
+				// The cost model is set below, once the indexes are known.
+				costs := cheapFloor
+				m, err := New(dev, Config{Heads: testHeads, Layers: 1, Slots: 2, Capacity: 1100, Policy: pol, Fallback: fb, Costs: &costs})
+				require.NoError(t, err)
+				defer func() { require.NoError(t, m.Release()) }()
+				for s, n := range prefill {
+					f.prefill(t, m, s, n)
+				}
+				models = append(models, m)
+			}
+			m, twin := models[0], models[1]
+			// The floor at which a slot's policy step and dense attention
+			// cost the same, at 1 GB/s: the extra dispatches pay for the
+			// bytes saved.
+			tie := func(s int) float64 {
+				sl := &m.slots[s].seq[0]
+				indexed, clusters := 0, 0
+				if sl.clusters != nil {
+					indexed, clusters = sl.clusters.Count, sl.clusters.C
+				}
+				c, err := pol.Cost(testHeads, prefill[s], indexed, clusters, 0)
+				require.NoError(t, err)
+				saved := testHeads.DenseCost(prefill[s]).Bytes - c.Bytes
+				require.Positive(t, saved)
+				return saved / 1e3 / float64(c.Dispatches-1)
+			}
+			short, long := tie(0), tie(1)
+			require.Less(t, short, long, "the longer sequence saves more")
+			*m.costs = sparse.CostModel{FloorUs: (short + long) / 2, ReadGBps: 1}
+			q := f.queries(m, 0, 0)
+			poison(t, m, 0)
+			out, err := m.Attend(0, q)
+			require.NoError(t, err)
+			twinOut, err := twin.Attend(0, q)
+			require.NoError(t, err)
+			choices, err := m.Choices(0)
+			require.NoError(t, err)
+			require.True(t, choices[0].Dense, "the short slot: %+v", choices[0])
+			require.False(t, choices[1].Dense, "the long slot: %+v", choices[1])
+			checkDense(t, f, m, 0, 0, q, out, "the short slot")
+			if pol.kind == kindH2O {
+				// H2O's first step differs in the last bit between a batch
+				// of one and of two, with or without a fallback.
+				requireClose(t, float64s(twinOut[per:]), out[per:], testHeads.Dim, 1e-5, "the long slot")
+			} else {
+				requireBits(t, twinOut[per:], out[per:], "the long slot, by the policy beside a dense slot and in a model that never falls back")
+			}
+			for step := 1; step <= 4; step++ {
+				for s := range prefill {
+					f.appendAll(t, m, s, 1)
+				}
+				q := f.queries(m, 0, step%2)
+				poison(t, m, 0)
+				out, err := m.Attend(0, q)
+				require.NoError(t, err)
+				choices, err := m.Choices(0)
+				require.NoError(t, err)
+				for i, c := range choices {
+					require.Equal(t, c.PolicyUs > c.DenseUs, c.Dense, "step %d slot %d: %+v", step, i, c)
+					if c.Dense {
+						checkDense(t, f, m, 0, i, q, out, fmt.Sprintf("step %d", step))
+					}
+				}
+				require.False(t, slices.ContainsFunc(out, func(x float32) bool { return math.IsNaN(float64(x)) }), "step %d: a slot unwritten", step)
+			}
+		})
+	}
+}
