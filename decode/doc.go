@@ -63,6 +63,14 @@
 // sequences that keep it, and a dense plan each the others, all writing
 // into the layer's output. Choices reports each slot's choice and costs.
 // A sequence attended densely gets dense attention's output, bit for bit.
+// Since a sequence's choice depends on nothing else in the batch, batch
+// invariance holds under FallbackNever and FallbackAlways, and under
+// FallbackAuto for sequences attended densely and for the clustered
+// policies, whose steps attend the same whenever their batch is built;
+// a positional policy's batch built again at a batch-mate's change of
+// choice indexes its sequences anew (H2O restarts its accumulation). A
+// calibrated cost model is measured anew in each process: give
+// Config.Costs where choices near a crossover must repeat across runs.
 // The oracles, DELTA and LuKA never fall back.
 //
 // # Concurrency
