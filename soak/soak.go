@@ -319,7 +319,9 @@ func (r *runner) run(progress func(done, total int)) error {
 		for l := range layout {
 			layout[l] = cfg.Policies[cfg.policy(i, l)].Policy
 		}
-		m, err := decode.New(r.dev, decode.Config{Heads: cfg.Heads, Layers: cfg.Layers, Slots: cfg.Slots, Capacity: cfg.Capacity, Layout: layout})
+		// The policies themselves are soaked: at the soak's small sizes the
+		// dense fallback would attend most layers densely.
+		m, err := decode.New(r.dev, decode.Config{Heads: cfg.Heads, Layers: cfg.Layers, Slots: cfg.Slots, Capacity: cfg.Capacity, Layout: layout, Fallback: decode.FallbackNever})
 		if err != nil {
 			return fmt.Errorf("soak: model %d: %w", i, err)
 		}
