@@ -43,9 +43,13 @@ func writeJSON(path, command string, info vk.Info, results any) error {
 	// kept them is nobody else's business.
 	fields := strings.Fields(command)
 	for i, f := range fields {
-		if f == path || filepath.IsAbs(f) {
-			fields[i] = filepath.Base(f)
+		parts := strings.Split(f, ",") // a list of files, say
+		for j, p := range parts {
+			if p == path || filepath.IsAbs(p) {
+				parts[j] = filepath.Base(p)
+			}
 		}
+		fields[i] = strings.Join(parts, ",")
 	}
 	command = strings.Join(fields, " ")
 	b, err := json.MarshalIndent(report{Tool: "vkbench", Command: command, Date: time.Now().UTC().Format(time.RFC3339), Device: info, Results: results}, "", "  ")

@@ -51,12 +51,14 @@ func TestIsTerminalFalseForFilesAndPipes(t *testing.T) {
 }
 
 // TestWriteJSONNamesFilesByBase checks that the command a result records
-// names the files it was given by absolute paths by their base only.
+// names the files it was given by absolute paths (alone or in a
+// comma-separated list) by their base only.
 func TestWriteJSONNamesFilesByBase(t *testing.T) {
 	dir := t.TempDir()
 	out := filepath.Join(dir, "r.json")
 	plot := filepath.Join(dir, "sub", "p.png")
-	if err := writeJSON(out, "vkbench generate -json "+out+" -plot "+plot+" -layouts a; b", vk.Info{}, 1); err != nil {
+	traces := filepath.Join(dir, "t1.safetensors") + "," + filepath.Join(dir, "t2.safetensors")
+	if err := writeJSON(out, "vkbench generate -json "+out+" -plot "+plot+" -trace "+traces+" -layouts a; b", vk.Info{}, 1); err != nil {
 		t.Fatal(err)
 	}
 	b, err := os.ReadFile(out)
@@ -67,7 +69,7 @@ func TestWriteJSONNamesFilesByBase(t *testing.T) {
 	if err := json.Unmarshal(b, &rep); err != nil {
 		t.Fatal(err)
 	}
-	if want := "vkbench generate -json r.json -plot p.png -layouts a; b"; rep.Command != want {
+	if want := "vkbench generate -json r.json -plot p.png -trace t1.safetensors,t2.safetensors -layouts a; b"; rep.Command != want {
 		t.Errorf("command %q, want %q", rep.Command, want)
 	}
 }
