@@ -336,17 +336,7 @@ func TestBatchInvarianceAcrossFallback(t *testing.T) {
 		t.Run(p.name, func(t *testing.T) {
 			layers := len(p.layout)
 			f := newFixture(t, faultHeads, layers, []int{faultCapacity, faultCapacity, faultCapacity})
-			n := []int{faultSecond, faultFirst + 3, faultFirst}
-			cfg := Config{Heads: faultHeads, Layers: layers, Slots: 3, Capacity: faultCapacity, Layout: p.layout, Costs: &cheap}
-			var runs []*placed
-			for _, seqs := range [][]int{{2, -1, -1}, {0, 1, 2}, {0, 1, 2}} {
-				m, err := New(dev, cfg)
-				require.NoError(t, err)
-				defer func() { require.NoError(t, m.Release()) }()
-				r := &placed{m: m, f: f, seqs: seqs}
-				r.prefill(t, n)
-				runs = append(runs, r)
-			}
+			runs := placedRuns(t, dev, f, Config{Heads: faultHeads, Layers: layers, Slots: 3, Capacity: faultCapacity, Layout: p.layout, Costs: &cheap})
 			for step, mode := range schedule {
 				if step > 0 {
 					for _, r := range runs {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/vksparse/vksparse/vk"
 	"github.com/vksparse/vksparse/vk/vktest"
 )
 
@@ -72,6 +73,24 @@ func (p *placed) attend(t *testing.T, i int) map[int][][]uint32 {
 	return outs
 }
 
+// placedRuns returns three models of cfg (released when the test ends)
+// prefilled with the fixture's sequences 0, 1, 2 of the invariance tests'
+// lengths: sequence 2 alone in slot 0, then the batch of three twice.
+func placedRuns(t *testing.T, dev *vk.Device, f *fixture, cfg Config) []*placed {
+	t.Helper()
+	n := []int{faultSecond, faultFirst + 3, faultFirst}
+	var runs []*placed
+	for _, seqs := range [][]int{{2, -1, -1}, {0, 1, 2}, {0, 1, 2}} {
+		m, err := New(dev, cfg)
+		require.NoError(t, err)
+		t.Cleanup(func() { require.NoError(t, m.Release()) })
+		r := &placed{m: m, f: f, seqs: seqs}
+		r.prefill(t, n)
+		runs = append(runs, r)
+	}
+	return runs
+}
+
 // TestBatchInvariance runs, for every policy decode offers, one sequence
 // alone in slot 0 of a model, and the same sequence in slot 2 of another
 // model beside two sequences of other lengths (slots 0 and 1), through a
@@ -85,17 +104,7 @@ func TestBatchInvariance(t *testing.T) {
 		t.Run(p.name, func(t *testing.T) {
 			layers := len(p.layout)
 			f := newFixture(t, faultHeads, layers, []int{faultCapacity, faultCapacity, faultCapacity})
-			n := []int{faultSecond, faultFirst + 3, faultFirst}
-			cfg := Config{Fallback: FallbackNever, Heads: faultHeads, Layers: layers, Slots: 3, Capacity: faultCapacity, Layout: p.layout}
-			var runs []*placed
-			for _, seqs := range [][]int{{2, -1, -1}, {0, 1, 2}, {0, 1, 2}} {
-				m, err := New(dev, cfg)
-				require.NoError(t, err)
-				defer func() { require.NoError(t, m.Release()) }()
-				r := &placed{m: m, f: f, seqs: seqs}
-				r.prefill(t, n)
-				runs = append(runs, r)
-			}
+			runs := placedRuns(t, dev, f, Config{Fallback: FallbackNever, Heads: faultHeads, Layers: layers, Slots: 3, Capacity: faultCapacity, Layout: p.layout})
 			for step := range faultRecluster + 2 { // crosses a reclustering boundary
 				if step > 0 {
 					for _, r := range runs {
