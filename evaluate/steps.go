@@ -38,6 +38,7 @@ type Layers struct {
 	// adaptive policy run, mean over KV heads.
 	Budget int
 	trace  *trace.Trace // the tokens and queries, for policies that report mass
+	dev    *vk.Device
 }
 
 // Policy names a decode policy and makes its step.
@@ -53,6 +54,9 @@ type Policy struct {
 	// the true attention mass of the tokens it attended exactly, mean over
 	// query heads, for the query q.
 	Read func(s Stepper, l *Layers, q []float32) (rows, mass float64, err error)
+	// Reads counts the bytes each stage of the last step read (Stages
+	// order), the step's skeleton (Skeleton).
+	Reads func(s Stepper, l *Layers) ([]float64, error)
 }
 
 // StepRun is one policy's decode step on the GPU over a trace's tokens:
@@ -82,6 +86,9 @@ type StepRun struct {
 	// policy reports them: Policy.Read).
 	ReadPct float64 `json:"read_pct,omitempty"`
 	Mass    float64 `json:"exact_mass,omitempty"`
+	// Skeleton holds the bytes each stage read (where the policy counts
+	// them: Policy.Reads), and once timed the skeleton's times.
+	Skeleton *Skeleton `json:"skeleton,omitempty"`
 }
 
 // Steps times each policy's step over all of a trace's tokens for its last
@@ -99,7 +106,7 @@ func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, clustering 
 		return nil, err
 	}
 	defer dense.Release()
-	l := &Layers{Dense: dense, Sinks: sinks, Recent: recent, trace: t}
+	l := &Layers{Dense: dense, Sinks: sinks, Recent: recent, trace: t, dev: dev}
 	for _, x := range []**kvcache.Layer{&l.Ordered, &l.Positional} {
 		if *x, err = kvcache.NewLayer(dev, heads.KV, heads.Dim, n); err != nil {
 			return nil, err
@@ -219,6 +226,11 @@ func timeStep(dev *vk.Device, l *Layers, p Policy, prev, q []float32, ref []floa
 	if !p.Adaptive {
 		r.Budget = l.Budget
 	}
+	if p.Reads != nil {
+		if r.Skeleton, err = skeletonOf(step, l, p.Reads); err != nil {
+			return r, err
+		}
+	}
 	if p.Read != nil {
 		rows, mass, err := p.Read(step, l, q)
 		if err != nil {
@@ -280,7 +292,7 @@ func DefaultPolicies(ps []float64) []Policy {
 	for _, p := range ps {
 		out = append(out, Policy{Name: fmt.Sprintf("tactic P=%v", p), Adaptive: true, Make: func(l *Layers) (Stepper, error) {
 			return sparse.NewTacticStep(l.Dense, l.Ordered, l.Clusters, p, sparse.DefaultTacticFit())
-		}, Ranks: func(s Stepper) ([]int, []int, error) {
+		}, Reads: tacticReads, Ranks: func(s Stepper) ([]int, []int, error) {
 			t := s.(*sparse.TacticStep)
 			ranks, err := t.BinsOf()
 			if err != nil {
@@ -293,21 +305,21 @@ func DefaultPolicies(ps []float64) []Policy {
 	for _, p := range ps {
 		out = append(out, Policy{Name: fmt.Sprintf("cluster oracle P=%v", p), Adaptive: true, Make: func(l *Layers) (Stepper, error) {
 			return sparse.NewClusterOracleStep(l.Dense, l.Ordered, l.Clusters, p)
-		}}, Policy{Name: fmt.Sprintf("token oracle P=%v", p), Adaptive: true, Make: func(l *Layers) (Stepper, error) {
+		}, Reads: keysThenAttend(func(l *Layers) *kvcache.Layer { return l.Ordered })}, Policy{Name: fmt.Sprintf("token oracle P=%v", p), Adaptive: true, Make: func(l *Layers) (Stepper, error) {
 			return sparse.NewTokenOracleStep(l.Dense, l.Positional, p)
-		}})
+		}, Reads: keysThenAttend(func(l *Layers) *kvcache.Layer { return l.Positional })})
 	}
 	out = append(out, Policy{Name: "quest", Make: func(l *Layers) (Stepper, error) {
 		return sparse.NewQuestStep(l.Dense, l.Positional, l.Budget)
-	}}, Policy{Name: "streaming", Make: func(l *Layers) (Stepper, error) {
+	}, Reads: questReads}, Policy{Name: "streaming", Make: func(l *Layers) (Stepper, error) {
 		return sparse.NewStreamingStep(l.Dense, l.Positional, l.Budget)
-	}}, Policy{Name: "h2o", Make: func(l *Layers) (Stepper, error) {
+	}, Reads: attendOnly}, Policy{Name: "h2o", Make: func(l *Layers) (Stepper, error) {
 		s, err := sparse.NewH2OStep(l.Dense, l.Positional, l.Budget)
 		if err != nil {
 			return nil, err
 		}
 		return &h2oStep{Step: s, warm: true}, nil
-	}}, lukaDefault(), lukaMatched())
+	}, Reads: h2oReads}, deltaPolicy(), lukaDefault(), lukaMatched())
 	return out
 }
 
@@ -371,7 +383,7 @@ func (s *h2oStep) SetQuery(q []float32) error {
 func LuKAPolicy(name string, opts sparse.LuKA) Policy {
 	return Policy{Name: name, Make: func(l *Layers) (Stepper, error) {
 		return sparse.NewLuKAStep(l.Dense, l.Positional, opts)
-	}, Read: lukaRead}
+	}, Read: lukaRead, Reads: lukaReads}
 }
 
 // lukaRead reports the rows a LuKA step read and the true mass of its raw
@@ -415,7 +427,7 @@ func lukaRead(s Stepper, l *Layers, _ []float32) (float64, float64, error) {
 func doubleP(name string, opts sparse.DoubleP) Policy {
 	return Policy{Name: name, Adaptive: true, Make: func(l *Layers) (Stepper, error) {
 		return sparse.NewDoublePStep(l.Dense, l.Ordered, l.Clusters, opts)
-	}, Ranks: func(s Stepper) ([]int, []int, error) {
+	}, Reads: doublePReads, Ranks: func(s Stepper) ([]int, []int, error) {
 		sel := s.(*sparse.Step).Selector().(*sparse.DoublePSelector)
 		ranks, err := sel.Bins()
 		if err != nil {

@@ -38,6 +38,9 @@ type TacticRun struct {
 	RelErr     float64 `json:"mean_rel_err"`
 	// Batches holds the batched steps timed beside it (B > 1).
 	Batches []BatchRun `json:"batches,omitempty"`
+	// Skeleton holds the bytes each stage of the timed step read
+	// (TacticReads); vkbench times it.
+	Skeleton *Skeleton `json:"skeleton,omitempty"`
 }
 
 // BatchRun is a batched Tactic step (sparse.TacticBatch) and dense
@@ -57,6 +60,9 @@ type BatchRun struct {
 	UnionGBps float64            `json:"attend_union_gb_per_s"`
 	KVBytes   float64            `json:"kv_bytes"` // K+V bytes dense attention reads
 	DenseGBps float64            `json:"dense_gb_per_s"`
+	// Skeleton holds the bytes each stage of the batch read, every
+	// sequence's (TacticReads).
+	Skeleton *Skeleton `json:"skeleton,omitempty"`
 }
 
 // TacticTrace runs Tactic over a trace on the GPU: it prefills a cache with
@@ -243,6 +249,11 @@ func tacticRow(t *trace.Trace, layer *kvcache.Layer, clusters *kvcache.Clusters,
 		return r, err
 	}
 	r.UnionGBps = unionGBps(r.UnionPct/100*float64(layer.Len()), heads, r.StageUs["attend"])
+	reads, err := TacticReads(step, heads, clusters)
+	if err != nil {
+		return r, err
+	}
+	r.Skeleton = &Skeleton{Stages: step.Stages(), Bytes: reads}
 	plan, err := dense.Plan([]*kvcache.Layer{layer})
 	if err != nil {
 		return r, err
@@ -377,6 +388,19 @@ func timeBatch(dense *sparse.Dense, layer *kvcache.Layer, clusters *kvcache.Clus
 		return r, err
 	}
 	r.UnionGBps = unionGBps(float64(unionTokens)/float64(h.KV), h, r.StageUs["attend"])
+	r.Skeleton = &Skeleton{Stages: b.Stages()}
+	for i := range layers {
+		reads, err := TacticReads(b.Step(i), h, indexes[i])
+		if err != nil {
+			return r, err
+		}
+		if r.Skeleton.Bytes == nil {
+			r.Skeleton.Bytes = make([]float64, len(reads))
+		}
+		if err := r.Skeleton.Add(&Skeleton{Bytes: reads}); err != nil {
+			return r, err
+		}
+	}
 	plan, err := dense.Plan(layers)
 	if err != nil {
 		return r, err

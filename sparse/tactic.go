@@ -399,6 +399,48 @@ func (t *TacticStep) Scores() ([]float32, error) {
 // clusters of bins below it.
 func (t *TacticStep) Cuts() ([]int, error) { return readInts(t.tactic.cut, t.dense.heads.Query) }
 
+// FitRows returns, for each query head, the key rows the fit of the last
+// step scored: the members of the clusters its selection workgroups
+// listed as sampled (the exact part and the windows) and the fixed tokens
+// (the sinks and the tail), from the lists the selection wrote.
+func (t *TacticStep) FitRows() ([]int, error) {
+	h, x := t.dense.heads, t.tactic.clusters
+	plan, err := readInts(t.tactic.planBuf, h.Query*16)
+	if err != nil {
+		return nil, err
+	}
+	counts, err := readInts(x.Counts, h.KV*x.C)
+	if err != nil {
+		return nil, err
+	}
+	fsum := make([]uint32, 4*h.Query*maxSampleWorkgroups)
+	smp := make([]uint32, 2*h.Query*(x.C+maxSampleWorkgroups))
+	if err := errors.Join(t.tactic.fixedE.ReadUint32(0, fsum), t.tactic.sampled.ReadUint32(0, smp)); err != nil {
+		return nil, err
+	}
+	fixed := t.layer.Len() - x.Count
+	rows := make([]int, h.Query)
+	for hh := range rows {
+		g, w := hh/h.Group(), plan[hh*16+15]
+		if w < 1 || w > maxSampleWorkgroups {
+			return nil, fmt.Errorf("sparse: query head %d's selection ran %d workgroups", hh, w)
+		}
+		rows[hh] = fixed
+		per := ceilDiv(x.C, w)
+		for wi := 0; wi < w; wi++ {
+			listed := int(fsum[(hh*maxSampleWorkgroups+wi)*4+1])
+			for i := 0; i < min(listed, per); i++ {
+				c := int(smp[2*(hh*(x.C+maxSampleWorkgroups)+wi*per+i)] / ScoreBins)
+				if c >= x.C {
+					return nil, fmt.Errorf("sparse: query head %d sampled cluster %d of %d", hh, c, x.C)
+				}
+				rows[hh] += counts[g*x.C+c]
+			}
+		}
+	}
+	return rows, nil
+}
+
 // BinsOf returns each query head's cluster bins of the last step, [Hq][C]:
 // a head selected the clusters of bins below its cut.
 func (t *TacticStep) BinsOf() ([]int, error) {

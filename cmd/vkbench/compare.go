@@ -22,6 +22,9 @@ import (
 type compareRow struct {
 	Source string `json:"source"`
 	evaluate.StepRun
+	// DenseChoice is the library's choice between the policy's step and
+	// dense attention for the layer, empty while it reports none.
+	DenseChoice string `json:"dense_choice"`
 }
 
 func compare(args []string) error {
@@ -46,7 +49,8 @@ func compare(args []string) error {
 	p2 := fs.Float64("double-p2", sparse.DefaultDoubleP().P2, "Double-P's P2 in the fidelity comparison (its P1 is each -p)")
 	clusterSize := fs.Int("cluster-size", sparse.KMeansDefaultAvgClusterSize, "tokens per K-means cluster on average, on the GPU and in the fidelity comparison")
 	span := fs.Int("span", sparse.KMeansDefaultSpan, "K-means within spans of this many tokens in the fidelity comparison, as on the GPU (0: the whole prefill, the Tactic paper's clustering, far slower)")
-	plotPath := fs.String("plot", "", "draw the fidelity comparison's mass reached against tokens attended, one curve per policy, into this PNG file")
+	plotPath := fs.String("plot", "", "draw the fidelity comparison's mass reached against tokens attended, one curve per policy, into this PNG file; without a fidelity comparison, every policy's speed-up and step over skeleton against N")
+	skeletons := fs.Bool("skeleton", true, "time each step's skeleton in the same run: as many dependent dispatches streaming the bytes its stages read (counted from the step), printed as step / skeleton")
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), "usage: vkbench compare [flags]\n\nTimes every policy's decode step on the GPU beside dense attention, then\ncompares their fidelity at matched budgets by the float64 reference (CPU).\n\n")
 		fs.PrintDefaults()
@@ -99,6 +103,15 @@ func compare(args []string) error {
 	if err != nil {
 		return err
 	}
+	if *skeletons {
+		if err := timeSkeletons(dev, rows, *reps); err != nil {
+			return err
+		}
+	} else {
+		for i := range rows {
+			rows[i].Skeleton = nil
+		}
+	}
 	printSteps(rows)
 
 	out := compareReport{Steps: rows, Fidelity: []compareFidelity{}}
@@ -119,7 +132,9 @@ func compare(args []string) error {
 	}
 	if *plotPath != "" {
 		if len(out.Fidelity) == 0 {
-			fmt.Fprintln(os.Stderr, "vkbench: -plot: no fidelity comparison ran, no plot drawn")
+			if err := plotPolicySteps(*plotPath, rows); err != nil {
+				return err
+			}
 		} else if err := plotCompare(*plotPath, out.Fidelity); err != nil {
 			return err
 		}
@@ -166,6 +181,27 @@ func timeSteps(dev *vk.Device, traces []*trace.Trace, names []string, policies [
 	}
 	prog.finish()
 	return rows, nil
+}
+
+// timeSkeletons times the skeleton of every row's step
+// (evaluate.StepRun.Skeleton) over reps runs.
+func timeSkeletons(dev *vk.Device, rows []compareRow, reps int) error {
+	t, err := newSkeletonTimer(dev, reps)
+	if err != nil {
+		return err
+	}
+	defer t.release()
+	prog := &progress{total: len(rows)}
+	defer prog.finish()
+	for i := range rows {
+		r := &rows[i]
+		name := fmt.Sprintf("%s: %s", r.Source, r.Policy)
+		prog.step("skeleton " + name)
+		if err := t.time(name, r.Skeleton, r.StepUs); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // compareFidelityOf compares every policy's fidelity on t, named name,
@@ -222,11 +258,16 @@ func printSteps(rows []compareRow) {
 		if r.Budget > 0 {
 			budget = fmt.Sprint(r.Budget)
 		}
+		skUs, skMB, over := skeletonCells(r.Skeleton)
 		cells = append(cells, []string{r.Source, r.Policy, fmt.Sprintf("%.1f", r.DenseUs), fmt.Sprintf("%.0f", r.DenseGBps), fmt.Sprintf("%.1f", r.StepUs), fmt.Sprintf("%.2f×", r.Speedup),
-			fmt.Sprint(r.Dispatches), exact, budget, mass, fmt.Sprintf("%.1e", r.RelErr), st})
+			skUs, over, fmt.Sprint(r.Dispatches), exact, budget, mass, fmt.Sprintf("%.1e", r.RelErr), st, skMB, denseChoice})
 	}
-	table(os.Stdout, []string{"source", "policy", "dense µs", "dense GB/s", "step µs", "speed-up", "dispatches", "exact %", "budget", "exact mass", "rel err", "stages µs"}, cells)
+	table(os.Stdout, []string{"source", "policy", "dense µs", "dense GB/s", "step µs", "speed-up", "skeleton µs", "step/skeleton", "dispatches", "exact %", "budget", "exact mass", "rel err", "stages µs", "stages MB", "dense fallback"}, cells)
 }
+
+// denseChoice is what the dense-fallback column shows: the library does
+// not yet choose dense attention per layer, so there is no choice to show.
+const denseChoice = "-"
 
 // fidelityAutoTokens is the largest generated layer the fidelity
 // comparison runs on unless -fidelity says otherwise.

@@ -210,3 +210,57 @@ func logTicks125(min, max float64) []plot.Tick {
 	}
 	return ticks
 }
+
+// plotPolicySteps draws, per policy, its step's speed-up over dense
+// attention and its step over its skeleton against N (one curve per
+// source and policy; a point where a row has no timed skeleton is left
+// out of the second panel).
+func plotPolicySteps(path string, rows []compareRow) error {
+	if len(rows) == 0 {
+		return fmt.Errorf("plot: no steps to draw")
+	}
+	speed, over := plot.New(), plot.New()
+	speed.Title.Text, speed.X.Label.Text, speed.Y.Label.Text = "step vs dense attention", "context length N", "speed-up (×)"
+	over.Title.Text, over.X.Label.Text, over.Y.Label.Text = "step vs its skeleton", "context length N", "step / skeleton (×)"
+	var names []string
+	var nTicks []plot.Tick
+	lo, hi := math.Inf(1), 0.0
+	for _, r := range rows {
+		if name := r.Source + " " + r.Policy; !slices.Contains(names, name) {
+			names = append(names, name)
+		}
+		if t := (plot.Tick{Value: float64(r.Tokens), Label: fmt.Sprint(r.Tokens)}); !slices.Contains(nTicks, t) {
+			nTicks = append(nTicks, t)
+		}
+		lo, hi = math.Min(lo, float64(r.Tokens)), math.Max(hi, float64(r.Tokens))
+	}
+	var sp, ov []any
+	for _, name := range names {
+		var a, b plotter.XYs
+		for _, r := range rows {
+			if r.Source+" "+r.Policy != name {
+				continue
+			}
+			a = append(a, plotter.XY{X: float64(r.Tokens), Y: r.Speedup})
+			if r.Skeleton != nil && r.Skeleton.StepOver > 0 {
+				b = append(b, plotter.XY{X: float64(r.Tokens), Y: r.Skeleton.StepOver})
+			}
+		}
+		sp = append(sp, name, a)
+		if len(b) > 0 {
+			ov = append(ov, name, b)
+		}
+	}
+	for _, p := range []*plot.Plot{speed, over} {
+		p.X.Scale, p.X.Tick.Marker = plot.LogScale{}, plot.ConstantTicks(nTicks)
+		p.X.Min, p.X.Max = lo/1.5, hi*1.5
+		p.Legend.Top, p.Legend.Left = true, true
+	}
+	if err := plotutil.AddLinePoints(speed, sp...); err != nil {
+		return err
+	}
+	if err := plotutil.AddLinePoints(over, ov...); err != nil {
+		return err
+	}
+	return savePanels(path, []*plot.Plot{speed, over}, 14*vg.Inch, 6*vg.Inch)
+}

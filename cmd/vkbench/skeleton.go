@@ -3,9 +3,11 @@ package main
 import (
 	"fmt"
 	"os"
+	"slices"
 	"sort"
 	"strings"
 
+	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/vk"
 )
 
@@ -236,4 +238,85 @@ func medianOf(xs []float64) float64 {
 	s := append([]float64(nil), xs...)
 	sort.Float64s(s)
 	return s[len(s)/2]
+}
+
+// skeletonTimer times the skeletons of steps (evaluate.Skeleton) with the
+// read probe, as `vkbench probe -step` does with buffers read in the same
+// place every step (as the timed steps read the same layer every step).
+type skeletonTimer struct {
+	dev    *vk.Device
+	pipe   *vk.Pipeline
+	cmd    *vk.Commands
+	dst    *vk.Buffer
+	groups []int
+	reps   int
+}
+
+// skeletonGroups returns the workgroup counts a skeleton is tried with on
+// a device: those of `probe -step` on a GPU, a few on a CPU renderer.
+func skeletonGroups(info vk.Info) []int {
+	if info.Type == "cpu" {
+		return []int{4, 16}
+	}
+	return []int{264, 528, 1056, 2112, 4224}
+}
+
+// newSkeletonTimer builds the read probe on dev; each skeleton is timed
+// over reps runs.
+func newSkeletonTimer(dev *vk.Device, reps int) (*skeletonTimer, error) {
+	t := &skeletonTimer{dev: dev, groups: skeletonGroups(dev.Info()), reps: reps}
+	var err error
+	if t.pipe, err = readProbe(dev); err != nil {
+		return nil, err
+	}
+	if t.dst, err = dev.NewBuffer(uint64(slices.Max(t.groups))*256*4, vk.DeviceLocal); err == nil {
+		t.cmd, err = dev.NewCommands()
+	}
+	if err != nil {
+		t.release()
+		return nil, err
+	}
+	return t, nil
+}
+
+// time times sk, the skeleton of a step whose median is stepUs, and
+// records the times in it (evaluate.Skeleton.Timed). A nil sk is left.
+func (t *skeletonTimer) time(name string, sk *evaluate.Skeleton, stepUs float64) error {
+	if sk == nil {
+		return nil
+	}
+	if len(sk.Bytes) == 0 {
+		return fmt.Errorf("skeleton of %s: no stages", name)
+	}
+	res, err := timeSkeleton(t.dev, t.pipe, t.cmd, t.dst, skeletonCase{Name: name, Stage: sk.MB()}, "same", t.groups, 5, t.reps, &progress{})
+	if err != nil {
+		return fmt.Errorf("skeleton of %s: %w", name, err)
+	}
+	sk.Timed(res.StageUs, res.MedianUs, stepUs)
+	return nil
+}
+
+func (t *skeletonTimer) release() {
+	if t.cmd != nil {
+		t.cmd.Release()
+	}
+	if t.dst != nil {
+		t.dst.Release()
+	}
+	if t.pipe != nil {
+		t.pipe.Release()
+	}
+}
+
+// skeletonCells returns a skeleton's figures for a table: its µs, its
+// stages' MB (named, in order) and the step over it ("—" where there is none).
+func skeletonCells(sk *evaluate.Skeleton) (us, mb, over string) {
+	if sk == nil || sk.Us <= 0 {
+		return "—", "—", "—"
+	}
+	parts := make([]string, len(sk.Bytes))
+	for i, m := range sk.MB() {
+		parts[i] = fmt.Sprintf("%s %.2f", sk.Stages[i], m)
+	}
+	return fmt.Sprintf("%.1f", sk.Us), strings.Join(parts, " "), fmt.Sprintf("%.2f×", sk.StepOver)
 }

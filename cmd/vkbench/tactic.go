@@ -8,6 +8,7 @@ import (
 
 	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/sparse"
+	"github.com/vksparse/vksparse/vk"
 	"github.com/vksparse/vksparse/workload"
 )
 
@@ -43,6 +44,7 @@ func tactic(args []string) error {
 	span := fs.Int("span", sparse.KMeansDefaultSpan, "K-means within spans of this many tokens (0: the whole prefill)")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	plotPath := fs.String("plot", "", "draw speed-up and tokens selected against N into this PNG file")
+	skeletons := fs.Bool("skeleton", true, "time each step's skeleton in the same run: as many dependent dispatches streaming the bytes its stages read (counted from the step), printed as step / skeleton")
 	fs.Parse(args)
 	if err := checkOutputs(output{"json", *jsonPath}, output{"plot", *plotPath}); err != nil {
 		return err
@@ -96,17 +98,21 @@ func tactic(args []string) error {
 		}
 	}
 	prog.finish()
+	if err := timeTacticSkeletons(dev, results, *skeletons, *reps); err != nil {
+		return err
+	}
 	var rows [][]string
 	for _, r := range results {
 		st := ""
 		for _, s := range tacticStepStages {
 			st += fmt.Sprintf("%s %.0f ", s, r.StageUs[s])
 		}
-		rows = append(rows, []string{r.Source, fmt.Sprint(r.P), fmt.Sprintf("%.1f", r.DenseUs), fmt.Sprintf("%.1f", r.TacticUs), fmt.Sprintf("%.2f×", r.Speedup),
+		skUs, skMB, over := skeletonCells(r.Skeleton)
+		rows = append(rows, []string{r.Source, fmt.Sprint(r.P), fmt.Sprintf("%.1f", r.DenseUs), fmt.Sprintf("%.1f", r.TacticUs), fmt.Sprintf("%.2f×", r.Speedup), skUs, over,
 			fmt.Sprintf("%.1f", r.SelectedPct), fmt.Sprintf("%.1f", r.UnionPct), fmt.Sprintf("%.3f", r.Mass), fmt.Sprintf("%.0f%%", 100*r.Success),
-			fmt.Sprintf("%.2f", r.RatioToOpt), fmt.Sprintf("%.1e", r.RelErr), st, fmt.Sprintf("%.0f", r.UnionGBps)})
+			fmt.Sprintf("%.2f", r.RatioToOpt), fmt.Sprintf("%.1e", r.RelErr), st, skMB, fmt.Sprintf("%.0f", r.UnionGBps)})
 	}
-	table(os.Stdout, []string{"source", "P", "dense µs", "tactic µs", "speed-up", "selected %", "union %", "mass", "success", "sel/cluster-opt", "rel err", "stages µs", "attend GB/s"}, rows)
+	table(os.Stdout, []string{"source", "P", "dense µs", "tactic µs", "speed-up", "skeleton µs", "step/skeleton", "selected %", "union %", "mass", "success", "sel/cluster-opt", "rel err", "stages µs", "stages MB", "attend GB/s"}, rows)
 	var batchRows [][]string
 	for _, r := range results {
 		for _, b := range r.Batches {
@@ -114,13 +120,14 @@ func tactic(args []string) error {
 			for _, s := range tacticStepStages {
 				st += fmt.Sprintf("%s %.0f ", s, b.StageUs[s])
 			}
+			skUs, skMB, over := skeletonCells(b.Skeleton)
 			batchRows = append(batchRows, []string{r.Source, fmt.Sprint(r.P), fmt.Sprint(b.Batch), fmt.Sprintf("%.1f", b.DenseUs), fmt.Sprintf("%.0f", b.DenseGBps),
-				fmt.Sprintf("%.1f", b.TacticUs), fmt.Sprintf("%.2f×", b.Speedup), fmt.Sprintf("%.1f", b.UnionPct), st, fmt.Sprintf("%.0f", b.UnionGBps)})
+				fmt.Sprintf("%.1f", b.TacticUs), fmt.Sprintf("%.2f×", b.Speedup), skUs, over, fmt.Sprintf("%.1f", b.UnionPct), st, skMB, fmt.Sprintf("%.0f", b.UnionGBps)})
 		}
 	}
 	if len(batchRows) > 0 {
 		fmt.Println()
-		table(os.Stdout, []string{"source", "P", "batch", "dense µs", "dense GB/s", "tactic µs", "speed-up", "union %", "stages µs", "attend GB/s"}, batchRows)
+		table(os.Stdout, []string{"source", "P", "batch", "dense µs", "dense GB/s", "tactic µs", "speed-up", "skeleton µs", "step/skeleton", "union %", "stages µs", "stages MB", "attend GB/s"}, batchRows)
 	}
 	for i, r := range results {
 		if i == 0 || r.Source != results[i-1].Source {
@@ -134,6 +141,39 @@ func tactic(args []string) error {
 	}
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "tactic "+fmt.Sprint(args), dev.Info(), results)
+	}
+	return nil
+}
+
+// timeTacticSkeletons times the skeleton of every step and batch of the
+// results over reps runs where on is set, and drops the skeletons where it
+// is not.
+func timeTacticSkeletons(dev *vk.Device, results []stepRow, on bool, reps int) error {
+	if !on {
+		for i := range results {
+			results[i].Skeleton = nil
+			for j := range results[i].Batches {
+				results[i].Batches[j].Skeleton = nil
+			}
+		}
+		return nil
+	}
+	t, err := newSkeletonTimer(dev, reps)
+	if err != nil {
+		return err
+	}
+	defer t.release()
+	for i := range results {
+		r := &results[i]
+		if err := t.time(fmt.Sprintf("%s P=%v", r.Source, r.P), r.Skeleton, r.TacticUs); err != nil {
+			return err
+		}
+		for j := range r.Batches {
+			b := &r.Batches[j]
+			if err := t.time(fmt.Sprintf("%s P=%v batch %d", r.Source, r.P, b.Batch), b.Skeleton, b.TacticUs); err != nil {
+				return err
+			}
+		}
 	}
 	return nil
 }
