@@ -1,0 +1,163 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"image/png"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/vksparse/vksparse/evaluate"
+	"github.com/vksparse/vksparse/vk"
+)
+
+// runCaptured runs a vkbench command with its stdout in a file and
+// returns what it printed; it skips the test where no device is present
+// and none is required.
+func runCaptured(t *testing.T, cmd func([]string) error, args ...string) string {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), "stdout")
+	f, err := os.Create(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout := os.Stdout
+	os.Stdout = f
+	err = cmd(args)
+	os.Stdout = stdout
+	f.Close()
+	if err != nil {
+		if os.Getenv("VKSPARSE_REQUIRE_DEVICE") == "" && (errors.Is(err, vk.ErrNoLoader) || errors.Is(err, vk.ErrNoDevice)) {
+			t.Skipf("no Vulkan device (%v)", err)
+		}
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// readResults decodes the results of a file writeJSON wrote into v.
+func readResults(t *testing.T, path string, v any) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		Results json.RawMessage `json:"results"`
+	}
+	if err := json.Unmarshal(b, &doc); err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(doc.Results, v); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkSkeleton fails unless sk has a positive byte count for each of the
+// step's stages, positive times and the step's median over them.
+func checkSkeleton(t *testing.T, name string, sk *evaluate.Skeleton, stages int, stepUs float64) {
+	t.Helper()
+	if sk == nil {
+		t.Errorf("%s: no skeleton", name)
+		return
+	}
+	if len(sk.Stages) != stages || len(sk.Bytes) != stages || len(sk.StageUs) != stages {
+		t.Errorf("%s: skeleton of %d stages, %d byte counts and %d times for a step of %d dispatches", name, len(sk.Stages), len(sk.Bytes), len(sk.StageUs), stages)
+	}
+	for i, b := range sk.Bytes {
+		if !(b > 0) {
+			t.Errorf("%s: stage %d reads %v bytes", name, i, b)
+		}
+	}
+	if !(sk.Us > 0) || !(sk.StepOver > 0) {
+		t.Errorf("%s: skeleton %v µs, step over skeleton %v", name, sk.Us, sk.StepOver)
+	}
+	if d := sk.StepOver*sk.Us - stepUs; d*d > 1e-6*stepUs*stepUs {
+		t.Errorf("%s: step / skeleton %v × %v µs is not the step's %v µs", name, sk.StepOver, sk.Us, stepUs)
+	}
+}
+
+// TestCompareTimesEverySkeleton runs `vkbench compare` at a small size and
+// checks that every policy's step is printed and written with its
+// skeleton: a byte count per stage, counted from the step, and a positive
+// step over skeleton; attention reads no more than dense attention would.
+func TestCompareTimesEverySkeleton(t *testing.T) {
+	dir := t.TempDir()
+	jsonPath, plotPath := filepath.Join(dir, "steps.json"), filepath.Join(dir, "steps.png")
+	const n, kv, dim = 1024, 2, 64
+	text := runCaptured(t, compare, "-n", "1024", "-heads", "8", "-kv-heads", "2", "-dim", "64", "-fidelity=false", "-reps", "3", "-kinds", "llama", "-p", "0.9", "-json", jsonPath, "-plot", plotPath)
+	for _, h := range []string{"step/skeleton", "skeleton µs", "stages MB", "dense fallback"} {
+		if !strings.Contains(text, h) {
+			t.Errorf("the table has no column %q:\n%s", h, text)
+		}
+	}
+	var report compareReport
+	readResults(t, jsonPath, &report)
+	got := map[string]bool{}
+	for _, r := range report.Steps {
+		got[r.Policy] = true
+		checkSkeleton(t, r.Policy, r.Skeleton, r.Dispatches, r.StepUs)
+		if r.Skeleton == nil || len(r.Skeleton.Bytes) == 0 {
+			continue
+		}
+		dense := float64(2 * n * kv * dim * 2)
+		if a := r.Skeleton.Bytes[len(r.Skeleton.Bytes)-1]; a > dense*1.05 {
+			t.Errorf("%s: attention reads %v bytes, dense attention %v", r.Policy, a, dense)
+		}
+	}
+	for _, p := range evaluate.DefaultPolicies([]float64{0.9}) {
+		if !got[p.Name] {
+			t.Errorf("policy %q is not in the JSON", p.Name)
+		}
+		if !strings.Contains(text, " "+p.Name+" ") {
+			t.Errorf("policy %q is not in the table:\n%s", p.Name, text)
+		}
+	}
+	f, err := os.Open(plotPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := png.Decode(f); err != nil {
+		t.Fatalf("the plot is not a PNG: %v", err)
+	}
+}
+
+// TestTacticTimesSkeletons runs `vkbench tactic` with a batch and checks
+// the skeletons of the step and of the batch, the batch's bytes those of
+// its sequences together.
+func TestTacticTimesSkeletons(t *testing.T) {
+	jsonPath := filepath.Join(t.TempDir(), "tactic.json")
+	text := runCaptured(t, tactic, "-n", "1024", "-heads", "8", "-kv-heads", "2", "-dim", "64", "-reps", "3", "-kinds", "llama", "-p", "0.9", "-batch", "1,2", "-json", jsonPath)
+	if n := strings.Count(text, "step/skeleton"); n != 2 {
+		t.Errorf("step/skeleton in %d tables, want 2:\n%s", n, text)
+	}
+	var rows []stepRow
+	readResults(t, jsonPath, &rows)
+	if len(rows) != 1 || len(rows[0].Batches) != 1 {
+		t.Fatalf("%d rows, want one with one batch", len(rows))
+	}
+	r := rows[0]
+	stages := len(tacticStepStages)
+	checkSkeleton(t, "step", r.Skeleton, stages, r.TacticUs)
+	b := r.Batches[0]
+	checkSkeleton(t, "batch", b.Skeleton, stages, b.TacticUs)
+	if r.Skeleton == nil || b.Skeleton == nil {
+		return
+	}
+	// The centroids are the same size in every sequence's index.
+	if r.Skeleton.Bytes[0]*2 != b.Skeleton.Bytes[0] {
+		t.Errorf("a batch of 2 scores %v bytes of centroids, one sequence %v", b.Skeleton.Bytes[0], r.Skeleton.Bytes[0])
+	}
+	// The fit reads at least every head's fixed tokens.
+	const hq, rowBytes, prefillTail = 8, 2 * 64, 1
+	if r.Skeleton.Bytes[1] < hq*rowBytes*prefillTail {
+		t.Errorf("the fit reads %v bytes", r.Skeleton.Bytes[1])
+	}
+}
