@@ -57,6 +57,10 @@ type Policy struct {
 	// Reads counts the bytes each stage of the last step read (Stages
 	// order), the step's skeleton (Skeleton).
 	Reads func(s Stepper, l *Layers) ([]float64, error)
+	// Batch, if set, makes the policy's own batch over the sequences ls
+	// and returns each sequence's step; otherwise BatchSteps batches the
+	// steps Make makes (sparse.NewBatch).
+	Batch func(ls []*Layers) (Batched, []Stepper, error)
 }
 
 // StepRun is one policy's decode step on the GPU over a trace's tokens:
@@ -66,6 +70,7 @@ type StepRun struct {
 	Source     string             `json:"source"`
 	Policy     string             `json:"policy"`
 	Tokens     int                `json:"tokens"`
+	Batch      int                `json:"batch"` // sequences timed at once (BatchSteps); 1 for Steps
 	Dispatches int                `json:"dependent_dispatches"`
 	StepUs     float64            `json:"step_us"`
 	StageUs    map[string]float64 `json:"stage_us"`
@@ -106,28 +111,16 @@ func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, clustering 
 		return nil, err
 	}
 	defer dense.Release()
-	l := &Layers{Dense: dense, Sinks: sinks, Recent: recent, trace: t, dev: dev}
-	for _, x := range []**kvcache.Layer{&l.Ordered, &l.Positional} {
-		if *x, err = kvcache.NewLayer(dev, heads.KV, heads.Dim, n); err != nil {
-			return nil, err
-		}
-		defer (*x).Release()
-		if err := (*x).Prefill(t.K, t.V, n); err != nil {
-			return nil, err
-		}
-	}
 	km, err := sparse.NewKMeans(dev, heads.KV, heads.Dim)
 	if err != nil {
 		return nil, err
 	}
 	defer km.Release()
-	if l.Clusters, err = km.Cluster(l.Ordered, sinks, n-sinks-recent, clustering); err != nil {
+	l, err := newLayers(dev, km, dense, t, clustering, sinks, recent)
+	if err != nil {
 		return nil, err
 	}
-	defer l.Clusters.Release()
-	if err := l.Ordered.Reorder(l.Clusters); err != nil {
-		return nil, err
-	}
+	defer l.release()
 	q := t.Query(t.Queries() - 1)
 	var prev []float32 // the query before, whose step divides the timed one's attention
 	if t.Queries() > 1 {
@@ -161,11 +154,48 @@ func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, clustering 
 		if err != nil {
 			return nil, fmt.Errorf("evaluate: %s: %w", p.Name, err)
 		}
-		r.Policy, r.Tokens, r.DenseUs, r.Speedup = p.Name, n, denseUs, denseUs/r.StepUs
+		r.Policy, r.Tokens, r.Batch, r.DenseUs, r.Speedup = p.Name, n, 1, denseUs, denseUs/r.StepUs
 		r.DenseGBps = kvBytes / denseUs / 1e3
 		out = append(out, r)
 	}
 	return out, nil
+}
+
+// newLayers makes Layers over all of t's tokens, clustered with
+// clustering (sinks and recent outside the index).
+func newLayers(dev *vk.Device, km *sparse.KMeans, dense *sparse.Dense, t *trace.Trace, clustering sparse.KMeansOptions, sinks, recent int) (*Layers, error) {
+	h, n := dense.Heads(), t.Tokens
+	l := &Layers{Dense: dense, Sinks: sinks, Recent: recent, trace: t, dev: dev}
+	var err error
+	for _, x := range []**kvcache.Layer{&l.Ordered, &l.Positional} {
+		if *x, err = kvcache.NewLayer(dev, h.KV, h.Dim, n); err == nil {
+			err = (*x).Prefill(t.K, t.V, n)
+		}
+		if err != nil {
+			l.release()
+			return nil, err
+		}
+	}
+	if l.Clusters, err = km.Cluster(l.Ordered, sinks, n-sinks-recent, clustering); err == nil {
+		err = l.Ordered.Reorder(l.Clusters)
+	}
+	if err != nil {
+		l.release()
+		return nil, err
+	}
+	return l, nil
+}
+
+// release frees the layers and the index.
+func (l *Layers) release() {
+	if l.Clusters != nil {
+		l.Clusters.Release()
+	}
+	for _, x := range []*kvcache.Layer{l.Ordered, l.Positional} {
+		if x != nil {
+			x.Release()
+		}
+	}
 }
 
 // balancer is a step whose attention divides its work by the step before
@@ -292,7 +322,9 @@ func DefaultPolicies(ps []float64) []Policy {
 	for _, p := range ps {
 		out = append(out, Policy{Name: fmt.Sprintf("tactic P=%v", p), Adaptive: true, Make: func(l *Layers) (Stepper, error) {
 			return sparse.NewTacticStep(l.Dense, l.Ordered, l.Clusters, p, sparse.DefaultTacticFit())
-		}, Reads: tacticReads, Ranks: func(s Stepper) ([]int, []int, error) {
+		}, Reads: tacticReads, Batch: func(ls []*Layers) (Batched, []Stepper, error) {
+			return tacticBatch(ls, p)
+		}, Ranks: func(s Stepper) ([]int, []int, error) {
 			t := s.(*sparse.TacticStep)
 			ranks, err := t.BinsOf()
 			if err != nil {
@@ -445,4 +477,23 @@ func DoublePVariants(targets []sparse.DoubleP) []Policy {
 		out = append(out, doubleP(fmt.Sprintf("double-p %v/%v", o.P1, o.P2), o))
 	}
 	return out
+}
+
+// tacticBatch is Tactic's batch at P over ls (sparse.TacticBatch, the
+// default fit) with each sequence's step.
+func tacticBatch(ls []*Layers, p float64) (Batched, []Stepper, error) {
+	var layers []*kvcache.Layer
+	var indexes []*kvcache.Clusters
+	for _, l := range ls {
+		layers, indexes = append(layers, l.Ordered), append(indexes, l.Clusters)
+	}
+	b, err := sparse.NewTacticBatch(ls[0].Dense, layers, indexes, p, sparse.DefaultTacticFit())
+	if err != nil {
+		return nil, nil, err
+	}
+	seqs := make([]Stepper, len(ls))
+	for i := range seqs {
+		seqs[i] = b.Step(i)
+	}
+	return b, seqs, nil
 }

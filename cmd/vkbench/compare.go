@@ -50,6 +50,7 @@ func compare(args []string) error {
 	clusterSize := fs.Int("cluster-size", sparse.KMeansDefaultAvgClusterSize, "tokens per K-means cluster on average, on the GPU and in the fidelity comparison")
 	span := fs.Int("span", sparse.KMeansDefaultSpan, "K-means within spans of this many tokens in the fidelity comparison, as on the GPU (0: the whole prefill, the Tactic paper's clustering, far slower)")
 	plotPath := fs.String("plot", "", "draw the fidelity comparison's mass reached against tokens attended, one curve per policy, into this PNG file; without a fidelity comparison, every policy's speed-up and step over skeleton against N")
+	batchList := fs.String("batch", "1", "batch sizes B (comma-separated): for each B > 1 every policy whose steps batch is timed over B sequences at once, each its own cache and index, beside dense attention over B")
 	skeletons := fs.Bool("skeleton", true, "time each step's skeleton in the same run: as many dependent dispatches streaming the bytes its stages read (counted from the step), printed as step / skeleton")
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), "usage: vkbench compare [flags]\n\nTimes every policy's decode step on the GPU beside dense attention, then\ncompares their fidelity at matched budgets by the float64 reference (CPU).\n\n")
@@ -68,6 +69,15 @@ func compare(args []string) error {
 	pList, err := floats(*ps)
 	if err != nil {
 		return fmt.Errorf("-p: %v", err)
+	}
+	batches, err := ints(*batchList)
+	if err != nil {
+		return fmt.Errorf("-batch: %v", err)
+	}
+	for _, b := range batches {
+		if b < 1 {
+			return fmt.Errorf("-batch: %d sequences", b)
+		}
 	}
 	if *queries < 0 {
 		return fmt.Errorf("-queries: %d is negative", *queries)
@@ -99,7 +109,7 @@ func compare(args []string) error {
 		return err
 	}
 	rows, err := timeSteps(dev, traces, names, policies, sparse.DenseOptions{ClusterChunk: *chunk},
-		sparse.KMeansOptions{AvgClusterSize: *clusterSize, Span: sparse.KMeansDefaultSpan, Seed: uint64(*seed)}, *sinks, *recent, *reps)
+		sparse.KMeansOptions{AvgClusterSize: *clusterSize, Span: sparse.KMeansDefaultSpan, Seed: uint64(*seed)}, *sinks, *recent, *reps, batches)
 	if err != nil {
 		return err
 	}
@@ -164,22 +174,31 @@ func comparePolicies(pList []float64, variants string) ([]evaluate.Policy, error
 	return append(policies, evaluate.DoublePVariants(targets)...), nil
 }
 
-// timeSteps times every policy's step on each trace (evaluate.Steps), one
-// row per (trace, policy).
-func timeSteps(dev *vk.Device, traces []*trace.Trace, names []string, policies []evaluate.Policy, dense sparse.DenseOptions, clustering sparse.KMeansOptions, sinks, recent, reps int) ([]compareRow, error) {
-	prog := &progress{total: len(traces) * len(policies)}
+// timeSteps times every policy's step on each trace at each batch size
+// (evaluate.Steps at 1, evaluate.BatchSteps beyond), one row per (trace,
+// batch, policy that batches).
+func timeSteps(dev *vk.Device, traces []*trace.Trace, names []string, policies []evaluate.Policy, dense sparse.DenseOptions, clustering sparse.KMeansOptions, sinks, recent, reps int, batches []int) ([]compareRow, error) {
+	prog := &progress{total: len(traces) * len(batches) * len(policies)}
+	defer prog.finish()
 	var rows []compareRow
 	for i, t := range traces {
-		runs, err := evaluate.Steps(dev, t, dense, clustering, policies, sinks, recent, reps, func(name string) { prog.step(fmt.Sprintf("%s: %s", names[i], name)) })
-		if err != nil {
-			prog.finish()
-			return nil, err
-		}
-		for _, r := range runs {
-			rows = append(rows, compareRow{Source: names[i], StepRun: r})
+		for _, b := range batches {
+			tell := func(name string) { prog.step(fmt.Sprintf("%s, batch %d: %s", names[i], b, name)) }
+			var runs []evaluate.StepRun
+			var err error
+			if b == 1 {
+				runs, err = evaluate.Steps(dev, t, dense, clustering, policies, sinks, recent, reps, tell)
+			} else {
+				runs, err = evaluate.BatchSteps(dev, t, dense, clustering, policies, sinks, recent, reps, b, tell)
+			}
+			if err != nil {
+				return nil, err
+			}
+			for _, r := range runs {
+				rows = append(rows, compareRow{Source: names[i], StepRun: r})
+			}
 		}
 	}
-	prog.finish()
 	return rows, nil
 }
 
@@ -195,7 +214,7 @@ func timeSkeletons(dev *vk.Device, rows []compareRow, reps int) error {
 	defer prog.finish()
 	for i := range rows {
 		r := &rows[i]
-		name := fmt.Sprintf("%s: %s", r.Source, r.Policy)
+		name := fmt.Sprintf("%s, batch %d: %s", r.Source, r.Batch, r.Policy)
 		prog.step("skeleton " + name)
 		if err := t.time(name, r.Skeleton, r.StepUs); err != nil {
 			return err
@@ -259,10 +278,10 @@ func printSteps(rows []compareRow) {
 			budget = fmt.Sprint(r.Budget)
 		}
 		skUs, skMB, over := skeletonCells(r.Skeleton)
-		cells = append(cells, []string{r.Source, r.Policy, fmt.Sprintf("%.1f", r.DenseUs), fmt.Sprintf("%.0f", r.DenseGBps), fmt.Sprintf("%.1f", r.StepUs), fmt.Sprintf("%.2f×", r.Speedup),
+		cells = append(cells, []string{r.Source, fmt.Sprint(r.Batch), r.Policy, fmt.Sprintf("%.1f", r.DenseUs), fmt.Sprintf("%.0f", r.DenseGBps), fmt.Sprintf("%.1f", r.StepUs), fmt.Sprintf("%.2f×", r.Speedup),
 			skUs, over, fmt.Sprint(r.Dispatches), exact, budget, mass, fmt.Sprintf("%.1e", r.RelErr), st, skMB, denseChoice})
 	}
-	table(os.Stdout, []string{"source", "policy", "dense µs", "dense GB/s", "step µs", "speed-up", "skeleton µs", "step/skeleton", "dispatches", "exact %", "budget", "exact mass", "rel err", "stages µs", "stages MB", "dense fallback"}, cells)
+	table(os.Stdout, []string{"source", "batch", "policy", "dense µs", "dense GB/s", "step µs", "speed-up", "skeleton µs", "step/skeleton", "dispatches", "exact %", "budget", "exact mass", "rel err", "stages µs", "stages MB", "dense fallback"}, cells)
 }
 
 // denseChoice is what the dense-fallback column shows: the library does

@@ -226,7 +226,7 @@ func plotPolicySteps(path string, rows []compareRow) error {
 	var nTicks []plot.Tick
 	lo, hi := math.Inf(1), 0.0
 	for _, r := range rows {
-		if name := r.Source + " " + r.Policy; !slices.Contains(names, name) {
+		if name := stepSeries(r); !slices.Contains(names, name) {
 			names = append(names, name)
 		}
 		if t := (plot.Tick{Value: float64(r.Tokens), Label: fmt.Sprint(r.Tokens)}); !slices.Contains(nTicks, t) {
@@ -238,7 +238,7 @@ func plotPolicySteps(path string, rows []compareRow) error {
 	for _, name := range names {
 		var a, b plotter.XYs
 		for _, r := range rows {
-			if r.Source+" "+r.Policy != name {
+			if stepSeries(r) != name {
 				continue
 			}
 			a = append(a, plotter.XY{X: float64(r.Tokens), Y: r.Speedup})
@@ -263,4 +263,13 @@ func plotPolicySteps(path string, rows []compareRow) error {
 		return err
 	}
 	return savePanels(path, []*plot.Plot{speed, over}, 14*vg.Inch, 6*vg.Inch)
+}
+
+// stepSeries names a row's curve: its source and policy, and its batch
+// where more than one sequence.
+func stepSeries(r compareRow) string {
+	if r.Batch > 1 {
+		return fmt.Sprintf("%s %s, batch %d", r.Source, r.Policy, r.Batch)
+	}
+	return r.Source + " " + r.Policy
 }
