@@ -145,6 +145,8 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 		require.NoError(t, err)
 		plan := make([]uint32, h.Query*16)
 		require.NoError(t, step.tactic.planBuf.ReadUint32(0, plan))
+		fitRows, err := step.FitRows()
+		require.NoError(t, err)
 		require.NoError(t, step.Release())
 		t.Logf("P %v, %d threads per row: cuts %v, union sizes %d and %d of %d", p, r.dense.tpr, cuts, len(lists[0]), len(lists[1]), n)
 
@@ -170,6 +172,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 				budget, cut, err := TacticBinnedBudgetRef(qh, scale, keys, index[g], hs, fixed, p, r.fit)
 				require.NoError(t, err)
 				requireCut(t, budget, hs, cut, cuts[hh], p, fmt.Sprintf("P %v: cut of head %d", p, hh))
+				require.Equal(t, len(fixed)+budget.SampledTokens(), fitRows[hh], "P %v: key rows the fit of head %d scored", p, hh)
 				// The fit's estimated total S(n), which every listed sum enters,
 				// in the units of the GPU's shift (its best centroid score).
 				total := float64(math.Float32frombits(plan[hh*16+14]))

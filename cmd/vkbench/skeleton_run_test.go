@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"image/png"
 	"os"
 	"path/filepath"
@@ -83,15 +84,17 @@ func checkSkeleton(t *testing.T, name string, sk *evaluate.Skeleton, stages int,
 	}
 }
 
-// TestCompareTimesEverySkeleton runs `vkbench compare` at a small size and
-// checks that every policy's step is printed and written with its
+// TestCompareTimesEverySkeleton runs `vkbench compare` at a small size,
+// batches of 1 and 2, and checks that every policy's step (at batch 2
+// every one that batches: all but LuKA's) is printed and written with its
 // skeleton: a byte count per stage, counted from the step, and a positive
-// step over skeleton; attention reads no more than dense attention would.
+// step over skeleton; attention reads no more than dense attention would,
+// and a batch of 2 scores twice the centroids of one sequence.
 func TestCompareTimesEverySkeleton(t *testing.T) {
 	dir := t.TempDir()
 	jsonPath, plotPath := filepath.Join(dir, "steps.json"), filepath.Join(dir, "steps.png")
 	const n, kv, dim = 1024, 2, 64
-	text := runCaptured(t, compare, "-n", "1024", "-heads", "8", "-kv-heads", "2", "-dim", "64", "-fidelity=false", "-reps", "3", "-kinds", "llama", "-p", "0.9", "-json", jsonPath, "-plot", plotPath)
+	text := runCaptured(t, compare, "-n", "1024", "-heads", "8", "-kv-heads", "2", "-dim", "64", "-fidelity=false", "-reps", "3", "-kinds", "llama", "-p", "0.9", "-batch", "1,2", "-json", jsonPath, "-plot", plotPath)
 	for _, h := range []string{"step/skeleton", "skeleton µs", "stages MB", "dense fallback"} {
 		if !strings.Contains(text, h) {
 			t.Errorf("the table has no column %q:\n%s", h, text)
@@ -99,24 +102,44 @@ func TestCompareTimesEverySkeleton(t *testing.T) {
 	}
 	var report compareReport
 	readResults(t, jsonPath, &report)
-	got := map[string]bool{}
-	for _, r := range report.Steps {
-		got[r.Policy] = true
-		checkSkeleton(t, r.Policy, r.Skeleton, r.Dispatches, r.StepUs)
+	got := map[int]map[string]*evaluate.StepRun{1: {}, 2: {}}
+	for i, r := range report.Steps {
+		if got[r.Batch] == nil {
+			t.Fatalf("%s: batch %d", r.Policy, r.Batch)
+		}
+		got[r.Batch][r.Policy] = &report.Steps[i].StepRun
+		name := fmt.Sprintf("%s, batch %d", r.Policy, r.Batch)
+		checkSkeleton(t, name, r.Skeleton, r.Dispatches, r.StepUs)
 		if r.Skeleton == nil || len(r.Skeleton.Bytes) == 0 {
 			continue
 		}
-		dense := float64(2 * n * kv * dim * 2)
+		dense := float64(r.Batch * 2 * n * kv * dim * 2)
 		if a := r.Skeleton.Bytes[len(r.Skeleton.Bytes)-1]; a > dense*1.05 {
-			t.Errorf("%s: attention reads %v bytes, dense attention %v", r.Policy, a, dense)
+			t.Errorf("%s: attention reads %v bytes, dense attention %v", name, a, dense)
 		}
 	}
 	for _, p := range evaluate.DefaultPolicies([]float64{0.9}) {
-		if !got[p.Name] {
-			t.Errorf("policy %q is not in the JSON", p.Name)
-		}
 		if !strings.Contains(text, " "+p.Name+" ") {
 			t.Errorf("policy %q is not in the table:\n%s", p.Name, text)
+		}
+		one, two := got[1][p.Name], got[2][p.Name]
+		if one == nil {
+			t.Errorf("policy %q is not in the JSON", p.Name)
+		}
+		if strings.HasPrefix(p.Name, "luka") {
+			if two != nil {
+				t.Errorf("LuKA's step does not batch, yet %q has a row at batch 2", p.Name)
+			}
+			continue
+		}
+		if two == nil {
+			t.Errorf("policy %q has no row at batch 2", p.Name)
+			continue
+		}
+		if one != nil && one.Skeleton != nil && two.Skeleton != nil && (p.Name == "double-p" || strings.HasPrefix(p.Name, "tactic")) {
+			if two.Skeleton.Bytes[0] != 2*one.Skeleton.Bytes[0] {
+				t.Errorf("%s: a batch of 2 scores %v bytes of centroids, one sequence %v", p.Name, two.Skeleton.Bytes[0], one.Skeleton.Bytes[0])
+			}
 		}
 	}
 	f, err := os.Open(plotPath)
