@@ -6,6 +6,7 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
@@ -212,64 +213,73 @@ func logTicks125(min, max float64) []plot.Tick {
 }
 
 // plotPolicySteps draws, per policy, its step's speed-up over dense
-// attention and its step over its skeleton against N (one curve per
-// source and policy; a point where a row has no timed skeleton is left
-// out of the second panel).
+// attention and its step over its skeleton as bars, one bar per source,
+// N and batch (a missing figure leaves its bar out), with a line at 1×.
 func plotPolicySteps(path string, rows []compareRow) error {
 	if len(rows) == 0 {
 		return fmt.Errorf("plot: no steps to draw")
 	}
-	speed, over := plot.New(), plot.New()
-	speed.Title.Text, speed.X.Label.Text, speed.Y.Label.Text = "step vs dense attention", "context length N", "speed-up (×)"
-	over.Title.Text, over.X.Label.Text, over.Y.Label.Text = "step vs its skeleton", "context length N", "step / skeleton (×)"
-	var names []string
-	var nTicks []plot.Tick
-	lo, hi := math.Inf(1), 0.0
+	var policies, groups []string
 	for _, r := range rows {
-		if name := stepSeries(r); !slices.Contains(names, name) {
-			names = append(names, name)
+		if !slices.Contains(policies, r.Policy) {
+			policies = append(policies, r.Policy)
 		}
-		if t := (plot.Tick{Value: float64(r.Tokens), Label: fmt.Sprint(r.Tokens)}); !slices.Contains(nTicks, t) {
-			nTicks = append(nTicks, t)
+		if g := stepGroup(r); !slices.Contains(groups, g) {
+			groups = append(groups, g)
 		}
-		lo, hi = math.Min(lo, float64(r.Tokens)), math.Max(hi, float64(r.Tokens))
 	}
-	var sp, ov []any
-	for _, name := range names {
-		var a, b plotter.XYs
-		for _, r := range rows {
-			if stepSeries(r) != name {
-				continue
+	panel := func(title, label string, value func(r compareRow) float64) (*plot.Plot, error) {
+		p := plot.New()
+		p.Title.Text, p.Y.Label.Text = title, label
+		p.NominalX(policies...)
+		p.X.Tick.Label.Rotation, p.X.Tick.Label.XAlign, p.X.Tick.Label.YAlign = math.Pi/6, draw.XRight, draw.YCenter
+		p.Legend.Top = true
+		// About 440 points of a panel's width hold the policies' bars.
+		width := vg.Points(min(14, 0.8*440/float64(len(policies)*len(groups))))
+		for gi, g := range groups {
+			vals := make(plotter.Values, len(policies))
+			for _, r := range rows {
+				if stepGroup(r) == g {
+					vals[slices.Index(policies, r.Policy)] = value(r)
+				}
 			}
-			a = append(a, plotter.XY{X: float64(r.Tokens), Y: r.Speedup})
-			if r.Skeleton != nil && r.Skeleton.StepOver > 0 {
-				b = append(b, plotter.XY{X: float64(r.Tokens), Y: r.Skeleton.StepOver})
+			bars, err := plotter.NewBarChart(vals, width)
+			if err != nil {
+				return nil, err
 			}
+			bars.Offset = width * vg.Length(float64(gi)-float64(len(groups)-1)/2)
+			bars.LineStyle.Width = 0
+			bars.Color = plotutil.Color(gi)
+			p.Add(bars)
+			p.Legend.Add(g, bars)
 		}
-		sp = append(sp, name, a)
-		if len(b) > 0 {
-			ov = append(ov, name, b)
-		}
+		one := plotter.NewFunction(func(float64) float64 { return 1 })
+		one.Dashes = []vg.Length{vg.Points(4), vg.Points(4)}
+		p.Add(one)
+		p.Y.Min = 0
+		return p, nil
 	}
-	for _, p := range []*plot.Plot{speed, over} {
-		p.X.Scale, p.X.Tick.Marker = plot.LogScale{}, plot.ConstantTicks(nTicks)
-		p.X.Min, p.X.Max = lo/1.5, hi*1.5
-		p.Legend.Top, p.Legend.Left = true, true
-	}
-	if err := plotutil.AddLinePoints(speed, sp...); err != nil {
+	speed, err := panel("step vs dense attention", "speed-up (×)", func(r compareRow) float64 { return r.Speedup })
+	if err != nil {
 		return err
 	}
-	if err := plotutil.AddLinePoints(over, ov...); err != nil {
+	over, err := panel("step vs its skeleton", "step / skeleton (×)", func(r compareRow) float64 {
+		if r.Skeleton == nil {
+			return 0
+		}
+		return r.Skeleton.StepOver
+	})
+	if err != nil {
 		return err
 	}
 	return savePanels(path, []*plot.Plot{speed, over}, 14*vg.Inch, 6*vg.Inch)
 }
 
-// stepSeries names a row's curve: its source and policy, and its batch
-// where more than one sequence.
-func stepSeries(r compareRow) string {
-	if r.Batch > 1 {
-		return fmt.Sprintf("%s %s, batch %d", r.Source, r.Policy, r.Batch)
+// stepGroup names a row's bar: its source, N (where the source does not
+// name it) and batch.
+func stepGroup(r compareRow) string {
+	if strings.Contains(r.Source, fmt.Sprintf("n=%d", r.Tokens)) {
+		return fmt.Sprintf("%s, batch %d", r.Source, r.Batch)
 	}
-	return r.Source + " " + r.Policy
+	return fmt.Sprintf("%s, N = %d, batch %d", r.Source, r.Tokens, r.Batch)
 }
