@@ -93,8 +93,8 @@ func checkSkeleton(t *testing.T, name string, sk *evaluate.Skeleton, stages int,
 func TestCompareTimesEverySkeleton(t *testing.T) {
 	dir := t.TempDir()
 	jsonPath, plotPath := filepath.Join(dir, "steps.json"), filepath.Join(dir, "steps.png")
-	const n, kv, dim = 1024, 2, 64
-	text := runCaptured(t, compare, "-n", "1024", "-heads", "8", "-kv-heads", "2", "-dim", "64", "-fidelity=false", "-reps", "3", "-kinds", "llama", "-p", "0.9", "-batch", "1,2", "-json", jsonPath, "-plot", plotPath)
+	const n, kv, dim = 512, 2, 64
+	text := runCaptured(t, compare, "-n", "512", "-heads", "8", "-kv-heads", "2", "-dim", "64", "-fidelity=false", "-reps", "3", "-kinds", "llama", "-p", "0.9", "-batch", "1,2", "-json", jsonPath, "-plot", plotPath)
 	for _, h := range []string{"step/skeleton", "skeleton µs", "stages MB", "dense fallback"} {
 		if !strings.Contains(text, h) {
 			t.Errorf("the table has no column %q:\n%s", h, text)
@@ -157,7 +157,7 @@ func TestCompareTimesEverySkeleton(t *testing.T) {
 // its sequences together.
 func TestTacticTimesSkeletons(t *testing.T) {
 	jsonPath := filepath.Join(t.TempDir(), "tactic.json")
-	text := runCaptured(t, tactic, "-n", "1024", "-heads", "8", "-kv-heads", "2", "-dim", "64", "-reps", "3", "-kinds", "llama", "-p", "0.9", "-batch", "1,2", "-json", jsonPath)
+	text := runCaptured(t, tactic, "-n", "512", "-heads", "8", "-kv-heads", "2", "-dim", "64", "-reps", "3", "-kinds", "llama", "-p", "0.9", "-batch", "1,2", "-json", jsonPath)
 	if n := strings.Count(text, "step/skeleton"); n != 2 {
 		t.Errorf("step/skeleton in %d tables, want 2:\n%s", n, text)
 	}
