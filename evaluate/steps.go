@@ -314,8 +314,10 @@ func exactTokens(l *Layers, ranks, cuts []int) (float64, error) {
 // Double-P with its default targets (whose exactly attended tokens set the
 // fixed budgets), Tactic at each P (default fit), the oracles of the
 // Tactic paper's Table 3 at each P (clusters by true mass, exact top-p over
-// tokens), Quest, StreamingLLM and H2O at Double-P's budget, and LuKA's
-// clustered attention at the paper's defaults and matched to that budget.
+// tokens), Quest, StreamingLLM and H2O at Double-P's budget, a DELTA layer
+// reusing its Δ-layer's pick of about that budget (deltaPolicy), and
+// LuKA's clustered attention at the paper's defaults and matched to that
+// budget. Each counts what its stages read (Policy.Reads).
 func DefaultPolicies(ps []float64) []Policy {
 	var out []Policy
 	out = append(out, doubleP("double-p", sparse.DefaultDoubleP()))
