@@ -262,6 +262,16 @@ func timeBatchStep(p Policy, ls []*Layers, prev, q, ref []float32, reps int) (St
 			}
 		}
 	}
+	r.DenseCost = h.DenseCost(ls[0].Positional.Len())
+	for _, s := range seqs {
+		c, err := stepCost(p, s)
+		if err != nil {
+			return r, err
+		}
+		if c != nil {
+			r.Costs = append(r.Costs, *c)
+		}
+	}
 	if p.Ranks != nil && p.Adaptive && ls[0].Budget == 0 {
 		ranks, cuts, err := p.Ranks(seqs[0])
 		if err != nil {

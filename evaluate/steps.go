@@ -57,6 +57,11 @@ type Policy struct {
 	// Reads counts the bytes each stage of the last step read (Stages
 	// order), the step's skeleton (Skeleton).
 	Reads func(s Stepper, l *Layers) ([]float64, error)
+	// FallsBack says whether a decode.Model layer under the policy falls
+	// back to dense attention where its step would cost more (Tactic,
+	// Double-P, Quest, StreamingLLM, H2O): the step's run reports its
+	// cost (StepRun.Costs).
+	FallsBack bool
 	// Batch, if set, makes the policy's own batch over the sequences ls
 	// and returns each sequence's step; otherwise BatchSteps batches the
 	// steps Make makes (sparse.NewBatch).
@@ -94,6 +99,26 @@ type StepRun struct {
 	// Skeleton holds the bytes each stage read (where the policy counts
 	// them: Policy.Reads), and once timed the skeleton's times.
 	Skeleton *Skeleton `json:"skeleton,omitempty"`
+	// Costs holds, where the policy falls back to dense attention
+	// (Policy.FallsBack), each sequence's step as the library counts it
+	// for that choice (sparse.Step.Cost), and DenseCost dense attention's
+	// over one sequence (sparse.Heads.DenseCost).
+	Costs     []sparse.Cost `json:"costs,omitempty"`
+	DenseCost sparse.Cost   `json:"dense_cost"`
+}
+
+// stepCost returns the library's cost of s's last step where p falls back
+// to dense attention.
+func stepCost(p Policy, s Stepper) (*sparse.Cost, error) {
+	if !p.FallsBack {
+		return nil, nil
+	}
+	base := baseStep(s)
+	if base == nil {
+		return nil, fmt.Errorf("evaluate: %s: a %T reports no cost", p.Name, s)
+	}
+	c, err := base.Cost()
+	return &c, err
 }
 
 // Steps times each policy's step over all of a trace's tokens for its last
@@ -261,6 +286,12 @@ func timeStep(dev *vk.Device, l *Layers, p Policy, prev, q []float32, ref []floa
 			return r, err
 		}
 	}
+	r.DenseCost = l.Dense.Heads().DenseCost(l.Positional.Len())
+	if c, err := stepCost(p, step); err != nil {
+		return r, err
+	} else if c != nil {
+		r.Costs = []sparse.Cost{*c}
+	}
 	if p.Read != nil {
 		rows, mass, err := p.Read(step, l, q)
 		if err != nil {
@@ -322,7 +353,7 @@ func DefaultPolicies(ps []float64) []Policy {
 	var out []Policy
 	out = append(out, doubleP("double-p", sparse.DefaultDoubleP()))
 	for _, p := range ps {
-		out = append(out, Policy{Name: fmt.Sprintf("tactic P=%v", p), Adaptive: true, Make: func(l *Layers) (Stepper, error) {
+		out = append(out, Policy{Name: fmt.Sprintf("tactic P=%v", p), Adaptive: true, FallsBack: true, Make: func(l *Layers) (Stepper, error) {
 			return sparse.NewTacticStep(l.Dense, l.Ordered, l.Clusters, p, sparse.DefaultTacticFit())
 		}, Reads: tacticReads, Batch: func(ls []*Layers) (Batched, []Stepper, error) {
 			return tacticBatch(ls, p)
@@ -343,11 +374,11 @@ func DefaultPolicies(ps []float64) []Policy {
 			return sparse.NewTokenOracleStep(l.Dense, l.Positional, p)
 		}, Reads: keysThenAttend(func(l *Layers) *kvcache.Layer { return l.Positional })})
 	}
-	out = append(out, Policy{Name: "quest", Make: func(l *Layers) (Stepper, error) {
+	out = append(out, Policy{Name: "quest", FallsBack: true, Make: func(l *Layers) (Stepper, error) {
 		return sparse.NewQuestStep(l.Dense, l.Positional, l.Budget)
-	}, Reads: questReads}, Policy{Name: "streaming", Make: func(l *Layers) (Stepper, error) {
+	}, Reads: questReads}, Policy{Name: "streaming", FallsBack: true, Make: func(l *Layers) (Stepper, error) {
 		return sparse.NewStreamingStep(l.Dense, l.Positional, l.Budget)
-	}, Reads: attendOnly}, Policy{Name: "h2o", Make: func(l *Layers) (Stepper, error) {
+	}, Reads: attendOnly}, Policy{Name: "h2o", FallsBack: true, Make: func(l *Layers) (Stepper, error) {
 		s, err := sparse.NewH2OStep(l.Dense, l.Positional, l.Budget)
 		if err != nil {
 			return nil, err
@@ -459,7 +490,7 @@ func lukaRead(s Stepper, l *Layers, _ []float32) (float64, float64, error) {
 
 // doubleP is Double-P with targets opts.
 func doubleP(name string, opts sparse.DoubleP) Policy {
-	return Policy{Name: name, Adaptive: true, Make: func(l *Layers) (Stepper, error) {
+	return Policy{Name: name, Adaptive: true, FallsBack: true, Make: func(l *Layers) (Stepper, error) {
 		return sparse.NewDoublePStep(l.Dense, l.Ordered, l.Clusters, opts)
 	}, Reads: doublePReads, Ranks: func(s Stepper) ([]int, []int, error) {
 		sel := s.(*sparse.Step).Selector().(*sparse.DoublePSelector)

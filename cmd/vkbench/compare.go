@@ -22,9 +22,49 @@ import (
 type compareRow struct {
 	Source string `json:"source"`
 	evaluate.StepRun
-	// DenseChoice is the library's choice between the policy's step and
-	// dense attention for the layer, empty while it reports none.
+	// DenseChoice is how a decode.Model layer under the policy would attend
+	// this layer by the device's cost model (denseChoices): "dense",
+	// "policy", "dense k/B" where k of a batch's B sequences fall back, or
+	// "-" for a policy that never falls back.
 	DenseChoice string `json:"dense_choice"`
+}
+
+// denseChoices fills each row's DenseChoice the way decode.Model chooses
+// under FallbackAuto: a sequence is attended densely where its step's cost
+// (evaluate.StepRun.Costs, the library's count) priced by the device's
+// calibrated cost model (sparse.Calibrate) exceeds dense attention's. It
+// returns the cost model.
+func denseChoices(dev *vk.Device, rows []compareRow) (*sparse.CostModel, error) {
+	var model *sparse.CostModel
+	for i := range rows {
+		r := &rows[i]
+		r.DenseChoice = "-"
+		if len(r.Costs) == 0 {
+			continue
+		}
+		if model == nil {
+			m, err := sparse.Calibrate(dev)
+			if err != nil {
+				return nil, fmt.Errorf("the dense fallback's cost model: %w", err)
+			}
+			model = &m
+		}
+		dense := 0
+		for _, c := range r.Costs {
+			if model.Us(c) > model.Us(r.DenseCost) {
+				dense++
+			}
+		}
+		switch {
+		case dense == 0:
+			r.DenseChoice = "policy"
+		case dense == len(r.Costs):
+			r.DenseChoice = "dense"
+		default:
+			r.DenseChoice = fmt.Sprintf("dense %d/%d", dense, len(r.Costs))
+		}
+	}
+	return model, nil
 }
 
 func compare(args []string) error {
@@ -122,9 +162,13 @@ func compare(args []string) error {
 			rows[i].Skeleton = nil
 		}
 	}
+	costs, err := denseChoices(dev, rows)
+	if err != nil {
+		return err
+	}
 	printSteps(rows)
 
-	out := compareReport{Steps: rows, Fidelity: []compareFidelity{}}
+	out := compareReport{Steps: rows, Fidelity: []compareFidelity{}, CostModel: costs}
 	for i, t := range traces {
 		if !fid.on(*tracePath != "", t.Tokens) {
 			continue
@@ -279,14 +323,10 @@ func printSteps(rows []compareRow) {
 		}
 		skUs, skMB, over := skeletonCells(r.Skeleton)
 		cells = append(cells, []string{r.Source, fmt.Sprint(r.Batch), r.Policy, fmt.Sprintf("%.1f", r.DenseUs), fmt.Sprintf("%.0f", r.DenseGBps), fmt.Sprintf("%.1f", r.StepUs), fmt.Sprintf("%.2f×", r.Speedup),
-			skUs, over, fmt.Sprint(r.Dispatches), exact, budget, mass, fmt.Sprintf("%.1e", r.RelErr), st, skMB, denseChoice})
+			skUs, over, fmt.Sprint(r.Dispatches), exact, budget, mass, fmt.Sprintf("%.1e", r.RelErr), st, skMB, r.DenseChoice})
 	}
 	table(os.Stdout, []string{"source", "batch", "policy", "dense µs", "dense GB/s", "step µs", "speed-up", "skeleton µs", "step/skeleton", "dispatches", "exact %", "budget", "exact mass", "rel err", "stages µs", "stages MB", "dense fallback"}, cells)
 }
-
-// denseChoice is what the dense-fallback column shows: the library does
-// not yet choose dense attention per layer, so there is no choice to show.
-const denseChoice = "-"
 
 // fidelityAutoTokens is the largest generated layer the fidelity
 // comparison runs on unless -fidelity says otherwise.
@@ -339,6 +379,9 @@ type compareReport struct {
 	Steps []compareRow `json:"steps"`
 	// Fidelity holds the float64 comparison of each layer it ran on.
 	Fidelity []compareFidelity `json:"fidelity"`
+	// CostModel is the device's cost model that priced the dense
+	// fallback's choices (nil where no policy falls back).
+	CostModel *sparse.CostModel `json:"cost_model,omitempty"`
 }
 
 // compareFidelity is evaluate.Compare's result on one layer.

@@ -118,6 +118,20 @@ func TestCompareTimesEverySkeleton(t *testing.T) {
 			t.Errorf("%s: attention reads %v bytes, dense attention %v", name, a, dense)
 		}
 	}
+	for _, r := range report.Steps {
+		falls := r.Policy == "double-p" || r.Policy == "quest" || r.Policy == "streaming" || r.Policy == "h2o" || strings.HasPrefix(r.Policy, "tactic")
+		switch {
+		case falls && !(r.DenseChoice == "dense" || r.DenseChoice == "policy" || strings.HasPrefix(r.DenseChoice, "dense ")):
+			t.Errorf("%s, batch %d: dense fallback %q, want the cost model's choice", r.Policy, r.Batch, r.DenseChoice)
+		case !falls && r.DenseChoice != "-":
+			t.Errorf("%s never falls back, yet its choice is %q", r.Policy, r.DenseChoice)
+		case falls && len(r.Costs) != r.Batch:
+			t.Errorf("%s, batch %d: %d costs", r.Policy, r.Batch, len(r.Costs))
+		}
+	}
+	if report.CostModel == nil || report.CostModel.Validate() != nil {
+		t.Errorf("cost model %+v", report.CostModel)
+	}
 	for _, p := range evaluate.DefaultPolicies([]float64{0.9}) {
 		if !strings.Contains(text, " "+p.Name+" ") {
 			t.Errorf("policy %q is not in the table:\n%s", p.Name, text)
