@@ -11,6 +11,7 @@ import (
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/sparse"
+	"github.com/vksparse/vksparse/vk"
 	"github.com/vksparse/vksparse/vk/vktest"
 )
 
@@ -243,13 +244,7 @@ func TestFallbackSwitchesKeepOutputs(t *testing.T) {
 	cheap := cheapFloor
 	var models []*Model
 	for _, fb := range []Fallback{FallbackAlways, FallbackNever} {
-		m, err := New(dev, Config{Heads: testHeads, Layers: layers, Slots: 2, Capacity: 500, Layout: layout, Fallback: fb, Costs: &cheap})
-		require.NoError(t, err)
-		defer func() { require.NoError(t, m.Release()) }()
-		for s, n := range prefill {
-			f.prefill(t, m, s, n)
-		}
-		models = append(models, m)
+		models = append(models, f.prefilledModel(t, dev, Config{Heads: testHeads, Layers: layers, Slots: 2, Capacity: 500, Layout: layout, Fallback: fb, Costs: &cheap}, prefill))
 	}
 	m, twin := models[0], models[1]
 	per := testHeads.Query * testHeads.Dim
@@ -395,13 +390,7 @@ func TestFallbackMixedBatch(t *testing.T) {
 			for _, fb := range []Fallback{FallbackAuto, FallbackNever} {
 				// The cost model is set below, once the indexes are known.
 				costs := cheapFloor
-				m, err := New(dev, Config{Heads: testHeads, Layers: 1, Slots: 2, Capacity: 1100, Policy: pol, Fallback: fb, Costs: &costs})
-				require.NoError(t, err)
-				defer func() { require.NoError(t, m.Release()) }()
-				for s, n := range prefill {
-					f.prefill(t, m, s, n)
-				}
-				models = append(models, m)
+				models = append(models, f.prefilledModel(t, dev, Config{Heads: testHeads, Layers: 1, Slots: 2, Capacity: 1100, Policy: pol, Fallback: fb, Costs: &costs}, prefill))
 			}
 			m, twin := models[0], models[1]
 			// The floor at which a slot's policy step and dense attention
@@ -460,4 +449,18 @@ func TestFallbackMixedBatch(t *testing.T) {
 			}
 		})
 	}
+}
+
+// prefilledModel returns a model of cfg (released when the test ends)
+// whose slot s holds the fixture's sequence s prefilled with prefill[s]
+// tokens.
+func (f *fixture) prefilledModel(t *testing.T, dev *vk.Device, cfg Config, prefill []int) *Model {
+	t.Helper()
+	m, err := New(dev, cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, m.Release()) })
+	for s, n := range prefill {
+		f.prefill(t, m, s, n)
+	}
+	return m
 }

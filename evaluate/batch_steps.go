@@ -146,19 +146,7 @@ func BatchSteps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, cluste
 		qs = append(qs, q...)
 		positional = append(positional, l.Positional)
 	}
-	plan, err := dense.Plan(positional)
-	if err != nil {
-		return nil, err
-	}
-	defer plan.Release()
-	ref, err := plan.Attend(qs)
-	if err != nil {
-		return nil, err
-	}
-	if err := warmUp(plan, time.Second); err != nil {
-		return nil, err
-	}
-	denseUs, err := medianMicros(plan, reps)
+	ref, denseUs, err := timeDense(dense, positional, qs, reps)
 	if err != nil {
 		return nil, err
 	}

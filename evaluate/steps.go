@@ -152,19 +152,7 @@ func Steps(dev *vk.Device, t *trace.Trace, opts sparse.DenseOptions, clustering 
 		prev = t.Query(t.Queries() - 2)
 	}
 
-	plan, err := dense.Plan([]*kvcache.Layer{l.Positional})
-	if err != nil {
-		return nil, err
-	}
-	defer plan.Release()
-	ref, err := plan.Attend(q)
-	if err != nil {
-		return nil, err
-	}
-	if err := warmUp(plan, time.Second); err != nil {
-		return nil, err
-	}
-	denseUs, err := medianMicros(plan, reps)
+	ref, denseUs, err := timeDense(dense, []*kvcache.Layer{l.Positional}, q, reps)
 	if err != nil {
 		return nil, err
 	}
@@ -529,4 +517,25 @@ func tacticBatch(ls []*Layers, p float64) (Batched, []Stepper, error) {
 		seqs[i] = b.Step(i)
 	}
 	return b, seqs, nil
+}
+
+// timeDense attends the queries qs ([len(layers)][Hq][D]) densely over
+// layers, each sequence its own: the outputs, which the steps are
+// compared with, and the median of reps timed runs in µs after a
+// second's warm-up.
+func timeDense(dense *sparse.Dense, layers []*kvcache.Layer, qs []float32, reps int) ([]float32, float64, error) {
+	plan, err := dense.Plan(layers)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer plan.Release()
+	ref, err := plan.Attend(qs)
+	if err != nil {
+		return nil, 0, err
+	}
+	if err := warmUp(plan, time.Second); err != nil {
+		return nil, 0, err
+	}
+	us, err := medianMicros(plan, reps)
+	return ref, us, err
 }
