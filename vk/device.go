@@ -522,8 +522,9 @@ func (d *Device) untrack(obj any) {
 }
 
 // Allocated returns the bytes of device memory that the buffers made on
-// the device and not yet released hold (their allocations' sizes, which
-// the driver may round up from the sizes asked).
+// the device and not yet released hold: each buffer's allocation, or its
+// range of a shared block (Reserved), of the size the driver asks for a
+// buffer of its size (which may round it up).
 func (d *Device) Allocated() uint64 {
 	d.mu.Lock()
 	defer d.mu.Unlock()
