@@ -267,7 +267,13 @@ func TestFallbackSwitchesKeepOutputs(t *testing.T) {
 			require.NoError(t, err)
 			q := f.queries(m, l, step%2)
 			for i, ch := range choices {
-				require.Equal(t, mode == FallbackAlways, ch.Dense, what)
+				if mode == FallbackAuto {
+					// With no floor the choice is by bytes alone: a step
+					// taking most of its index reads more than dense.
+					require.Equal(t, ch.PolicyUs > ch.DenseUs, ch.Dense, "%s: %+v", what, ch)
+				} else {
+					require.Equal(t, mode == FallbackAlways, ch.Dense, what)
+				}
 				got := outs[l][i*per : (i+1)*per]
 				switch {
 				case ch.Dense:
