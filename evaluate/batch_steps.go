@@ -224,14 +224,7 @@ func timeBatchStep(p Policy, ls []*Layers, prev, q, ref []float32, reps int) (St
 			r.RelErr += math.Sqrt(num/math.Max(den, 1e-300)) / float64(h.Query*len(seqs))
 		}
 	}
-	if err := warmUp(b, 300*time.Millisecond); err != nil {
-		return r, err
-	}
-	if r.StageUs, err = stageMicros(b, reps); err != nil {
-		return r, err
-	}
-	r.Dispatches = len(r.StageUs)
-	if r.StepUs, err = medianMicros(b, reps); err != nil {
+	if err := timeStages(&r, b, reps); err != nil {
 		return r, err
 	}
 	if !p.Adaptive {

@@ -49,3 +49,21 @@ func stageMicros(step stagesTimed, reps int) (map[string]float64, error) {
 }
 
 func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
+
+// timeStages warms a step (or batch) up and fills r's per-stage medians, its
+// dependent dispatches and its whole median, each over reps timed runs.
+func timeStages[T interface {
+	timed
+	stagesTimed
+}](r *StepRun, step T, reps int) error {
+	if err := warmUp(step, 300*time.Millisecond); err != nil {
+		return err
+	}
+	var err error
+	if r.StageUs, err = stageMicros(step, reps); err != nil {
+		return err
+	}
+	r.Dispatches = len(r.StageUs)
+	r.StepUs, err = medianMicros(step, reps)
+	return err
+}
