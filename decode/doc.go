@@ -49,11 +49,18 @@
 // sequence densely whenever the policy's step over it would cost more than
 // dense attention (Config.Fallback, or a policy's WithFallback:
 // FallbackAuto, the default; FallbackNever runs the policy always,
-// FallbackAlways attends densely always). Costs come from a cost model of
-// the device (Config.Costs, else sparse.Calibrate's, measured once per
-// device): a step costs its dependent dispatches times the floor of one
-// plus the bytes it reads over the bandwidth (Policy.Cost; dense attention
-// is one dispatch reading every key and value). A clustered policy's cost
+// FallbackAlways attends densely always). Each of the two is priced by
+// a cost model: its dependent dispatches times a floor per dispatch plus
+// the bytes it reads over a bandwidth (Policy.Cost; dense attention is
+// one dispatch reading every key and value). On a GPU the layer's models
+// are measured on the policy's own kernels and on dense attention's, at
+// the model's geometry (MeasureSteps: each timed over random keys at two
+// lengths, and fitted; once per device, policy and process), since a
+// stage's kernels run far from the device's bandwidth where its work is
+// small or latency-bound. Elsewhere (a software renderer, Config.Costs
+// given, Config.Measure MeasureNever, or a capacity below
+// MinMeasureTokens) both are priced by one model of the device
+// (Config.Costs, else sparse.Calibrate's). A clustered policy's cost
 // counts the share of its index its last step took (0 before its first
 // step, so it runs once and is then weighed by what it read). The choice
 // is made per sequence, from that sequence's own tokens, index and last
@@ -68,9 +75,9 @@
 // FallbackAuto for sequences attended densely and for the clustered
 // policies, whose steps attend the same whenever their batch is built;
 // a positional policy's batch built again at a batch-mate's change of
-// choice indexes its sequences anew (H2O restarts its accumulation). A
-// calibrated cost model is measured anew in each process: give
-// Config.Costs where choices near a crossover must repeat across runs.
+// choice indexes its sequences anew (H2O restarts its accumulation).
+// Costs are measured anew in each process: give Config.Costs (and
+// MeasureNever) where choices near a crossover must repeat across runs.
 // The oracles, DELTA and LuKA never fall back.
 //
 // # Concurrency

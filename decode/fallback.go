@@ -79,6 +79,9 @@ type Choice struct {
 	DenseCost  sparse.Cost `json:"dense_cost"`
 	PolicyUs   float64     `json:"policy_us"`
 	DenseUs    float64     `json:"dense_us"`
+	// Measured reports whether the two were priced by the layer's
+	// measured step costs (Model.StepCosts), not the device's model.
+	Measured bool `json:"measured"`
 }
 
 // Cost returns about what one step of the policy costs over a sequence of
@@ -176,7 +179,12 @@ func (m *Model) choose(layer int) ([]Choice, error) {
 		if c.PolicyCost, err = pol.Cost(m.cfg.Heads, c.Tokens, indexed, clusters, sl.share); err != nil {
 			return nil, fmt.Errorf("decode: layer %d slot %d: %w", layer, s, err)
 		}
-		if m.costs != nil {
+		if sc := m.steps[layer]; sc != nil {
+			c.PolicyUs, c.DenseUs, c.Measured = sc.Policy.Us(c.PolicyCost), sc.Dense.Us(c.DenseCost), true
+			if mode == FallbackAuto {
+				c.Dense = c.PolicyUs > c.DenseUs
+			}
+		} else if m.costs != nil {
 			c.PolicyUs, c.DenseUs = m.costs.Us(c.PolicyCost), m.costs.Us(c.DenseCost)
 			if mode == FallbackAuto {
 				c.Dense = c.PolicyUs > c.DenseUs
@@ -239,8 +247,56 @@ func (m *Model) SetFallback(layer int, f Fallback) error {
 		}
 		m.costs = &c
 	}
+	prev := m.fallback[layer]
 	m.fallback[layer] = f
+	if err := m.measureLayer(layer); err != nil {
+		m.fallback[layer] = prev
+		return err
+	}
 	return nil
+}
+
+// measures reports whether a layer under FallbackAuto measures its
+// policy's step (Config.Measure) on this device.
+func (m *Model) measures() bool {
+	switch m.cfg.Measure {
+	case MeasureAlways:
+		return true
+	case MeasureOnGPU:
+		return m.cfg.Costs == nil && m.dev.Info().Type != "cpu"
+	}
+	return false
+}
+
+// measureLayer gives a layer under FallbackAuto its measured step costs
+// where the model measures them and has none yet for it.
+func (m *Model) measureLayer(layer int) error {
+	pol := m.policy[layer]
+	if m.steps[layer] != nil || !pol.FallsBack() || m.fallback[layer] != FallbackAuto || !m.measures() {
+		return nil
+	}
+	lengths, ok := MeasureLengths(m.cfg.Capacity)
+	if !ok {
+		return nil
+	}
+	sc, err := MeasureSteps(m.dev, m.cfg.Heads, pol, lengths, *m.costs)
+	if err != nil {
+		return fmt.Errorf("decode: layer %d's dense fallback: %w", layer, err)
+	}
+	m.steps[layer] = &sc
+	return nil
+}
+
+// StepCosts returns the measured step costs the layer's fallback weighs
+// its choices by, and whether it has them (a layer under FallbackAuto on
+// a model that measures, Config.Measure).
+func (m *Model) StepCosts(layer int) (StepCosts, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.checkLayer(layer) != nil || m.steps == nil || m.steps[layer] == nil {
+		return StepCosts{}, false
+	}
+	return *m.steps[layer], true
 }
 
 // Fallback returns the layer's fallback (FallbackNever for a layer that

@@ -31,6 +31,12 @@ type Config struct {
 	// Costs prices the steps for FallbackAuto; nil: sparse.Calibrate's
 	// model of the device, measured once per device and process.
 	Costs *sparse.CostModel
+	// Measure is whether FallbackAuto measures each policy's step and
+	// dense attention at the model's geometry (MeasureSteps, once per
+	// device and process) or prices both by the device's cost model; the
+	// zero value, MeasureOnGPU, measures on a GPU where Costs is not
+	// given.
+	Measure Measure
 }
 
 // LayerPolicy returns the policy of layer l as the config gives it.
@@ -55,6 +61,9 @@ type Model struct {
 	builds int               // Δ-layer batches built so far (their generations)
 	cmd    *vk.Commands      // Attend's
 	costs  *sparse.CostModel // what the fallback weighs steps by; nil where no layer weighs them
+	// steps is each layer's measured step costs (MeasureSteps), nil where
+	// its layer is priced by costs.
+	steps []*StepCosts
 	// fallback is each layer's (FallbackNever where its policy never falls
 	// back).
 	fallback []Fallback
@@ -219,6 +228,9 @@ func (cfg Config) validate() ([]Policy, error) {
 	if err := cfg.Fallback.check(); err != nil {
 		return nil, err
 	}
+	if cfg.Measure < MeasureOnGPU || cfg.Measure > MeasureNever {
+		return nil, fmt.Errorf("decode: unknown %v", cfg.Measure)
+	}
 	if cfg.Costs != nil {
 		if err := cfg.Costs.Validate(); err != nil {
 			return nil, fmt.Errorf("decode: %w", err)
@@ -272,6 +284,12 @@ func New(dev *vk.Device, cfg Config) (*Model, error) {
 			return nil, fmt.Errorf("decode: the dense fallback's cost model (give Config.Costs, or FallbackNever): %w", err)
 		}
 		m.costs = &c
+	}
+	m.steps = make([]*StepCosts, cfg.Layers)
+	for l := range policies {
+		if err := m.measureLayer(l); err != nil {
+			return nil, errors.Join(err, m.release())
+		}
 	}
 	m.dense, err = sparse.NewDense(dev, h)
 	if err == nil && slices.ContainsFunc(policies, Policy.Clustered) {

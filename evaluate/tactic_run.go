@@ -20,7 +20,15 @@ type TacticRun struct {
 	Prefill     int                `json:"prefill"`
 	P           float64            `json:"p"`
 	Steps       int                `json:"steps"`
-	ClusterMs   float64            `json:"cluster_ms"`
+	// ClusterMs is the wall time of clustering the prefill and storing it
+	// in cluster order, the first clustering of the run (its kernels'
+	// first use); ClusterWarmMs the wall time of clustering it again with
+	// the same kernels and ReorderMs of storing it, ClusterGPUMs the GPU
+	// time of that clustering (first to last timestamp).
+	ClusterMs     float64 `json:"cluster_ms"`
+	ClusterWarmMs float64 `json:"cluster_warm_ms"`
+	ClusterGPUMs  float64 `json:"cluster_gpu_ms"`
+	ReorderMs     float64 `json:"reorder_ms"`
 	DenseUs     float64            `json:"dense_us"`
 	TacticUs    float64            `json:"tactic_us"` // median step, timed whole
 	StageUs     map[string]float64 `json:"stage_us"`  // medians, a timestamp after every stage
@@ -120,16 +128,33 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit sparse.Tactic
 	if err := layer.Prefill(k, v, prefill); err != nil {
 		return nil, err
 	}
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
 	start := time.Now()
 	clusters, err := km.Cluster(layer, sparse.TacticDefaultSinks, prefill-sparse.TacticDefaultSinks, clustering)
 	if err != nil {
 		return nil, err
 	}
 	defer clusters.Release()
+	clusterCold := time.Since(start)
+	// Again, warm: what each further layer of a model costs.
+	var stages sparse.KMeansStages
+	warm := clustering
+	warm.Stages = &stages
+	start = time.Now()
+	again, err := km.Cluster(layer, sparse.TacticDefaultSinks, prefill-sparse.TacticDefaultSinks, warm)
+	if err != nil {
+		return nil, err
+	}
+	clusterWarm := time.Since(start)
+	if err := again.Release(); err != nil {
+		return nil, err
+	}
+	start = time.Now()
 	if err := layer.Reorder(clusters); err != nil {
 		return nil, err
 	}
-	clusterMs := float64(time.Since(start).Microseconds()) / 1e3
+	reorder := time.Since(start)
+	clusterMs := ms(clusterCold + reorder)
 	index := make([]*kvcache.HostClusters, heads.KV)
 	for g := range index {
 		if index[g], err = clusters.Read(g); err != nil {
@@ -153,6 +178,7 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit sparse.Tactic
 			return nil, err
 		}
 		r.Tokens, r.Prefill, r.P, r.ClusterMs = last+1, prefill, p, clusterMs
+		r.ClusterWarmMs, r.ClusterGPUMs, r.ReorderMs = ms(clusterWarm), ms(stages.GPU), ms(reorder)
 		for _, b := range batches {
 			if reps == 0 || b <= 1 {
 				continue

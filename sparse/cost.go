@@ -147,13 +147,44 @@ func (s *DoublePSelector) selectionBytes() float64 {
 	return CentroidBytes(s.dense.heads, s.Selection().Clusters.C)
 }
 
-// calibrations caches Calibrate's models per device (calibrationKey).
-var calibrations sync.Map
-
-// calibrationKey names a device and its driver.
-func calibrationKey(info vk.Info) string {
-	return fmt.Sprintf("%s|%04x:%04x|%s|%d", info.Name, info.VendorID, info.DeviceID, info.Driver, info.DriverVersion)
+// FitCostModel returns the cost model through two measurements of one
+// kind of step, a step of cost a taking aUs µs and one of cost b taking
+// bUs (same dispatches, b the larger read): the bandwidth is
+// (b.Bytes − a.Bytes) / (bUs − aUs), the floor what is left of aUs over
+// its dispatches. Where the reads differ by less than a tenth, or the
+// larger one took no longer, the bytes cannot be told from the floor:
+// the bandwidth is then fallback's, and the floor what is left of bUs.
+// A floor that would come out negative is 0, with the bandwidth that
+// prices b at bUs.
+func FitCostModel(a Cost, aUs float64, b Cost, bUs float64, fallback CostModel) (CostModel, error) {
+	if a.Bytes > b.Bytes {
+		a, aUs, b, bUs = b, bUs, a, aUs
+	}
+	if a.Dispatches != b.Dispatches || a.Dispatches <= 0 || !(aUs > 0) || !(bUs > 0) || math.IsInf(aUs, 0) || math.IsInf(bUs, 0) || !(a.Bytes >= 0) {
+		return CostModel{}, fmt.Errorf("sparse: fitting a cost model to %v in %v µs and %v in %v µs: the dispatches must match and the times be positive", a, aUs, b, bUs)
+	}
+	if err := fallback.Validate(); err != nil {
+		return CostModel{}, err
+	}
+	d := float64(b.Dispatches)
+	m := CostModel{ReadGBps: fallback.ReadGBps}
+	if b.Bytes >= 1.1*a.Bytes && bUs > aUs {
+		m.ReadGBps = (b.Bytes - a.Bytes) / ((bUs - aUs) * 1e3)
+		m.FloorUs = (aUs - a.Bytes/(m.ReadGBps*1e3)) / d
+	} else {
+		m.FloorUs = (bUs - b.Bytes/(m.ReadGBps*1e3)) / d
+	}
+	if m.FloorUs < 0 {
+		m.FloorUs, m.ReadGBps = 0, b.Bytes/(bUs*1e3)
+	}
+	if err := m.Validate(); err != nil {
+		return CostModel{}, fmt.Errorf("sparse: fitting a cost model: %w", err)
+	}
+	return m, nil
 }
+
+// calibrations caches Calibrate's models per device (vk.Info.Identity).
+var calibrations sync.Map
 
 // Calibrate returns dev's cost model, measured on its first call for that
 // device and driver (name, IDs and driver version) and cached for the
@@ -163,7 +194,7 @@ func calibrationKey(info vk.Info) string {
 // of one dispatch reading it, less the floor. It needs timestamps on the
 // compute queue.
 func Calibrate(dev *vk.Device) (CostModel, error) {
-	key := calibrationKey(dev.Info())
+	key := dev.Info().Identity()
 	if m, ok := calibrations.Load(key); ok {
 		return m.(CostModel), nil
 	}

@@ -2,6 +2,7 @@ package sparse
 
 import (
 	"math"
+	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -26,6 +27,54 @@ func TestCostModelArithmetic(t *testing.T) {
 		require.Error(t, bad.Validate(), "%+v", bad)
 	}
 	require.NoError(t, CostModel{0, 1}.Validate())
+}
+
+// TestFitCostModel checks the fit through two timed steps on random
+// costs: it prices both exactly where the reads differ, the larger one
+// exactly where they do not (with the fallback's bandwidth) or where the
+// floor would come out negative (floor 0), in either order of the
+// points, and refuses what no model fits.
+func TestFitCostModel(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 11))
+	fallback := CostModel{FloorUs: 2, ReadGBps: 3000}
+	for range 200 {
+		d := 1 + rng.IntN(4)
+		truth := CostModel{FloorUs: 0.5 + 10*rng.Float64(), ReadGBps: 100 + 4000*rng.Float64()}
+		a := Cost{Dispatches: d, Bytes: 1e5 + 1e8*rng.Float64()}
+		b := Cost{Dispatches: d, Bytes: a.Bytes * (1.2 + 10*rng.Float64())}
+		m, err := FitCostModel(b, truth.Us(b), a, truth.Us(a), fallback)
+		require.NoError(t, err)
+		require.InDelta(t, truth.FloorUs, m.FloorUs, 1e-6*truth.Us(b))
+		require.InEpsilon(t, truth.ReadGBps, m.ReadGBps, 1e-6)
+		// Equal reads: the fallback's bandwidth, the larger time kept.
+		c := Cost{Dispatches: d, Bytes: a.Bytes * (1 + 0.05*rng.Float64())}
+		slow := truth.Us(c) + 100
+		m, err = FitCostModel(a, truth.Us(a), c, slow, fallback)
+		require.NoError(t, err)
+		require.Equal(t, fallback.ReadGBps, m.ReadGBps)
+		require.InEpsilon(t, slow, m.Us(c), 1e-9)
+		require.GreaterOrEqual(t, m.FloorUs, 0.0)
+		// A time too short for its bytes at the fallback's bandwidth, and
+		// a line through the points that crosses zero time: floor 0.
+		for _, pair := range [][4]float64{{a.Bytes, 1e-3, c.Bytes, 2e-3}, {a.Bytes, 1e-3, b.Bytes, 1e3}} {
+			x, y := Cost{Dispatches: d, Bytes: pair[0]}, Cost{Dispatches: d, Bytes: pair[2]}
+			m, err = FitCostModel(x, pair[1], y, pair[3], fallback)
+			require.NoError(t, err)
+			require.Zero(t, m.FloorUs)
+			require.InEpsilon(t, pair[3], m.Us(y), 1e-9)
+		}
+	}
+	one := Cost{Dispatches: 1, Bytes: 1e6}
+	for _, bad := range [][2]Cost{{one, {Dispatches: 2, Bytes: 2e6}}, {{}, {}}} {
+		_, err := FitCostModel(bad[0], 1, bad[1], 2, fallback)
+		require.Error(t, err, "%v", bad)
+	}
+	for _, us := range []float64{0, -1, math.NaN(), math.Inf(1)} {
+		_, err := FitCostModel(one, us, Cost{Dispatches: 1, Bytes: 2e6}, 2, fallback)
+		require.Error(t, err, "%v µs", us)
+	}
+	_, err := FitCostModel(one, 1, Cost{Dispatches: 1, Bytes: 2e6}, 2, CostModel{})
+	require.Error(t, err, "an invalid fallback")
 }
 
 // TestCostCrossover checks the shape the dense fallback relies on: with a

@@ -488,6 +488,12 @@ func boolInt(b bool) C.int {
 // Info returns the device's facts.
 func (d *Device) Info() Info { return d.info }
 
+// Identity names the device and its driver (name, vendor and device IDs,
+// driver and its version): what measurements of the device are kept by.
+func (i Info) Identity() string {
+	return fmt.Sprintf("%s|%04x:%04x|%s|%d", i.Name, i.VendorID, i.DeviceID, i.Driver, i.DriverVersion)
+}
+
 // Validating reports whether the validation layer is on.
 func (d *Device) Validating() bool { return d.validate }
 

@@ -17,26 +17,39 @@ import (
 )
 
 // crossoverRow is one row of `vkbench crossover`: a policy on one layer,
-// what its step and dense attention cost at the probe length by the cost
-// model, and the shortest length at which the policy's step costs less
-// than dense attention (where decode's dense fallback hands the layer to
-// the policy); -1 where it never does up to the longest length searched.
+// what its step and dense attention cost at the probe length by the
+// layer's cost models and as timed, and the shortest length at which the
+// policy's step costs less than dense attention by those models (where
+// decode's dense fallback hands the layer to the policy); -1 where it
+// never does up to the longest length searched.
 type crossoverRow struct {
 	Layer  string  `json:"layer"`
 	Heads  string  `json:"heads"` // Hq/Hkv/D
 	Policy string  `json:"policy"`
 	Tokens int     `json:"probe_tokens"`
 	Share  float64 `json:"share"` // of its index the step took at the probe
-	// PolicyCost and DenseCost are counted at the probe length.
-	PolicyCost sparse.Cost `json:"policy_cost"`
-	DenseCost  sparse.Cost `json:"dense_cost"`
-	PolicyUs   float64     `json:"policy_us"`
-	DenseUs    float64     `json:"dense_us"`
+	// PolicyCost and DenseCost are counted at the probe length, and priced
+	// by the layer's cost models (Measured: the policy's and dense
+	// attention's own, decode.MeasureSteps; else the device's).
+	PolicyCost sparse.Cost       `json:"policy_cost"`
+	DenseCost  sparse.Cost       `json:"dense_cost"`
+	PolicyUs   float64           `json:"policy_us"`
+	DenseUs    float64           `json:"dense_us"`
+	Measured   bool              `json:"measured"`
+	StepCosts  *decode.StepCosts `json:"step_costs,omitempty"`
 	// Chosen is what the fallback attends with at the probe length, and
-	// LayerOverDense the layer's cost over dense attention's (≤ 1).
+	// LayerOverDense the layer's cost over dense attention's by the
+	// models (≤ 1).
 	Chosen         string  `json:"chosen"`
 	LayerOverDense float64 `json:"layer_over_dense"`
-	Crossover      int     `json:"crossover_tokens"`
+	// Timed at the probe (medians of timestamped runs): the policy's step,
+	// dense attention, and the layer under FallbackAuto as it chose; and
+	// the last over dense attention's.
+	TimedPolicyUs       float64 `json:"timed_policy_us"`
+	TimedDenseUs        float64 `json:"timed_dense_us"`
+	TimedLayerUs        float64 `json:"timed_layer_us"`
+	TimedLayerOverDense float64 `json:"timed_layer_over_dense"`
+	Crossover           int     `json:"crossover_tokens"`
 }
 
 // crossoverReport is what -json writes.
@@ -67,6 +80,8 @@ func crossover(args []string) error {
 	clusterSize := fs.Int("cluster-size", sparse.KMeansDefaultAvgClusterSize, "tokens per K-means cluster on average")
 	floor := fs.Float64("floor-us", 0, "the cost model's floor per dependent dispatch in µs (with -gbps; both unset: measured on the device, sparse.Calibrate)")
 	gbps := fs.Float64("gbps", 0, "the cost model's read bandwidth in GB/s (with -floor-us)")
+	measure := fs.Bool("measure", true, "price each policy's step and dense attention by cost models measured on their own kernels at the layer's geometry (decode.MeasureSteps; needs a probe of at least 2048 tokens); false: by the device's cost model")
+	reps := fs.Int("reps", 21, "timed runs of each step at the probe")
 	seed := fs.Int64("seed", 1, "workload and K-means seed")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	fs.Parse(args)
@@ -80,6 +95,8 @@ func crossover(args []string) error {
 		return fmt.Errorf("-max: %d is below -n %d", *maxTokens, *n)
 	case *budget < 1 || *budget > *n:
 		return fmt.Errorf("-budget: %d outside [1, -n]", *budget)
+	case *reps < 1:
+		return fmt.Errorf("-reps: %d timed runs", *reps)
 	case (*floor == 0) != (*gbps == 0):
 		return fmt.Errorf("-floor-us and -gbps go together")
 	}
@@ -116,7 +133,7 @@ func crossover(args []string) error {
 	for _, l := range layers {
 		for _, pol := range policies {
 			prog.step(fmt.Sprintf("%s %s", l.name, pol))
-			row, err := crossoverOf(dev, l, pol, report.CostModel, *n, *maxTokens, *clusterSize)
+			row, err := crossoverOf(dev, l, pol, report.CostModel, *measure, *n, *maxTokens, *clusterSize, *reps)
 			if err != nil {
 				return fmt.Errorf("%s, %s: %w", l.name, pol, err)
 			}
@@ -130,10 +147,15 @@ func crossover(args []string) error {
 		if r.Crossover < 0 {
 			cross = fmt.Sprintf("never ≤ %d", *maxTokens)
 		}
-		rows = append(rows, []string{r.Layer, r.Heads, r.Policy, strconv.Itoa(r.Tokens), fmt.Sprintf("%.3f", r.Share),
-			fmt.Sprintf("%.2f", r.PolicyUs), fmt.Sprintf("%.2f", r.DenseUs), r.Chosen, fmt.Sprintf("%.2f", r.LayerOverDense), cross})
+		priced := "device"
+		if r.Measured {
+			priced = "measured"
+		}
+		rows = append(rows, []string{r.Layer, r.Heads, r.Policy, strconv.Itoa(r.Tokens), fmt.Sprintf("%.3f", r.Share), priced,
+			fmt.Sprintf("%.2f", r.PolicyUs), fmt.Sprintf("%.2f", r.DenseUs), r.Chosen, fmt.Sprintf("%.2f", r.LayerOverDense),
+			fmt.Sprintf("%.2f", r.TimedPolicyUs), fmt.Sprintf("%.2f", r.TimedDenseUs), fmt.Sprintf("%.2f", r.TimedLayerUs), fmt.Sprintf("%.2f", r.TimedLayerOverDense), cross})
 	}
-	table(os.Stdout, []string{"layer", "Hq/Hkv/D", "policy", "tokens", "share", "policy µs", "dense µs", "chosen", "layer/dense", "crossover"}, rows)
+	table(os.Stdout, []string{"layer", "Hq/Hkv/D", "policy", "tokens", "share", "priced by", "policy µs", "dense µs", "chosen", "layer/dense", "timed policy µs", "timed dense µs", "timed layer µs", "timed layer/dense", "crossover"}, rows)
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "crossover "+strings.Join(args, " "), dev.Info(), report)
 	}
@@ -174,17 +196,23 @@ func crossoverLayers(traces, shapes, kinds string, n int, seed int64) ([]crossov
 
 // crossoverOf runs pol's step on the layer's first n tokens (at most the
 // layer's), twice, so that the second is weighed by the share of its
-// index the first took; then it finds the crossover by Policy.Cost at
-// longer and shorter lengths: a clustered policy keeps that share of an
-// index growing with the tokens (every token past the sinks clustered,
-// clusters of clusterSize), a positional one the rows it took of the
-// middle (its budget is a number of tokens).
-func crossoverOf(dev *vk.Device, l crossoverLayer, pol decode.Policy, costs sparse.CostModel, n, maxTokens, clusterSize int) (crossoverRow, error) {
+// index the first took, and times it, dense attention, and the layer
+// under FallbackAuto (priced by measured step costs where measure);
+// then it finds the crossover by Policy.Cost at longer and shorter
+// lengths, priced by the same models: a clustered policy keeps that
+// share of an index growing with the tokens (every token past the sinks
+// clustered, clusters of clusterSize), a positional one the rows it took
+// of the middle (its budget is a number of tokens).
+func crossoverOf(dev *vk.Device, l crossoverLayer, pol decode.Policy, costs sparse.CostModel, measure bool, n, maxTokens, clusterSize, reps int) (crossoverRow, error) {
 	t := l.t
 	n = min(n, t.Tokens)
 	h := sparse.Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
 	row := crossoverRow{Layer: l.name, Heads: fmt.Sprintf("%d/%d/%d", h.Query, h.KV, h.Dim), Policy: pol.String(), Tokens: n}
-	m, err := decode.New(dev, decode.Config{Heads: h, Layers: 1, Slots: 1, Capacity: n, Policy: pol, Fallback: decode.FallbackNever, Costs: &costs})
+	how := decode.MeasureNever
+	if measure {
+		how = decode.MeasureAlways
+	}
+	m, err := decode.New(dev, decode.Config{Heads: h, Layers: 1, Slots: 1, Capacity: n, Policy: pol, Fallback: decode.FallbackNever, Costs: &costs, Measure: how})
 	if err != nil {
 		return row, err
 	}
@@ -209,15 +237,44 @@ func crossoverOf(dev *vk.Device, l crossoverLayer, pol decode.Policy, costs spar
 			return row, err
 		}
 	}
+	// timed returns the median time of the layer's attention under f.
+	timed := func(f decode.Fallback) (float64, error) {
+		if err := m.SetFallback(0, f); err != nil {
+			return 0, err
+		}
+		if err := m.SetQuery(0, t.Query(q)); err != nil {
+			return 0, err
+		}
+		d, err := m.Time(0, 3, reps)
+		if err != nil {
+			return 0, err
+		}
+		return float64(d[len(d)/2].Nanoseconds()) / 1e3, nil
+	}
+	if row.TimedPolicyUs, err = timed(decode.FallbackNever); err != nil {
+		return row, err
+	}
+	if row.TimedDenseUs, err = timed(decode.FallbackAlways); err != nil {
+		return row, err
+	}
+	if row.TimedLayerUs, err = timed(decode.FallbackAuto); err != nil {
+		return row, err
+	}
+	row.TimedLayerOverDense = row.TimedLayerUs / row.TimedDenseUs
 	choices, err := m.Choices(0)
 	if err != nil {
 		return row, err
 	}
 	c := choices[0]
 	row.Share, row.PolicyCost, row.DenseCost = c.Share, c.PolicyCost, c.DenseCost
-	row.PolicyUs, row.DenseUs = costs.Us(c.PolicyCost), costs.Us(c.DenseCost)
+	row.PolicyUs, row.DenseUs, row.Measured = c.PolicyUs, c.DenseUs, c.Measured
+	policyModel, denseModel := costs, costs
+	if sc, ok := m.StepCosts(0); ok {
+		row.StepCosts = &sc
+		policyModel, denseModel = sc.Policy, sc.Dense
+	}
 	row.Chosen = pol.String()
-	if row.PolicyUs > row.DenseUs {
+	if c.Dense {
 		row.Chosen = "dense"
 	}
 	row.LayerOverDense = math.Min(row.PolicyUs, row.DenseUs) / row.DenseUs
@@ -242,7 +299,7 @@ func crossoverOf(dev *vk.Device, l crossoverLayer, pol decode.Policy, costs spar
 		if err != nil {
 			return false, err
 		}
-		return costs.Us(pc) < costs.Us(h.DenseCost(tokens)), nil
+		return policyModel.Us(pc) < denseModel.Us(h.DenseCost(tokens)), nil
 	}
 	row.Crossover, err = firstTrue(sparse.BaselineSinks+sparse.BaselineWindow+1, maxTokens, wins)
 	return row, err

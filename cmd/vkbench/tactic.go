@@ -131,7 +131,7 @@ func tactic(args []string) error {
 	}
 	for i, r := range results {
 		if i == 0 || r.Source != results[i-1].Source {
-			fmt.Printf("clustering %s: %.1f ms (%d tokens)\n", r.Source, r.ClusterMs, r.Prefill)
+			fmt.Printf("clustering %s (%d tokens): %.1f ms the first time, with storing in cluster order; again %.1f ms (GPU %.1f ms), storing %.1f ms\n", r.Source, r.Prefill, r.ClusterMs, r.ClusterWarmMs, r.ClusterGPUMs, r.ReorderMs)
 		}
 	}
 	if *plotPath != "" {

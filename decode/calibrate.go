@@ -1,0 +1,198 @@
+package decode
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/vksparse/vksparse/sparse"
+	"github.com/vksparse/vksparse/vk"
+	"github.com/x448/float16"
+)
+
+// Measure is how FallbackAuto prices a layer's two ways to attend a
+// sequence.
+type Measure int
+
+const (
+	// MeasureOnGPU measures each policy's step and dense attention on a
+	// GPU (MeasureSteps) and prices both by the device's cost model on a
+	// CPU device (a software renderer, where speed is not the point), or
+	// where the capacity is below MinMeasureTokens. Config.Costs, when
+	// given, prices both instead.
+	MeasureOnGPU Measure = iota
+	// MeasureAlways measures on every device (Config.Costs then only
+	// prices what cannot be measured: a capacity below MinMeasureTokens).
+	MeasureAlways
+	// MeasureNever prices both by the device's cost model.
+	MeasureNever
+)
+
+// String names the measure.
+func (m Measure) String() string {
+	switch m {
+	case MeasureOnGPU:
+		return "on GPU"
+	case MeasureAlways:
+		return "always"
+	case MeasureNever:
+		return "never"
+	}
+	return fmt.Sprintf("measure %d", int(m))
+}
+
+// MinMeasureTokens is the least capacity at which a model measures its
+// policies' steps: MeasureSteps runs them at a quarter of it and at
+// all of it (at most MaxMeasureTokens).
+const (
+	MinMeasureTokens = 2048
+	MaxMeasureTokens = 32768
+)
+
+// MeasureLengths returns the two lengths a model of the capacity measures
+// its policies' steps at: min(capacity, MaxMeasureTokens) and a quarter
+// of that; ok is false below MinMeasureTokens.
+func MeasureLengths(capacity int) (lengths [2]int, ok bool) {
+	hi := min(capacity, MaxMeasureTokens)
+	return [2]int{hi / 4, hi}, hi >= MinMeasureTokens
+}
+
+// StepCosts prices one layer's choice: the policy's step and dense
+// attention over one sequence, each by its own cost model, fitted
+// (sparse.FitCostModel) to the two runs in Points.
+type StepCosts struct {
+	Policy sparse.CostModel `json:"policy"`
+	Dense  sparse.CostModel `json:"dense"`
+	Points []StepPoint      `json:"points"`
+}
+
+// StepPoint is one measured run of MeasureSteps: the costs of the
+// policy's step and of dense attention over Tokens tokens as the library
+// counts them (Choice), and their GPU times, medians of timed runs.
+type StepPoint struct {
+	Tokens     int         `json:"tokens"`
+	Share      float64     `json:"share"`
+	PolicyCost sparse.Cost `json:"policy_cost"`
+	DenseCost  sparse.Cost `json:"dense_cost"`
+	PolicyUs   float64     `json:"policy_us"`
+	DenseUs    float64     `json:"dense_us"`
+}
+
+// stepCosts caches MeasureSteps' results per device, heads, policy and
+// lengths (stepKey).
+var stepCosts sync.Map
+
+// stepKey names what MeasureSteps measured.
+func stepKey(info vk.Info, h sparse.Heads, p Policy, lengths [2]int) string {
+	p.fallback, p.fallbackSet = 0, false
+	return fmt.Sprintf("%s|%+v|%+v|%v", info.Identity(), h, p, lengths)
+}
+
+// Timed runs of each measured step, after measureWarmup untimed ones.
+const measureWarmup, measureReps = 2, 9
+
+// MeasureSteps returns the policy's step costs on dev for heads h,
+// measured on its first call for that device, driver, geometry, policy
+// and lengths and cached for the process. At each length it fills one
+// sequence of a one-layer model with random keys and values (standard
+// normal fp16) and attends a random query (normal, standard deviation
+// 2.5: logits of about that deviation, a few percent of the tokens
+// holding most of the mass) twice, so that the policy's cost counts the
+// share of its index its step takes; then it times the policy's step
+// and dense attention (Model.Time, medians) and fits each a cost model
+// through its two runs. fallback prices what the runs cannot tell apart
+// (sparse.FitCostModel).
+func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fallback sparse.CostModel) (StepCosts, error) {
+	if !p.FallsBack() {
+		return StepCosts{}, fmt.Errorf("decode: %s never falls back to dense attention: nothing to measure", p)
+	}
+	if lengths[0] <= 0 || lengths[1] <= lengths[0] {
+		return StepCosts{}, fmt.Errorf("decode: measuring %s at %v tokens: two increasing positive lengths", p, lengths)
+	}
+	if err := errors.Join(h.Validate(), fallback.Validate()); err != nil {
+		return StepCosts{}, err
+	}
+	key := stepKey(dev.Info(), h, p, lengths)
+	if c, ok := stepCosts.Load(key); ok {
+		return c.(StepCosts), nil
+	}
+	var out StepCosts
+	for i, n := range lengths {
+		pt, err := measureStep(dev, h, p, n, uint64(i+1))
+		if err != nil {
+			return StepCosts{}, fmt.Errorf("decode: measuring %s over %d tokens: %w", p, n, err)
+		}
+		out.Points = append(out.Points, pt)
+	}
+	a, b := out.Points[0], out.Points[1]
+	var err error
+	if out.Policy, err = sparse.FitCostModel(a.PolicyCost, a.PolicyUs, b.PolicyCost, b.PolicyUs, fallback); err != nil {
+		return StepCosts{}, fmt.Errorf("decode: %s's step: %w", p, err)
+	}
+	if out.Dense, err = sparse.FitCostModel(a.DenseCost, a.DenseUs, b.DenseCost, b.DenseUs, fallback); err != nil {
+		return StepCosts{}, fmt.Errorf("decode: dense attention: %w", err)
+	}
+	stepCosts.Store(key, out)
+	return out, nil
+}
+
+// measureStep runs MeasureSteps' measurement at one length.
+func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64) (_ StepPoint, err error) {
+	m, err := New(dev, Config{Heads: h, Layers: 1, Slots: 1, Capacity: n, Policy: p.WithFallback(FallbackNever), Measure: MeasureNever})
+	if err != nil {
+		return StepPoint{}, err
+	}
+	defer func() { err = errors.Join(err, m.Release()) }()
+	rng := rand.New(rand.NewPCG(seed, 0x5eed))
+	halves := func(count int) []uint16 {
+		out := make([]uint16, count)
+		for i := range out {
+			out[i] = float16.Fromfloat32(float32(rng.NormFloat64())).Bits()
+		}
+		return out
+	}
+	if err := m.Prefill(0, 0, halves(h.KV*n*h.Dim), halves(h.KV*n*h.Dim), n); err != nil {
+		return StepPoint{}, err
+	}
+	q := make([]float32, h.Query*h.Dim)
+	for i := range q {
+		q[i] = float32(2.5 * rng.NormFloat64())
+	}
+	for range 2 {
+		if _, err := m.Attend(0, q); err != nil {
+			return StepPoint{}, err
+		}
+	}
+	median := func() (float64, error) {
+		t, err := m.Time(0, measureWarmup, measureReps)
+		if err != nil {
+			return 0, err
+		}
+		return float64(t[len(t)/2]) / float64(time.Microsecond), nil
+	}
+	pt := StepPoint{Tokens: n}
+	if pt.PolicyUs, err = median(); err != nil {
+		return StepPoint{}, err
+	}
+	choices, err := m.Choices(0)
+	if err != nil {
+		return StepPoint{}, err
+	}
+	pt.Share, pt.PolicyCost, pt.DenseCost = choices[0].Share, choices[0].PolicyCost, choices[0].DenseCost
+	if err := m.SetFallback(0, FallbackAlways); err != nil {
+		return StepPoint{}, err
+	}
+	if err := m.SetQuery(0, q); err != nil {
+		return StepPoint{}, err
+	}
+	if pt.DenseUs, err = median(); err != nil {
+		return StepPoint{}, err
+	}
+	if math.IsNaN(pt.PolicyUs+pt.DenseUs) || pt.PolicyUs <= 0 || pt.DenseUs <= 0 {
+		return StepPoint{}, fmt.Errorf("timed %v µs for the step and %v µs for dense attention", pt.PolicyUs, pt.DenseUs)
+	}
+	return pt, nil
+}

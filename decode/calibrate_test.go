@@ -1,0 +1,116 @@
+package decode
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/vksparse/vksparse/sparse"
+	"github.com/vksparse/vksparse/vk/vktest"
+)
+
+// TestMeasureSteps measures a clustered and a positional policy's steps
+// beside dense attention at two short lengths and checks what comes
+// back: one point per length with the costs the library counts and
+// positive times, models that price each run's larger read at its time,
+// the same result from the cache, and refused input.
+func TestMeasureSteps(t *testing.T) {
+	dev := vktest.Open(t)
+	h := testHeads
+	lengths := [2]int{512, 2048}
+	opts := sparse.TacticDecoderOptions{Sinks: 4, KMeans: sparse.KMeansOptions{Seed: 5}}
+	for _, p := range []Policy{Tactic(0.9, opts), StreamingLLM(64)} {
+		sc, err := MeasureSteps(dev, h, p, lengths, cheapFloor)
+		require.NoError(t, err, "%s", p)
+		require.Len(t, sc.Points, 2)
+		for i, pt := range sc.Points {
+			require.Equal(t, lengths[i], pt.Tokens)
+			require.Equal(t, h.DenseCost(pt.Tokens), pt.DenseCost)
+			require.Positive(t, pt.PolicyUs, "%s", p)
+			require.Positive(t, pt.DenseUs, "%s", p)
+			require.Positive(t, pt.PolicyCost.Bytes, "%s", p)
+		}
+		require.Equal(t, sc.Points[0].PolicyCost.Dispatches, sc.Points[1].PolicyCost.Dispatches)
+		larger := func(a, b sparse.Cost, aUs, bUs float64) (sparse.Cost, float64) {
+			if a.Bytes > b.Bytes {
+				return a, aUs
+			}
+			return b, bUs
+		}
+		a, b := sc.Points[0], sc.Points[1]
+		c, us := larger(a.PolicyCost, b.PolicyCost, a.PolicyUs, b.PolicyUs)
+		require.InEpsilon(t, us, sc.Policy.Us(c), 1e-9, "%s: the policy's model prices its larger read at its time", p)
+		c, us = larger(a.DenseCost, b.DenseCost, a.DenseUs, b.DenseUs)
+		require.InEpsilon(t, us, sc.Dense.Us(c), 1e-9, "dense attention's model prices its larger read at its time")
+		again, err := MeasureSteps(dev, h, p, lengths, cheapFloor)
+		require.NoError(t, err)
+		require.Equal(t, sc, again, "%s: measured once per process", p)
+	}
+	_, err := MeasureSteps(dev, h, Dense(), lengths, cheapFloor)
+	require.Error(t, err, "dense attention never falls back")
+	_, err = MeasureSteps(dev, h, StreamingLLM(64), [2]int{2048, 512}, cheapFloor)
+	require.Error(t, err, "decreasing lengths")
+	_, err = MeasureSteps(dev, h, StreamingLLM(64), lengths, sparse.CostModel{})
+	require.Error(t, err, "an invalid fallback model")
+}
+
+// TestModelMeasuresSteps checks when a model measures its layers' steps
+// (Config.Measure, the capacity, the fallback) and that its choices are
+// priced by what it measured.
+func TestModelMeasuresSteps(t *testing.T) {
+	dev := vktest.Open(t)
+	opts := sparse.TacticDecoderOptions{Sinks: 4, KMeans: sparse.KMeansOptions{Seed: 5}}
+	layout := []Policy{Tactic(0.9, opts), Quest(64), Quest(64).WithFallback(FallbackNever), Dense()}
+	f := newFixture(t, testHeads, len(layout), []int{2048})
+	cheap := cheapFloor
+	cfg := Config{Heads: testHeads, Layers: len(layout), Slots: 1, Capacity: 2048, Layout: layout, Costs: &cheap, Measure: MeasureAlways}
+	m := f.prefilledModel(t, dev, cfg, []int{1500})
+	attendAll(t, f, m, 0)
+	for l := range layout {
+		sc, ok := m.StepCosts(l)
+		require.Equal(t, l < 2, ok, "layer %d (%s): measured only under FallbackAuto", l, layout[l])
+		if !ok {
+			continue
+		}
+		require.Len(t, sc.Points, 2)
+		choices, err := m.Choices(l)
+		require.NoError(t, err)
+		for _, ch := range choices {
+			require.True(t, ch.Measured)
+			require.Equal(t, sc.Policy.Us(ch.PolicyCost), ch.PolicyUs)
+			require.Equal(t, sc.Dense.Us(ch.DenseCost), ch.DenseUs)
+			require.Equal(t, ch.PolicyUs > ch.DenseUs, ch.Dense, "layer %d: the cheaper one is chosen", l)
+		}
+	}
+	_, ok := m.StepCosts(len(layout))
+	require.False(t, ok, "no such layer")
+
+	// Under FallbackNever nothing is measured until a layer turns to
+	// FallbackAuto.
+	cfg.Fallback = FallbackNever
+	m = f.prefilledModel(t, dev, cfg, []int{1500})
+	_, ok = m.StepCosts(1)
+	require.False(t, ok)
+	require.NoError(t, m.SetFallback(1, FallbackAuto))
+	_, ok = m.StepCosts(1)
+	require.True(t, ok)
+
+	// Below MinMeasureTokens, and by default on a CPU device or with
+	// Costs given, the device's model prices both.
+	f = newFixture(t, testHeads, 1, []int{2048})
+	small := Config{Heads: testHeads, Layers: 1, Slots: 1, Capacity: MinMeasureTokens - 1, Policy: Quest(64), Costs: &cheap, Measure: MeasureAlways}
+	m = f.prefilledModel(t, dev, small, []int{1500})
+	_, ok = m.StepCosts(0)
+	require.False(t, ok)
+	byDefault := Config{Heads: testHeads, Layers: 1, Slots: 1, Capacity: 2048, Policy: Quest(64)}
+	m = f.prefilledModel(t, dev, byDefault, []int{1500})
+	_, ok = m.StepCosts(0)
+	require.Equal(t, dev.Info().Type != "cpu", ok, "measured by default on a GPU only")
+	byDefault.Costs = &cheap
+	m = f.prefilledModel(t, dev, byDefault, []int{1500})
+	_, ok = m.StepCosts(0)
+	require.False(t, ok, "given costs price both")
+
+	_, err := New(dev, Config{Heads: testHeads, Layers: 1, Slots: 1, Capacity: 2048, Policy: Quest(64), Measure: Measure(7)})
+	require.Error(t, err, "an unknown measure")
+}
