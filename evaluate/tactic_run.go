@@ -15,26 +15,26 @@ import (
 // target mass: fidelity over every (tail query, query head), and GPU times
 // at the final length.
 type TacticRun struct {
-	Source      string             `json:"source"`
-	Tokens      int                `json:"tokens"`
-	Prefill     int                `json:"prefill"`
-	P           float64            `json:"p"`
-	Steps       int                `json:"steps"`
+	Source  string  `json:"source"`
+	Tokens  int     `json:"tokens"`
+	Prefill int     `json:"prefill"`
+	P       float64 `json:"p"`
+	Steps   int     `json:"steps"`
 	// ClusterMs is the wall time of clustering the prefill and storing it
 	// in cluster order, the first clustering of the run (its kernels'
 	// first use); ClusterWarmMs the wall time of clustering it again with
 	// the same kernels and ReorderMs of storing it, ClusterGPUMs the GPU
 	// time of that clustering (first to last timestamp).
-	ClusterMs     float64 `json:"cluster_ms"`
-	ClusterWarmMs float64 `json:"cluster_warm_ms"`
-	ClusterGPUMs  float64 `json:"cluster_gpu_ms"`
-	ReorderMs     float64 `json:"reorder_ms"`
-	DenseUs     float64            `json:"dense_us"`
-	TacticUs    float64            `json:"tactic_us"` // median step, timed whole
-	StageUs     map[string]float64 `json:"stage_us"`  // medians, a timestamp after every stage
-	Speedup     float64            `json:"speedup"`
-	SelectedPct float64            `json:"selected_pct"` // a head's own selection, % of tokens
-	UnionPct    float64            `json:"union_pct"`    // tokens its KV head read, % of tokens
+	ClusterMs     float64            `json:"cluster_ms"`
+	ClusterWarmMs float64            `json:"cluster_warm_ms"`
+	ClusterGPUMs  float64            `json:"cluster_gpu_ms"`
+	ReorderMs     float64            `json:"reorder_ms"`
+	DenseUs       float64            `json:"dense_us"`
+	TacticUs      float64            `json:"tactic_us"` // median step, timed whole
+	StageUs       map[string]float64 `json:"stage_us"`  // medians, a timestamp after every stage
+	Speedup       float64            `json:"speedup"`
+	SelectedPct   float64            `json:"selected_pct"` // a head's own selection, % of tokens
+	UnionPct      float64            `json:"union_pct"`    // tokens its KV head read, % of tokens
 	// UnionGBps is the K and V bytes of the unions (UnionPct of the tokens
 	// of every KV head) over the attention stage's median time.
 	UnionGBps  float64 `json:"attend_union_gb_per_s"`
