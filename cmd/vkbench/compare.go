@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/vksparse/vksparse/decode"
 	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
@@ -23,18 +24,52 @@ type compareRow struct {
 	Source string `json:"source"`
 	evaluate.StepRun
 	// DenseChoice is how a decode.Model layer under the policy would attend
-	// this layer by the device's cost model (denseChoices): "dense",
-	// "policy", "dense k/B" where k of a batch's B sequences fall back, or
-	// "-" for a policy that never falls back.
+	// this layer (denseChoices): "dense", "policy", "dense k/B" where k of
+	// a batch's B sequences fall back, or "-" for a policy that never falls
+	// back; PricedBy says by which cost models ("measured": the policy's
+	// and dense attention's own, decode.MeasureSteps; "device": the
+	// device's, sparse.Calibrate).
 	DenseChoice string `json:"dense_choice"`
+	PricedBy    string `json:"priced_by,omitempty"`
+}
+
+// fallbackPolicies maps the names of compare's policies that fall back
+// to dense attention to the decode policies they stand for.
+type fallbackPolicies func(name string, budget int) (decode.Policy, bool)
+
+// compareFallbacks returns the decode policies of evaluate's default
+// policies at the targets ps, clustered with opts (Double-P at its
+// default targets only).
+func compareFallbacks(ps []float64, opts sparse.TacticDecoderOptions) fallbackPolicies {
+	return func(name string, budget int) (decode.Policy, bool) {
+		switch name {
+		case "double-p":
+			return decode.DoubleP(sparse.DefaultDoubleP(), opts), true
+		case "quest":
+			return decode.Quest(budget), true
+		case "streaming":
+			return decode.StreamingLLM(budget), true
+		case "h2o":
+			return decode.H2O(budget), true
+		}
+		for _, p := range ps {
+			if name == fmt.Sprintf("tactic P=%v", p) {
+				return decode.Tactic(p, opts), true
+			}
+		}
+		return decode.Policy{}, false
+	}
 }
 
 // denseChoices fills each row's DenseChoice the way decode.Model chooses
-// under FallbackAuto: a sequence is attended densely where its step's cost
-// (evaluate.StepRun.Costs, the library's count) priced by the device's
-// calibrated cost model (sparse.Calibrate) exceeds dense attention's. It
-// returns the cost model.
-func denseChoices(dev *vk.Device, rows []compareRow) (*sparse.CostModel, error) {
+// under FallbackAuto by default: a sequence is attended densely where its
+// step's cost (evaluate.StepRun.Costs, the library's count) exceeds dense
+// attention's, priced on a GPU by the policy's and dense attention's
+// measured cost models at the layer's geometry (decode.MeasureSteps, as
+// a model of the row's tokens measures them), and elsewhere, or for a
+// policy decode does not know, by the device's calibrated cost model
+// (sparse.Calibrate). It returns the device's cost model.
+func denseChoices(dev *vk.Device, rows []compareRow, heads map[string]sparse.Heads, policies fallbackPolicies) (*sparse.CostModel, error) {
 	var model *sparse.CostModel
 	for i := range rows {
 		r := &rows[i]
@@ -49,9 +84,21 @@ func denseChoices(dev *vk.Device, rows []compareRow) (*sparse.CostModel, error) 
 			}
 			model = &m
 		}
+		policyModel, denseModel := *model, *model
+		r.PricedBy = "device"
+		lengths, ok := decode.MeasureLengths(r.Tokens)
+		pol, known := policies(r.Policy, r.Budget)
+		h, shaped := heads[r.Source]
+		if ok && known && shaped && dev.Info().Type != "cpu" {
+			sc, err := decode.MeasureSteps(dev, h, pol, lengths, *model)
+			if err != nil {
+				return nil, err
+			}
+			policyModel, denseModel, r.PricedBy = sc.Policy, sc.Dense, "measured"
+		}
 		dense := 0
 		for _, c := range r.Costs {
-			if model.Us(c) > model.Us(r.DenseCost) {
+			if policyModel.Us(c) > denseModel.Us(r.DenseCost) {
 				dense++
 			}
 		}
@@ -162,7 +209,12 @@ func compare(args []string) error {
 			rows[i].Skeleton = nil
 		}
 	}
-	costs, err := denseChoices(dev, rows)
+	heads := map[string]sparse.Heads{}
+	for i, t := range traces {
+		heads[names[i]] = sparse.Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
+	}
+	opts := sparse.TacticDecoderOptions{Sinks: *sinks, KMeans: sparse.KMeansOptions{AvgClusterSize: *clusterSize, Span: sparse.KMeansDefaultSpan, Seed: uint64(*seed)}}
+	costs, err := denseChoices(dev, rows, heads, compareFallbacks(pList, opts))
 	if err != nil {
 		return err
 	}
@@ -322,8 +374,12 @@ func printSteps(rows []compareRow) {
 			budget = fmt.Sprint(r.Budget)
 		}
 		skUs, skMB, over := skeletonCells(r.Skeleton)
+		choice := r.DenseChoice
+		if r.PricedBy != "" {
+			choice += ", " + r.PricedBy
+		}
 		cells = append(cells, []string{r.Source, fmt.Sprint(r.Batch), r.Policy, fmt.Sprintf("%.1f", r.DenseUs), fmt.Sprintf("%.0f", r.DenseGBps), fmt.Sprintf("%.1f", r.StepUs), fmt.Sprintf("%.2f×", r.Speedup),
-			skUs, over, fmt.Sprint(r.Dispatches), exact, budget, mass, fmt.Sprintf("%.1e", r.RelErr), st, skMB, r.DenseChoice})
+			skUs, over, fmt.Sprint(r.Dispatches), exact, budget, mass, fmt.Sprintf("%.1e", r.RelErr), st, skMB, choice})
 	}
 	table(os.Stdout, []string{"source", "batch", "policy", "dense µs", "dense GB/s", "step µs", "speed-up", "skeleton µs", "step/skeleton", "dispatches", "exact %", "budget", "exact mass", "rel err", "stages µs", "stages MB", "dense fallback"}, cells)
 }
@@ -379,8 +435,9 @@ type compareReport struct {
 	Steps []compareRow `json:"steps"`
 	// Fidelity holds the float64 comparison of each layer it ran on.
 	Fidelity []compareFidelity `json:"fidelity"`
-	// CostModel is the device's cost model that priced the dense
-	// fallback's choices (nil where no policy falls back).
+	// CostModel is the device's cost model, that priced the dense
+	// fallback's choices where they were not measured (nil where no
+	// policy falls back).
 	CostModel *sparse.CostModel `json:"cost_model,omitempty"`
 }
 

@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/vksparse/vksparse/evaluate"
+	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/vk"
 )
@@ -217,5 +218,28 @@ func TestCompareRunPrintsOneTable(t *testing.T) {
 	}
 	if n := strings.Count(text, " tactic P=0.9 "); n != 1 {
 		t.Fatalf("Tactic's row appears %d times, want once:\n%s", n, text)
+	}
+}
+
+// TestCompareFallbacks checks that every policy compare runs that falls
+// back to dense attention maps to a decode policy that does, with its
+// budget, and that no other policy maps.
+func TestCompareFallbacks(t *testing.T) {
+	ps := []float64{0.8, 0.95}
+	policies := compareFallbacks(ps, sparse.TacticDecoderOptions{Sinks: 4})
+	for _, p := range evaluate.DefaultPolicies(ps) {
+		d, ok := policies(p.Name, 321)
+		if ok != p.FallsBack {
+			t.Errorf("%s: mapped %v, falls back %v", p.Name, ok, p.FallsBack)
+		}
+		if !ok {
+			continue
+		}
+		if !d.FallsBack() {
+			t.Errorf("%s: maps to %s, which never falls back", p.Name, d)
+		}
+		if !d.Clustered() && !strings.Contains(d.String(), "321") {
+			t.Errorf("%s: maps to %s, without its budget", p.Name, d)
+		}
 	}
 }
