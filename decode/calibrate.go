@@ -91,8 +91,41 @@ func stepKey(info vk.Info, h sparse.Heads, p Policy, lengths [2]int) string {
 	return fmt.Sprintf("%s|%+v|%+v|%v", info.Identity(), h, p, lengths)
 }
 
-// Timed runs of each measured step, after measureWarmup untimed ones.
-const measureWarmup, measureReps = 2, 9
+// Timed runs of each measured step, after untimed ones that keep the
+// GPU busy for measureWarm first: a GPU idle a while clocks down, and a
+// few short runs would time it ramping up (3-4× slower), not the steady
+// state of a model decoding layer after layer.
+const (
+	measureReps = 9
+	measureWarm = 20 * time.Millisecond
+)
+
+// warmMedian returns the median of measureReps timed runs of m's layer 0
+// after measureWarm of untimed ones (Model.TimeWarm), in µs.
+func warmMedian(m *Model) (float64, error) {
+	t, err := m.TimeWarm(0, measureWarm, measureReps)
+	if err != nil {
+		return 0, err
+	}
+	return float64(t[len(t)/2]) / float64(time.Microsecond), nil
+}
+
+// normalHalves returns count fp16 values drawn from a table of 2^16
+// standard normal ones (fast enough for a 131 072-token layer).
+func normalHalves(rng *rand.Rand, count int) []uint16 {
+	table := make([]uint16, 1<<16)
+	for i := range table {
+		table[i] = float16.Fromfloat32(float32(rng.NormFloat64())).Bits()
+	}
+	out := make([]uint16, count)
+	for i := 0; i < count; i += 4 {
+		r := rng.Uint64()
+		for j := 0; j < 4 && i+j < count; j++ {
+			out[i+j] = table[uint16(r>>(16*j))]
+		}
+	}
+	return out
+}
 
 // MeasureSteps returns the policy's step costs on dev for heads h,
 // measured on its first call for that device, driver, geometry, policy
@@ -102,9 +135,11 @@ const measureWarmup, measureReps = 2, 9
 // 2.5: logits of about that deviation, a few percent of the tokens
 // holding most of the mass) twice, so that the policy's cost counts the
 // share of its index its step takes; then it times the policy's step
-// and dense attention (Model.Time, medians) and fits each a cost model
-// through its two runs. fallback prices what the runs cannot tell apart
-// (sparse.FitCostModel).
+// and dense attention (Model.TimeWarm, medians of runs on a GPU kept
+// busy first) and fits each a cost model through its two runs. A policy of a budget of middle tokens (Quest,
+// StreamingLLM, H2O) is measured from twice its budget at least, the
+// longer run four times that at least. fallback prices what the runs
+// cannot tell apart (sparse.FitCostModel).
 func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fallback sparse.CostModel) (StepCosts, error) {
 	if !p.FallsBack() {
 		return StepCosts{}, fmt.Errorf("decode: %s never falls back to dense attention: nothing to measure", p)
@@ -114,6 +149,10 @@ func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fall
 	}
 	if err := errors.Join(h.Validate(), fallback.Validate()); err != nil {
 		return StepCosts{}, err
+	}
+	if p.budget > 0 && lengths[0] < 2*p.budget {
+		lengths[0] = 2 * p.budget
+		lengths[1] = max(lengths[1], 4*lengths[0])
 	}
 	key := stepKey(dev.Info(), h, p, lengths)
 	if c, ok := stepCosts.Load(key); ok {
@@ -147,14 +186,7 @@ func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64) (
 	}
 	defer func() { err = errors.Join(err, m.Release()) }()
 	rng := rand.New(rand.NewPCG(seed, 0x5eed))
-	halves := func(count int) []uint16 {
-		out := make([]uint16, count)
-		for i := range out {
-			out[i] = float16.Fromfloat32(float32(rng.NormFloat64())).Bits()
-		}
-		return out
-	}
-	if err := m.Prefill(0, 0, halves(h.KV*n*h.Dim), halves(h.KV*n*h.Dim), n); err != nil {
+	if err := m.Prefill(0, 0, normalHalves(rng, h.KV*n*h.Dim), normalHalves(rng, h.KV*n*h.Dim), n); err != nil {
 		return StepPoint{}, err
 	}
 	q := make([]float32, h.Query*h.Dim)
@@ -166,15 +198,8 @@ func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64) (
 			return StepPoint{}, err
 		}
 	}
-	median := func() (float64, error) {
-		t, err := m.Time(0, measureWarmup, measureReps)
-		if err != nil {
-			return 0, err
-		}
-		return float64(t[len(t)/2]) / float64(time.Microsecond), nil
-	}
 	pt := StepPoint{Tokens: n}
-	if pt.PolicyUs, err = median(); err != nil {
+	if pt.PolicyUs, err = warmMedian(m); err != nil {
 		return StepPoint{}, err
 	}
 	choices, err := m.Choices(0)
@@ -188,7 +213,7 @@ func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64) (
 	if err := m.SetQuery(0, q); err != nil {
 		return StepPoint{}, err
 	}
-	if pt.DenseUs, err = median(); err != nil {
+	if pt.DenseUs, err = warmMedian(m); err != nil {
 		return StepPoint{}, err
 	}
 	if math.IsNaN(pt.PolicyUs+pt.DenseUs) || pt.PolicyUs <= 0 || pt.DenseUs <= 0 {

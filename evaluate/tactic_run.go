@@ -25,16 +25,19 @@ type TacticRun struct {
 	// first use); ClusterWarmMs the wall time of clustering it again with
 	// the same kernels and ReorderMs of storing it, ClusterGPUMs the GPU
 	// time of that clustering (first to last timestamp).
-	ClusterMs     float64            `json:"cluster_ms"`
-	ClusterWarmMs float64            `json:"cluster_warm_ms"`
-	ClusterGPUMs  float64            `json:"cluster_gpu_ms"`
-	ReorderMs     float64            `json:"reorder_ms"`
-	DenseUs       float64            `json:"dense_us"`
-	TacticUs      float64            `json:"tactic_us"` // median step, timed whole
-	StageUs       map[string]float64 `json:"stage_us"`  // medians, a timestamp after every stage
-	Speedup       float64            `json:"speedup"`
-	SelectedPct   float64            `json:"selected_pct"` // a head's own selection, % of tokens
-	UnionPct      float64            `json:"union_pct"`    // tokens its KV head read, % of tokens
+	ClusterMs     float64 `json:"cluster_ms"`
+	ClusterWarmMs float64 `json:"cluster_warm_ms"`
+	ClusterGPUMs  float64 `json:"cluster_gpu_ms"`
+	ReorderMs     float64 `json:"reorder_ms"`
+	// ClusterStagesMs is the warm clustering's time per kind of step
+	// (sparse.KMeansStages: setup is host wall time, the others GPU time).
+	ClusterStagesMs map[string]float64 `json:"cluster_stages_ms"`
+	DenseUs         float64            `json:"dense_us"`
+	TacticUs        float64            `json:"tactic_us"` // median step, timed whole
+	StageUs         map[string]float64 `json:"stage_us"`  // medians, a timestamp after every stage
+	Speedup         float64            `json:"speedup"`
+	SelectedPct     float64            `json:"selected_pct"` // a head's own selection, % of tokens
+	UnionPct        float64            `json:"union_pct"`    // tokens its KV head read, % of tokens
 	// UnionGBps is the K and V bytes of the unions (UnionPct of the tokens
 	// of every KV head) over the attention stage's median time.
 	UnionGBps  float64 `json:"attend_union_gb_per_s"`
@@ -179,6 +182,8 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit sparse.Tactic
 		}
 		r.Tokens, r.Prefill, r.P, r.ClusterMs = last+1, prefill, p, clusterMs
 		r.ClusterWarmMs, r.ClusterGPUMs, r.ReorderMs = ms(clusterWarm), ms(stages.GPU), ms(reorder)
+		r.ClusterStagesMs = map[string]float64{"setup": ms(stages.Setup), "init": ms(stages.Init), "assign": ms(stages.Assign), "scan": ms(stages.Scan),
+			"scatter": ms(stages.Scatter), "sort": ms(stages.Sort), "update": ms(stages.Update)}
 		for _, b := range batches {
 			if reps == 0 || b <= 1 {
 				continue

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/vksparse/vksparse/decode"
 	"github.com/vksparse/vksparse/sparse"
@@ -245,7 +246,7 @@ func crossoverOf(dev *vk.Device, l crossoverLayer, pol decode.Policy, costs spar
 		if err := m.SetQuery(0, t.Query(q)); err != nil {
 			return 0, err
 		}
-		d, err := m.Time(0, 3, reps)
+		d, err := m.TimeWarm(0, 20*time.Millisecond, reps)
 		if err != nil {
 			return 0, err
 		}

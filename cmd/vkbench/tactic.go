@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"slices"
+	"strings"
 
 	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/sparse"
@@ -132,6 +133,7 @@ func tactic(args []string) error {
 	for i, r := range results {
 		if i == 0 || r.Source != results[i-1].Source {
 			fmt.Printf("clustering %s (%d tokens): %.1f ms the first time, with storing in cluster order; again %.1f ms (GPU %.1f ms), storing %.1f ms\n", r.Source, r.Prefill, r.ClusterMs, r.ClusterWarmMs, r.ClusterGPUMs, r.ReorderMs)
+			fmt.Printf("  clustering again, per kind of step (ms): %s\n", stageCells(r.ClusterStagesMs))
 		}
 	}
 	if *plotPath != "" {
@@ -176,4 +178,13 @@ func timeTacticSkeletons(dev *vk.Device, results []stepRow, on bool, reps int) e
 		}
 	}
 	return nil
+}
+
+// stageCells prints stage times, in the order of sparse.KMeansStages.
+func stageCells(ms map[string]float64) string {
+	var out []string
+	for _, name := range clusterStages[:len(clusterStages)-1] {
+		out = append(out, fmt.Sprintf("%s %.2f", name, ms[name]))
+	}
+	return strings.Join(out, ", ")
 }
