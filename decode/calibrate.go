@@ -92,12 +92,15 @@ func stepKey(info vk.Info, h sparse.Heads, p Policy, lengths [2]int) string {
 }
 
 // Timed runs of each measured step, after untimed ones that keep the
-// GPU busy for measureWarm first: a GPU idle a while clocks down, and a
-// few short runs would time it ramping up (3-4× slower), not the steady
-// state of a model decoding layer after layer.
+// GPU busy for measureWarm first, in measureRounds rounds: a GPU idle a
+// while lowers its clocks (an H100 went from 1 980 to 345 MHz in the
+// gaps of host work between steps, and dense attention took 3.4× as
+// long), and the fastest round is the steady state of a model decoding
+// layer after layer.
 const (
-	measureReps = 9
-	measureWarm = 20 * time.Millisecond
+	measureReps   = 9
+	measureRounds = 3
+	measureWarm   = 20 * time.Millisecond
 )
 
 // warmMedian returns the median of measureReps timed runs of m's layer 0
@@ -135,8 +138,9 @@ func normalHalves(rng *rand.Rand, count int) []uint16 {
 // 2.5: logits of about that deviation, a few percent of the tokens
 // holding most of the mass) twice, so that the policy's cost counts the
 // share of its index its step takes; then it times the policy's step
-// and dense attention (Model.TimeWarm, medians of runs on a GPU kept
-// busy first) and fits each a cost model through its two runs. A policy of a budget of middle tokens (Quest,
+// and dense attention in turn (Model.TimeWarm, medians of runs on a GPU
+// kept busy first; the least of measureRounds rounds) and fits each a
+// cost model through its two runs. A policy of a budget of middle tokens (Quest,
 // StreamingLLM, H2O) is measured from twice its budget at least, the
 // longer run four times that at least. fallback prices what the runs
 // cannot tell apart (sparse.FitCostModel).
@@ -198,23 +202,33 @@ func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64) (
 			return StepPoint{}, err
 		}
 	}
-	pt := StepPoint{Tokens: n}
-	if pt.PolicyUs, err = warmMedian(m); err != nil {
-		return StepPoint{}, err
-	}
 	choices, err := m.Choices(0)
 	if err != nil {
 		return StepPoint{}, err
 	}
+	pt := StepPoint{Tokens: n, PolicyUs: math.Inf(1), DenseUs: math.Inf(1)}
 	pt.Share, pt.PolicyCost, pt.DenseCost = choices[0].Share, choices[0].PolicyCost, choices[0].DenseCost
-	if err := m.SetFallback(0, FallbackAlways); err != nil {
-		return StepPoint{}, err
-	}
-	if err := m.SetQuery(0, q); err != nil {
-		return StepPoint{}, err
-	}
-	if pt.DenseUs, err = warmMedian(m); err != nil {
-		return StepPoint{}, err
+	// Rounds of the step, then dense attention, each kept at its fastest:
+	// a GPU's clocks follow its load with a lag of about a second, so a
+	// round may run at a fraction of them whatever its warm-up.
+	for range measureRounds {
+		for _, f := range []Fallback{FallbackNever, FallbackAlways} {
+			if err := m.SetFallback(0, f); err != nil {
+				return StepPoint{}, err
+			}
+			if err := m.SetQuery(0, q); err != nil {
+				return StepPoint{}, err
+			}
+			us, err := warmMedian(m)
+			if err != nil {
+				return StepPoint{}, err
+			}
+			if f == FallbackNever {
+				pt.PolicyUs = min(pt.PolicyUs, us)
+			} else {
+				pt.DenseUs = min(pt.DenseUs, us)
+			}
+		}
 	}
 	if math.IsNaN(pt.PolicyUs+pt.DenseUs) || pt.PolicyUs <= 0 || pt.DenseUs <= 0 {
 		return StepPoint{}, fmt.Errorf("timed %v µs for the step and %v µs for dense attention", pt.PolicyUs, pt.DenseUs)
