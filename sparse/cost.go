@@ -311,3 +311,61 @@ func (h Heads) TacticCost(fit TacticFit, n, c int, rows float64) Cost {
 	sampled := float64(h.Query) * fit.SampledRows(n, c) * h.rowBytes()
 	return Cost{Dispatches: len(TacticStages) + 1, Bytes: CentroidBytes(h, c) + sampled + h.AttentionBytes(rows)}
 }
+
+// WarmUp keeps a GPU busy for about d of wall time, reading a 64 MiB
+// buffer over and over in submissions of about a tenth of d, so that its
+// clocks are up before something is timed: GPUs lower their clocks when
+// idle and raise them with a lag (an H100 ran at 345 MHz of its 1 980
+// after a second of host work, and took 3.4× as long over dense
+// attention). A CPU device (a software renderer) has no clocks to raise:
+// WarmUp returns at once.
+func WarmUp(dev *vk.Device, d time.Duration) (err error) {
+	if d <= 0 || dev.Info().Type == "cpu" {
+		return nil
+	}
+	code, err := shaders.SPIRV("read_probe")
+	if err != nil {
+		return err
+	}
+	const wg, groups = 256, 1024
+	pipe, err := dev.SharedPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{wg}})
+	if err != nil {
+		return err
+	}
+	size := min(uint64(64<<20), calibrationBytes(dev.Info()))
+	src, err := dev.NewBuffer(size, vk.DeviceLocal)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, src.Release()) }()
+	dst, err := dev.NewBuffer(groups*wg*4, vk.DeviceLocal)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, dst.Release()) }()
+	bind, err := pipe.Bind(src.All(), dst.All())
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, bind.Release()) }()
+	// Reads of 64 MiB take about 20 µs on an H100: runs grows until a
+	// submission takes about a tenth of d.
+	runs := 16
+	for start := time.Now(); time.Since(start) < d; {
+		t0 := time.Now()
+		err := dev.Do(func(c *vk.Commands) error {
+			for range runs {
+				c.ComputeBarrier()
+				c.Dispatch(pipe, bind, []uint32{uint32(size / 16)}, groups, 1, 1)
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		if time.Since(t0) < d/10 && runs < 1<<16 {
+			runs *= 2
+		}
+	}
+	return nil
+}

@@ -4,6 +4,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -124,4 +125,22 @@ func TestCalibrate(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, m, again, "the second call is the cached model")
 	t.Logf("%s: %.2f µs a dispatch, %.1f GB/s", dev.Info().Name, m.FloorUs, m.ReadGBps)
+}
+
+// TestWarmUp runs the warm-up: on a GPU it keeps the device busy about as
+// long as asked (and leaves it usable), on a CPU device it returns at once.
+func TestWarmUp(t *testing.T) {
+	dev := vktest.Open(t)
+	require.NoError(t, WarmUp(dev, 0))
+	const d = 100 * time.Millisecond
+	start := time.Now()
+	require.NoError(t, WarmUp(dev, d))
+	took := time.Since(start)
+	if dev.Info().Type == "cpu" {
+		require.Less(t, took, d/2, "a software renderer has no clocks to raise")
+	} else {
+		require.GreaterOrEqual(t, took, d)
+	}
+	_, err := Calibrate(dev)
+	require.NoError(t, err, "the device works after the warm-up")
 }
