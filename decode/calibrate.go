@@ -101,6 +101,9 @@ const (
 	measureReps   = 9
 	measureRounds = 3
 	measureWarm   = 20 * time.Millisecond
+	// measureClocks of GPU load (sparse.WarmUp) come before each length's
+	// rounds.
+	measureClocks = 300 * time.Millisecond
 )
 
 // warmMedian returns the median of measureReps timed runs of m's layer 0
@@ -111,6 +114,59 @@ func warmMedian(m *Model) (float64, error) {
 		return 0, err
 	}
 	return float64(t[len(t)/2]) / float64(time.Microsecond), nil
+}
+
+// Topics of the keys MeasureSteps attends over: a topic per
+// topicTokens tokens on average, in runs of topicRun tokens; the query
+// takes queryTopics of them, at a weight that puts about nine tenths of
+// the attention on their tokens (a few percent of all).
+const (
+	topicTokens = 64
+	topicRun    = 32
+	queryTopics = 3
+	topicWeight = 1.2
+)
+
+// topicKeys returns keys of h's KV heads over n tokens as text has them,
+// fp16 [KV][n][D]: each token's key is its topic's centre (standard
+// normal) plus standard normal noise, topics changing every topicRun
+// tokens; and queries [Hq][D] (float32) that each point at queryTopics
+// topics of their KV head (those of random runs): the scaled sum of
+// their centres over √queryTopics, so that
+// their tokens' logits stand about topicWeight·√(D/queryTopics) above the
+// others' (√2·topicWeight standard deviations of noise).
+func topicKeys(rng *rand.Rand, h sparse.Heads, n int) (k []uint16, q []float32) {
+	topics := max(queryTopics, n/topicTokens)
+	noise := normalHalves(rng, h.KV*n*h.Dim)
+	k = make([]uint16, len(noise))
+	q = make([]float32, h.Query*h.Dim)
+	for g := range h.KV {
+		centres := make([]float32, topics*h.Dim)
+		for i := range centres {
+			centres[i] = float32(rng.NormFloat64())
+		}
+		var runs []int // each run's topic
+		for t := 0; t < n; t += topicRun {
+			runs = append(runs, rng.IntN(topics))
+			c := centres[runs[len(runs)-1]*h.Dim:][:h.Dim]
+			for u := t; u < min(n, t+topicRun); u++ {
+				row := (g*n + u) * h.Dim
+				for d := range h.Dim {
+					k[row+d] = float16.Fromfloat32(c[d] + float16.Frombits(noise[row+d]).Float32()).Bits()
+				}
+			}
+		}
+		for j := range h.Group() {
+			qh := q[(g*h.Group()+j)*h.Dim:][:h.Dim]
+			for range queryTopics {
+				c := centres[runs[rng.IntN(len(runs))]*h.Dim:][:h.Dim]
+				for d := range h.Dim {
+					qh[d] += float32(topicWeight/math.Sqrt(queryTopics)) * c[d]
+				}
+			}
+		}
+	}
+	return k, q
 }
 
 // normalHalves returns count fp16 values drawn from a table of 2^16
@@ -133,10 +189,10 @@ func normalHalves(rng *rand.Rand, count int) []uint16 {
 // MeasureSteps returns the policy's step costs on dev for heads h,
 // measured on its first call for that device, driver, geometry, policy
 // and lengths and cached for the process. At each length it fills one
-// sequence of a one-layer model with random keys and values (standard
-// normal fp16) and attends a random query (normal, standard deviation
-// 2.5: logits of about that deviation, a few percent of the tokens
-// holding most of the mass) twice, so that the policy's cost counts the
+// sequence of a one-layer model with keys in topics (topicKeys: a few
+// percent of the tokens hold most of a query's attention, as in text) and
+// standard normal values, and attends queries that point at a few topics
+// twice, so that the policy's cost counts the
 // share of its index its step takes; then it times the policy's step
 // and dense attention in turn (Model.TimeWarm, medians of runs on a GPU
 // kept busy first; the least of measureRounds rounds) and fits each a
@@ -190,12 +246,9 @@ func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64) (
 	}
 	defer func() { err = errors.Join(err, m.Release()) }()
 	rng := rand.New(rand.NewPCG(seed, 0x5eed))
-	if err := m.Prefill(0, 0, normalHalves(rng, h.KV*n*h.Dim), normalHalves(rng, h.KV*n*h.Dim), n); err != nil {
+	k, q := topicKeys(rng, h, n)
+	if err := m.Prefill(0, 0, k, normalHalves(rng, h.KV*n*h.Dim), n); err != nil {
 		return StepPoint{}, err
-	}
-	q := make([]float32, h.Query*h.Dim)
-	for i := range q {
-		q[i] = float32(2.5 * rng.NormFloat64())
 	}
 	for range 2 {
 		if _, err := m.Attend(0, q); err != nil {
@@ -208,9 +261,13 @@ func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64) (
 	}
 	pt := StepPoint{Tokens: n, PolicyUs: math.Inf(1), DenseUs: math.Inf(1)}
 	pt.Share, pt.PolicyCost, pt.DenseCost = choices[0].Share, choices[0].PolicyCost, choices[0].DenseCost
-	// Rounds of the step, then dense attention, each kept at its fastest:
-	// a GPU's clocks follow its load with a lag of about a second, so a
-	// round may run at a fraction of them whatever its warm-up.
+	// Rounds of the step, then dense attention, each kept at its fastest,
+	// after a warm-up: a GPU's clocks follow its load with a lag of about
+	// a second, so a round may run at a fraction of them whatever its own
+	// warm-up.
+	if err := sparse.WarmUp(dev, measureClocks); err != nil {
+		return StepPoint{}, err
+	}
 	for range measureRounds {
 		for _, f := range []Fallback{FallbackNever, FallbackAlways} {
 			if err := m.SetFallback(0, f); err != nil {

@@ -1,12 +1,16 @@
 package decode
 
 import (
+	"math"
+	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/vk/vktest"
+	"github.com/x448/float16"
 )
 
 // TestMeasureSteps measures a clustered and a positional policy's steps
@@ -113,4 +117,56 @@ func TestModelMeasuresSteps(t *testing.T) {
 
 	_, err := New(dev, Config{Heads: testHeads, Layers: 1, Slots: 1, Capacity: 2048, Policy: Quest(64), Measure: Measure(7)})
 	require.Error(t, err, "an unknown measure")
+}
+
+// TestTopicKeys checks the keys MeasureSteps times over: 90 % of a query
+// head's attention (softmax of scale·q·k, float64) lies on less than a
+// quarter of the tokens on average (a few percent, mostly; flat attention
+// would take 90 %), on more than a handful and less than half for every
+// head.
+func TestTopicKeys(t *testing.T) {
+	for _, c := range []struct {
+		h sparse.Heads
+		n int
+	}{{sparse.Heads{Query: 8, KV: 2, Dim: 64}, 4096}, {sparse.Heads{Query: 32, KV: 8, Dim: 128}, 8192}} {
+		rng := rand.New(rand.NewPCG(3, 4))
+		k, q := topicKeys(rng, c.h, c.n)
+		require.Len(t, k, c.h.KV*c.n*c.h.Dim)
+		require.Len(t, q, c.h.Query*c.h.Dim)
+		mean := 0.0
+		for hq := range c.h.Query {
+			g := hq / c.h.Group()
+			logits := make([]float64, c.n)
+			for u := range c.n {
+				dot := 0.0
+				for d := range c.h.Dim {
+					dot += float64(q[hq*c.h.Dim+d]) * float64(float16.Frombits(k[(g*c.n+u)*c.h.Dim+d]).Float32())
+				}
+				logits[u] = dot * c.h.Scale()
+			}
+			// The fewest tokens holding 90 % of the mass.
+			m := slices.Max(logits)
+			w := make([]float64, c.n)
+			sum := 0.0
+			for u, l := range logits {
+				w[u] = math.Exp(l - m)
+				sum += w[u]
+			}
+			slices.Sort(w)
+			slices.Reverse(w)
+			acc, top := 0.0, 0
+			for acc < 0.9*sum {
+				acc += w[top]
+				top++
+			}
+			share := float64(top) / float64(c.n)
+			if hq == 0 {
+				t.Logf("%+v, %d tokens: 90 %% of head 0's attention on %.1f %% of the tokens", c.h, c.n, 100*share)
+			}
+			require.Less(t, share, 0.5, "%+v head %d: 90 %% of the attention takes %.1f %% of the tokens", c.h, hq, 100*share)
+			require.Greater(t, share, 0.001, "%+v head %d: attention on a handful of tokens", c.h, hq)
+			mean += share / float64(c.h.Query)
+		}
+		require.Less(t, mean, 0.25, "%+v: 90 %% of the attention takes %.1f %% of the tokens on average", c.h, 100*mean)
+	}
 }
