@@ -92,11 +92,10 @@ func stepKey(info vk.Info, h sparse.Heads, p Policy, lengths [2]int) string {
 }
 
 // Timed runs of each measured step, after untimed ones that keep the
-// GPU busy for measureWarm first, in measureRounds rounds: a GPU idle a
-// while lowers its clocks (an H100 went from 1 980 to 345 MHz in the
-// gaps of host work between steps, and dense attention took 3.4× as
-// long), and the fastest round is the steady state of a model decoding
-// layer after layer.
+// GPU busy for measureWarm first, in measureRounds rounds
+// (TimeFallbacks): a GPU idle a while lowers its clocks (an H100 went
+// from 1 980 to 345 MHz in the gaps of host work between steps, and
+// dense attention took 3.4× as long).
 const (
 	measureReps   = 9
 	measureRounds = 3
@@ -106,14 +105,35 @@ const (
 	measureClocks = 300 * time.Millisecond
 )
 
-// warmMedian returns the median of measureReps timed runs of m's layer 0
-// after measureWarm of untimed ones (Model.TimeWarm), in µs.
-func warmMedian(m *Model) (float64, error) {
-	t, err := m.TimeWarm(0, measureWarm, measureReps)
-	if err != nil {
-		return 0, err
+// TimeFallbacks times the layer's attention for the query q under each
+// fallback of modes in turn (SetFallback, SetQuery, then reps timed runs
+// after measureWarm of untimed ones), measureRounds times over, and
+// returns each mode's fastest median, in µs: a GPU's clocks follow its
+// load with a lag and drop in the host's gaps between submissions, so a
+// round may run at a fraction of them whatever its warm-up, and the
+// fastest round is the steady state of a model decoding layer after
+// layer. The layer is left under the last of modes.
+func (m *Model) TimeFallbacks(layer int, q []float32, modes []Fallback, reps int) ([]float64, error) {
+	out := make([]float64, len(modes))
+	for i := range out {
+		out[i] = math.Inf(1)
 	}
-	return float64(t[len(t)/2]) / float64(time.Microsecond), nil
+	for range measureRounds {
+		for i, f := range modes {
+			if err := m.SetFallback(layer, f); err != nil {
+				return nil, err
+			}
+			if err := m.SetQuery(layer, q); err != nil {
+				return nil, err
+			}
+			t, err := m.timeWarm(layer, measureWarm, reps)
+			if err != nil {
+				return nil, err
+			}
+			out[i] = min(out[i], float64(t[len(t)/2])/float64(time.Microsecond))
+		}
+	}
+	return out, nil
 }
 
 // Topics of the keys MeasureSteps attends over: a topic per
@@ -192,13 +212,12 @@ func normalHalves(rng *rand.Rand, count int) []uint16 {
 // sequence of a one-layer model with keys in topics (topicKeys: a few
 // percent of the tokens hold most of a query's attention, as in text) and
 // standard normal values, and attends queries that point at a few topics
-// twice, so that the policy's cost counts the
-// share of its index its step takes; then it times the policy's step
-// and dense attention in turn (Model.TimeWarm, medians of runs on a GPU
-// kept busy first; the least of measureRounds rounds) and fits each a
-// cost model through its two runs. A policy of a budget of middle tokens (Quest,
-// StreamingLLM, H2O) is measured from twice its budget at least, the
-// longer run four times that at least. fallback prices what the runs
+// twice, so that the policy's cost counts the share of its index its step
+// takes; then it times the policy's step and dense attention in turn
+// (Model.TimeFallbacks, after a warm-up of the clocks) and fits each a
+// cost model through its two runs. A policy of a budget of middle tokens
+// (Quest, StreamingLLM, H2O) is measured from twice its budget at least,
+// the longer run four times that at least. fallback prices what the runs
 // cannot tell apart (sparse.FitCostModel).
 func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fallback sparse.CostModel) (StepCosts, error) {
 	if !p.FallsBack() {
@@ -259,34 +278,18 @@ func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64) (
 	if err != nil {
 		return StepPoint{}, err
 	}
-	pt := StepPoint{Tokens: n, PolicyUs: math.Inf(1), DenseUs: math.Inf(1)}
+	pt := StepPoint{Tokens: n}
 	pt.Share, pt.PolicyCost, pt.DenseCost = choices[0].Share, choices[0].PolicyCost, choices[0].DenseCost
-	// Rounds of the step, then dense attention, each kept at its fastest,
-	// after a warm-up: a GPU's clocks follow its load with a lag of about
-	// a second, so a round may run at a fraction of them whatever its own
-	// warm-up.
+	// The clocks up first: they follow the load with a lag of about a
+	// second.
 	if err := sparse.WarmUp(dev, measureClocks); err != nil {
 		return StepPoint{}, err
 	}
-	for range measureRounds {
-		for _, f := range []Fallback{FallbackNever, FallbackAlways} {
-			if err := m.SetFallback(0, f); err != nil {
-				return StepPoint{}, err
-			}
-			if err := m.SetQuery(0, q); err != nil {
-				return StepPoint{}, err
-			}
-			us, err := warmMedian(m)
-			if err != nil {
-				return StepPoint{}, err
-			}
-			if f == FallbackNever {
-				pt.PolicyUs = min(pt.PolicyUs, us)
-			} else {
-				pt.DenseUs = min(pt.DenseUs, us)
-			}
-		}
+	us, err := m.TimeFallbacks(0, q, []Fallback{FallbackNever, FallbackAlways}, measureReps)
+	if err != nil {
+		return StepPoint{}, err
 	}
+	pt.PolicyUs, pt.DenseUs = us[0], us[1]
 	if math.IsNaN(pt.PolicyUs+pt.DenseUs) || pt.PolicyUs <= 0 || pt.DenseUs <= 0 {
 		return StepPoint{}, fmt.Errorf("timed %v µs for the step and %v µs for dense attention", pt.PolicyUs, pt.DenseUs)
 	}

@@ -179,13 +179,8 @@ func (m *Model) choose(layer int) ([]Choice, error) {
 		if c.PolicyCost, err = pol.Cost(m.cfg.Heads, c.Tokens, indexed, clusters, sl.share); err != nil {
 			return nil, fmt.Errorf("decode: layer %d slot %d: %w", layer, s, err)
 		}
-		if sc := m.steps[layer]; sc != nil {
-			c.PolicyUs, c.DenseUs, c.Measured = sc.Policy.Us(c.PolicyCost), sc.Dense.Us(c.DenseCost), true
-			if mode == FallbackAuto {
-				c.Dense = c.PolicyUs > c.DenseUs
-			}
-		} else if m.costs != nil {
-			c.PolicyUs, c.DenseUs = m.costs.Us(c.PolicyCost), m.costs.Us(c.DenseCost)
+		if policyModel, denseModel, measured, ok := m.pricing(layer); ok {
+			c.PolicyUs, c.DenseUs, c.Measured = policyModel.Us(c.PolicyCost), denseModel.Us(c.DenseCost), measured
 			if mode == FallbackAuto {
 				c.Dense = c.PolicyUs > c.DenseUs
 			}
@@ -193,6 +188,19 @@ func (m *Model) choose(layer int) ([]Choice, error) {
 		out[i] = c
 	}
 	return out, nil
+}
+
+// pricing returns the cost models the layer's choices are priced by: its
+// measured step costs where it has them, else the device's model for
+// both; ok is false where the model has neither.
+func (m *Model) pricing(layer int) (policy, dense sparse.CostModel, measured, ok bool) {
+	if sc := m.steps[layer]; sc != nil {
+		return sc.Policy, sc.Dense, true, true
+	}
+	if m.costs != nil {
+		return *m.costs, *m.costs, false, true
+	}
+	return sparse.CostModel{}, sparse.CostModel{}, false, false
 }
 
 // measure keeps, for each sequence the layer's policy attended in its

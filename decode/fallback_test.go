@@ -104,13 +104,7 @@ func TestFallbackChoosesByCost(t *testing.T) {
 	f := newFixture(t, testHeads, layers, []int{1100, 1100})
 	newModel := func(cfg Config) *Model {
 		cfg.Heads, cfg.Layers, cfg.Slots, cfg.Capacity = testHeads, layers, 2, 1100
-		m, err := New(dev, cfg)
-		require.NoError(t, err)
-		t.Cleanup(func() { require.NoError(t, m.Release()) })
-		for s, n := range prefill {
-			f.prefill(t, m, s, n)
-		}
-		return m
+		return f.prefilledModel(t, dev, cfg, prefill)
 	}
 	denseModel := newModel(Config{Policy: Dense()})
 	attendAll(t, f, denseModel, 0)

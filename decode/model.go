@@ -1187,11 +1187,11 @@ func (m *Model) Time(layer, warmup, reps int) ([]time.Duration, error) {
 	return b.steps.Time(warmup, reps)
 }
 
-// TimeWarm is Time after untimed runs of at least warm of GPU time in all
+// timeWarm is Time after untimed runs of at least warm of GPU time in all
 // (at most 4096 runs; 3 runs first time a step to count them): a GPU
 // idle a while runs slower until its clocks ramp up, and a few short
 // warm-up runs would time that, not a model decoding layer after layer.
-func (m *Model) TimeWarm(layer int, warm time.Duration, reps int) ([]time.Duration, error) {
+func (m *Model) timeWarm(layer int, warm time.Duration, reps int) ([]time.Duration, error) {
 	t, err := m.Time(layer, 1, 3)
 	if err != nil {
 		return nil, err

@@ -220,54 +220,96 @@ func calibrationBytes(info vk.Info) uint64 {
 	return b &^ 15
 }
 
+// readProbe is the read_probe kernel bound over a buffer of its own:
+// every dispatch of record reads all of it once.
+type readProbe struct {
+	pipe *vk.Pipeline
+	src  *vk.Buffer
+	dst  *vk.Buffer
+	bind *vk.Binding
+}
+
+// Workgroups of the read probe, and their threads.
+const probeGroups, probeWG = 1024, 256
+
+// newReadProbe binds read_probe (the device's shared pipeline) over size
+// bytes of device memory.
+func newReadProbe(dev *vk.Device, size uint64) (_ *readProbe, err error) {
+	code, err := shaders.SPIRV("read_probe")
+	if err != nil {
+		return nil, err
+	}
+	r := &readProbe{}
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, r.Release())
+		}
+	}()
+	if r.pipe, err = dev.SharedPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{probeWG}}); err != nil {
+		return nil, err
+	}
+	if r.src, err = dev.NewBuffer(size, vk.DeviceLocal); err != nil {
+		return nil, err
+	}
+	if r.dst, err = dev.NewBuffer(probeGroups*probeWG*4, vk.DeviceLocal); err != nil {
+		return nil, err
+	}
+	if r.bind, err = r.pipe.Bind(r.src.All(), r.dst.All()); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// read records one dispatch reading the whole buffer, after a compute
+// barrier.
+func (r *readProbe) read(c *vk.Commands) {
+	c.ComputeBarrier()
+	c.Dispatch(r.pipe, r.bind, []uint32{uint32(r.src.Size() / 16)}, probeGroups, 1, 1)
+}
+
+// empty records one dispatch of one workgroup that reads nothing, after
+// a compute barrier.
+func (r *readProbe) empty(c *vk.Commands) {
+	c.ComputeBarrier()
+	c.Dispatch(r.pipe, r.bind, []uint32{0}, 1, 1, 1)
+}
+
+// Release frees the buffers and the binding (the pipeline is the
+// device's).
+func (r *readProbe) Release() error {
+	var errs []error
+	if r.bind != nil {
+		errs = append(errs, r.bind.Release())
+	}
+	if r.dst != nil {
+		errs = append(errs, r.dst.Release())
+	}
+	if r.src != nil {
+		errs = append(errs, r.src.Release())
+	}
+	return errors.Join(errs...)
+}
+
 // measureCostModel times the chains and the read (Calibrate).
 func measureCostModel(dev *vk.Device) (_ CostModel, err error) {
 	info := dev.Info()
 	if info.TimestampValidBits == 0 {
 		return CostModel{}, fmt.Errorf("%w: calibrating the cost model needs timestamps on the compute queue: give the model", vk.ErrUnsupported)
 	}
-	code, err := shaders.SPIRV("read_probe")
+	probe, err := newReadProbe(dev, calibrationBytes(info))
 	if err != nil {
 		return CostModel{}, err
 	}
-	const wg, groups = 256, 1024
-	var release []interface{ Release() error }
-	defer func() {
-		for i := len(release) - 1; i >= 0; i-- {
-			err = errors.Join(err, release[i].Release())
-		}
-	}()
-	pipe, err := dev.NewPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{wg}})
-	if err != nil {
-		return CostModel{}, err
-	}
-	release = append(release, pipe)
-	size := calibrationBytes(info)
-	src, err := dev.NewBuffer(size, vk.DeviceLocal)
-	if err != nil {
-		return CostModel{}, err
-	}
-	release = append(release, src)
-	dst, err := dev.NewBuffer(groups*wg*4, vk.DeviceLocal)
-	if err != nil {
-		return CostModel{}, err
-	}
-	release = append(release, dst)
-	bind, err := pipe.Bind(src.All(), dst.All())
-	if err != nil {
-		return CostModel{}, err
-	}
-	release = append(release, bind)
+	defer func() { err = errors.Join(err, probe.Release()) }()
 	cmd, err := dev.NewCommands()
 	if err != nil {
 		return CostModel{}, err
 	}
-	release = append(release, cmd)
+	defer func() { err = errors.Join(err, cmd.Release()) }()
 	median := func(t []time.Duration) float64 { return float64(t[len(t)/2].Nanoseconds()) / 1e3 }
 	chain, err := dev.TimeRuns(cmd, 2, 9, func(c *vk.Commands) error {
 		for range calibrationChain {
-			c.ComputeBarrier()
-			c.Dispatch(pipe, bind, []uint32{0}, 1, 1, 1)
+			probe.empty(c)
 		}
 		return nil
 	})
@@ -275,15 +317,14 @@ func measureCostModel(dev *vk.Device) (_ CostModel, err error) {
 		return CostModel{}, err
 	}
 	read, err := dev.TimeRuns(cmd, 1, 5, func(c *vk.Commands) error {
-		c.ComputeBarrier()
-		c.Dispatch(pipe, bind, []uint32{uint32(size / 16)}, groups, 1, 1)
+		probe.read(c)
 		return nil
 	})
 	if err != nil {
 		return CostModel{}, err
 	}
 	m := CostModel{FloorUs: median(chain) / calibrationChain}
-	m.ReadGBps = float64(size) / (max(median(read)-m.FloorUs, median(read)/2) * 1e3)
+	m.ReadGBps = float64(probe.src.Size()) / (max(median(read)-m.FloorUs, median(read)/2) * 1e3)
 	if err := m.Validate(); err != nil {
 		return CostModel{}, fmt.Errorf("sparse: calibrating %s: %w", info.Name, err)
 	}
@@ -323,31 +364,11 @@ func WarmUp(dev *vk.Device, d time.Duration) (err error) {
 	if d <= 0 || dev.Info().Type == "cpu" {
 		return nil
 	}
-	code, err := shaders.SPIRV("read_probe")
+	probe, err := newReadProbe(dev, min(uint64(64<<20), calibrationBytes(dev.Info())))
 	if err != nil {
 		return err
 	}
-	const wg, groups = 256, 1024
-	pipe, err := dev.SharedPipeline(vk.Kernel{Name: "read_probe", SPIRV: code, Bindings: 2, PushWords: 1, Specialization: []uint32{wg}})
-	if err != nil {
-		return err
-	}
-	size := min(uint64(64<<20), calibrationBytes(dev.Info()))
-	src, err := dev.NewBuffer(size, vk.DeviceLocal)
-	if err != nil {
-		return err
-	}
-	defer func() { err = errors.Join(err, src.Release()) }()
-	dst, err := dev.NewBuffer(groups*wg*4, vk.DeviceLocal)
-	if err != nil {
-		return err
-	}
-	defer func() { err = errors.Join(err, dst.Release()) }()
-	bind, err := pipe.Bind(src.All(), dst.All())
-	if err != nil {
-		return err
-	}
-	defer func() { err = errors.Join(err, bind.Release()) }()
+	defer func() { err = errors.Join(err, probe.Release()) }()
 	// Reads of 64 MiB take about 20 µs on an H100: runs grows until a
 	// submission takes about a tenth of d.
 	runs := 16
@@ -355,8 +376,7 @@ func WarmUp(dev *vk.Device, d time.Duration) (err error) {
 		t0 := time.Now()
 		err := dev.Do(func(c *vk.Commands) error {
 			for range runs {
-				c.ComputeBarrier()
-				c.Dispatch(pipe, bind, []uint32{uint32(size / 16)}, groups, 1, 1)
+				probe.read(c)
 			}
 			return nil
 		})

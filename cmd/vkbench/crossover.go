@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/vksparse/vksparse/decode"
 	"github.com/vksparse/vksparse/sparse"
@@ -43,8 +42,8 @@ type crossoverRow struct {
 	// models (≤ 1).
 	Chosen         string  `json:"chosen"`
 	LayerOverDense float64 `json:"layer_over_dense"`
-	// Timed at the probe (medians of timestamped runs, the least of three
-	// rounds): the policy's step, dense attention, and the layer under
+	// Timed at the probe (decode.Model.TimeFallbacks: the fastest of three
+	// rounds of medians): the policy's step, dense attention, and the layer under
 	// FallbackAuto as it chose; and the last over dense attention's.
 	TimedPolicyUs       float64 `json:"timed_policy_us"`
 	TimedDenseUs        float64 `json:"timed_dense_us"`
@@ -238,35 +237,11 @@ func crossoverOf(dev *vk.Device, l crossoverLayer, pol decode.Policy, costs spar
 			return row, err
 		}
 	}
-	// timed returns the median time of the layer's attention under f.
-	timed := func(f decode.Fallback) (float64, error) {
-		if err := m.SetFallback(0, f); err != nil {
-			return 0, err
-		}
-		if err := m.SetQuery(0, t.Query(q)); err != nil {
-			return 0, err
-		}
-		d, err := m.TimeWarm(0, 20*time.Millisecond, reps)
-		if err != nil {
-			return 0, err
-		}
-		return float64(d[len(d)/2].Nanoseconds()) / 1e3, nil
+	timed, err := m.TimeFallbacks(0, t.Query(q), []decode.Fallback{decode.FallbackNever, decode.FallbackAlways, decode.FallbackAuto}, reps)
+	if err != nil {
+		return row, err
 	}
-	// Three rounds, each kept at its fastest: the GPU's clocks follow its
-	// load with a lag, and drop in the host's gaps between layers.
-	row.TimedPolicyUs, row.TimedDenseUs, row.TimedLayerUs = math.Inf(1), math.Inf(1), math.Inf(1)
-	for range 3 {
-		for _, x := range []struct {
-			f  decode.Fallback
-			us *float64
-		}{{decode.FallbackNever, &row.TimedPolicyUs}, {decode.FallbackAlways, &row.TimedDenseUs}, {decode.FallbackAuto, &row.TimedLayerUs}} {
-			us, err := timed(x.f)
-			if err != nil {
-				return row, err
-			}
-			*x.us = min(*x.us, us)
-		}
-	}
+	row.TimedPolicyUs, row.TimedDenseUs, row.TimedLayerUs = timed[0], timed[1], timed[2]
 	row.TimedLayerOverDense = row.TimedLayerUs / row.TimedDenseUs
 	choices, err := m.Choices(0)
 	if err != nil {
