@@ -121,8 +121,8 @@ func (p Policy) Cost(h sparse.Heads, tokens, indexed, clusters int, share float6
 	case kindStreaming:
 		return sparse.Cost{Dispatches: 1, Bytes: h.AttentionBytes(outside + taken(middle, p.budget))}, nil
 	case kindH2O:
-		scores := float64(tokens*h.KV)*row + float64(4*h.Query*middle)
-		return sparse.Cost{Dispatches: len(sparse.H2OStages) + 1, Bytes: scores + h.AttentionBytes(outside+taken(middle, p.budget))}, nil
+		logits := float64(2 * 4 * h.Query * middle)
+		return sparse.Cost{Dispatches: len(sparse.H2OStages) + 1, Bytes: logits + h.AttentionBytes(outside+taken(middle, p.budget))}, nil
 	case kindTactic, kindDoubleP:
 		if indexed < 0 || indexed > tokens || clusters < 0 || clusters > indexed {
 			return sparse.Cost{}, fmt.Errorf("decode: %s's cost over %d tokens, %d of them in %d clusters", p, tokens, indexed, clusters)

@@ -173,16 +173,15 @@ func questReads(s Stepper, l *Layers) ([]float64, error) {
 	return []float64{2 * float64(h.KV*pages) * rowBytes(h), attendBytes(h, rows)}, nil
 }
 
-// h2oReads counts an H2O step: every stored key (the previous query's
-// logits); every query head's logits and accumulated attention over the
-// tokens; attention.
+// h2oReads counts an H2O step: every query head's recorded logits and
+// accumulated attention over the tokens; attention.
 func h2oReads(s Stepper, l *Layers) ([]float64, error) {
 	h, n := l.Dense.Heads(), l.Positional.Len()
 	rows, err := stepAttended(s)
 	if err != nil {
 		return nil, err
 	}
-	return []float64{keyBytes(h, l.Positional), float64(2 * h.Query * n * 4), attendBytes(h, rows)}, nil
+	return []float64{float64(2 * h.Query * n * 4), attendBytes(h, rows)}, nil
 }
 
 // lukaReads counts a LuKA step: the keys of its cover (summaries and the

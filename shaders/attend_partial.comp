@@ -55,10 +55,13 @@ layout(constant_id = 11) const uint WINDOW = 64;
 // one token of logit logit[h][c] and value means[g][c] (fp16), folded
 // into the partial of its run.
 layout(constant_id = 12) const uint APPROX = 0;
-// LOGITS = 1 (with GATHER = 0) also writes every logit it computes,
-// scale · q_h · k_t, as float bits to taken[(seq · qHeads + h) · n + t]
-// (binding Taken is then a [B][Hq][n] buffer): DELTA's token scores read
-// them instead of the keys.
+// LOGITS = 1 (with GATHER = 0 or 2) also writes every logit it computes,
+// scale · q_h · k_t, to rows[(seq · qHeads + h) · rowStride + t] for slot
+// t (DELTA's token scores and H2O's accumulation read them instead of the
+// keys; entries of slots it does not attend are left as they were), and
+// with GATHER = 2 the merge writes each query head's softmax normaliser,
+// norms[seq · qHeads + h] = (M, L): the max of its logits and
+// Σ exp(logit − M) over every token it attended.
 layout(constant_id = 13) const uint LOGITS = 0;
 
 const uint DV = D / 8;  // uvec4 words per row
@@ -98,6 +101,9 @@ layout(std430, binding = 16) restrict readonly buffer Means { uvec2 means[]; }; 
 // GATHER = 2: the rows each head block's runs attended (as in Arrivals),
 // set by the block's last workgroup (the host reads it to balance the runs).
 layout(std430, binding = 17) restrict writeonly buffer Taken { uint taken[]; };  // [B][Hq/GROUP]
+// LOGITS = 1 only.
+layout(std430, binding = 18) restrict writeonly buffer Rows { float rows[]; };   // [B][Hq][rowStride]
+layout(std430, binding = 19) restrict writeonly buffer Norms { vec2 norms[]; };  // [B][Hq], GATHER = 2
 
 layout(push_constant) uniform Push {
 	uint n;           // tokens of this sequence (GATHER: token-list stride)
@@ -125,6 +131,7 @@ layout(push_constant) uniform Push {
 	uint runTable;
 	uint runLo, runHi;
 	uint fixedChunks;
+	uint rowStride;  // LOGITS: floats between query heads' rows of logits
 } pc;
 
 // The runs of clusters of this workgroup's head block (GATHER = 2).
@@ -270,7 +277,7 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 			uint t = pass + r * STRIDE + tid / TPR;
 			if (e < RPT * GROUP && t < len) {
 				sc[t * GROUP + g] = s[i];
-				if (LOGITS != 0) taken[(pc.seq * pc.qHeads + blockHead + g) * pc.n + t0 + t] = floatBitsToUint(s[i]);
+				if (LOGITS != 0) rows[(pc.seq * pc.qHeads + blockHead + g) * pc.rowStride + (GATHER == 2 ? lst[t] : t0 + t)] = s[i];
 				[[unroll]] for (uint x = 0; x < GROUP; x++) {
 					if (x == g) mt[x] = max(mt[x], s[i]);
 				}
@@ -679,6 +686,7 @@ void mergeChunks(uint h0, uint nc) {
 				}
 			}
 			o[(pc.seq * pc.qHeads + h0) * D4 + item] = sum / L;
+			if (LOGITS != 0 && GATHER == 2 && item % D4 == 0) norms[pc.seq * pc.qHeads + h0 + item / D4] = vec2(M, L);
 		}
 		barrier();
 	}

@@ -1,18 +1,13 @@
 #version 450
-// H2O, first stage: the logits of the attention a step's query heads paid
-// and the softmax normalisers, for the accumulation the next stage adds.
+// H2O's prompt phase (H2OSelector.Observe): the logits of a dense softmax
+// over every slot and its normalisers, for h2o_select to accumulate. (A
+// decode step's logits and normalisers come from its attention instead,
+// AttentionRecord.)
 //
-// A workgroup takes SPAN consecutive slots of KV head gl_WorkGroupID.y for
-// the up to HB query heads of block gl_WorkGroupID.z. The query heads
-// attended, over the first N slots (N = state[h0], h0 the block's first
-// head: the length of the previous step, 0 before the first: nothing to
-// do; every slot of the layer's pc.n when pc.observe is set), every slot
-// outside the single-token index [first, first + C) and each indexed
-// token c that some query head h of the KV head took, rank[h][c] < cut[h]
-// (the ranks and cuts the previous step's selection left). For each of
-// those slots it writes row[h][t] = scale · q_h · k_t, −∞ for the others,
-// and each workgroup its heads' partial (max, Σ exp(l − max)) over its
-// slots: it lists its attended slots first, then scores them ROWS at a
+// A workgroup takes SPAN consecutive slots below pc.n of KV head
+// gl_WorkGroupID.y for the up to HB query heads of block gl_WorkGroupID.z.
+// It writes row[h][t] = scale · q_h · k_t for each of its slots and its
+// heads' partial (max, Σ exp(l − max)) over them, scoring ROWS slots at a
 // time, LANES lanes sharing a slot. The last workgroup of the block to
 // arrive (an arrival counter; no workgroup waits for another) merges the
 // partials into mz[h] = (m, z), the max and the normaliser, and resets
@@ -33,30 +28,22 @@ const float NEG = -1.0 / 0.0;
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };     // [Hq][D/4]
 layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };       // [Hkv][headStride]
-layout(std430, binding = 2) readonly buffer Rank { uint rank[]; };     // [Hq][C]
-layout(std430, binding = 3) readonly buffer Cut { uint cut[]; };       // [Hq]
-layout(std430, binding = 4) writeonly buffer Rows { float row[]; };    // [Hq][R]
+layout(std430, binding = 2) writeonly buffer Rows { float row[]; };    // [Hq][R]
 // Written by every workgroup of a block, read by the last: coherent.
-layout(std430, binding = 5) coherent buffer Part { vec2 part[]; };     // [Hq][W]
-layout(std430, binding = 6) writeonly buffer MZ { vec2 mz[]; };        // [Hq]
-layout(std430, binding = 7) coherent buffer Arrived { uint arrived[]; }; // [blocks], 0 between steps
-layout(std430, binding = 8) readonly buffer State { uint state[]; };   // [Hq]: the previous step's length
+layout(std430, binding = 3) coherent buffer Part { vec2 part[]; };     // [Hq][W]
+layout(std430, binding = 4) writeonly buffer MZ { vec2 mz[]; };        // [Hq]
+layout(std430, binding = 5) coherent buffer Arrived { uint arrived[]; }; // [blocks], 0 between dispatches
 
 layout(push_constant) uniform Push {
-	uint C;           // indexed tokens per KV head
-	uint first;       // slot of indexed token 0
 	uint groupSize;   // query heads per KV head
 	float scale;      // multiplies q·k
 	uint headStride;  // uvec4 words between consecutive KV heads
 	uint n;           // slots stored (the grid covers them)
 	uint R;           // row stride per query head: the layer's capacity
 	uint W;           // partial stride per query head: the most workgroups in x
-	uint observe;     // 1: every slot of n attended, state ignored
 } pc;
 
 shared vec4 qs[HB][D4];
-shared uint lst[SPAN];  // the attended slots
-shared uint nList;
 shared float scratch[HB * WG];
 shared float lg[HB][ROWS];
 shared vec2 red[WG];
@@ -75,37 +62,18 @@ void main() {
 	uint block = g * gl_NumWorkGroups.z + gl_WorkGroupID.z;
 	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
 	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
-	uint N = pc.observe != 0 ? pc.n : state[h0];  // the same for every head of the block
-	if (N == 0) return;  // the whole grid: nothing attended yet
 	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
-	if (tid == 0) nList = 0;
 	barrier();
-
-	// The span's attended slots listed, −∞ written for the others.
 	uint s0 = gl_WorkGroupID.x * SPAN;
-	for (uint i = 0; i < SPAN / WG; i++) {
-		uint r = s0 + i * WG + tid;
-		if (r >= N) break;
-		bool att = pc.observe != 0 || r < pc.first || r >= pc.first + pc.C;
-		if (!att) {
-			uint c = r - pc.first;
-			for (uint hh = g * pc.groupSize; hh < g * pc.groupSize + pc.groupSize; hh++) att = att || rank[hh * pc.C + c] < cut[hh];
-		}
-		if (att) lst[atomicAdd(nList, 1)] = r;
-		else {
-			for (uint j = 0; j < heads; j++) row[(h0 + j) * pc.R + r] = NEG;
-		}
-	}
-	barrier();
-	uint count = nList;
+	uint count = min(SPAN, pc.n - min(pc.n, s0));
 
-	// The listed slots, ROWS at a time; thread j < heads folds head j's
+	// The span's slots, ROWS at a time; thread j < heads folds head j's
 	// logits into (m, z).
 	uint lane = tid % LANES;
 	vec2 mine = vec2(NEG, 0.0);
 	for (uint p0 = 0; p0 < count; p0 += ROWS) {
 		uint i = p0 + tid / LANES;
-		uint r = i < count ? lst[i] : 0;
+		uint r = s0 + min(i, count - 1);
 		float acc[HB];
 		[[unroll]] for (uint j = 0; j < HB; j++) acc[j] = 0.0;
 		if (i < count) {

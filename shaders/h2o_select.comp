@@ -1,12 +1,14 @@
 #version 450
-// H2O, second stage: accumulate the attention h2o_score scored, then
-// select the heavy hitters, for query head h = gl_WorkGroupID.y.
+// H2O's selection: accumulate the attention paid since the last
+// selection, then select the heavy hitters, for query head h =
+// gl_WorkGroupID.y.
 //
-// Accumulate: a workgroup takes WG·PER indexed tokens c and adds the head's
-// softmax weight exp(row[h][first + c] − m) / z ((m, z) = mz[h]) to
-// acc[h][c] where the token was attended (a finite row) within the N
-// slots h2o_score scored (N = state[h], pc.n when pc.observe is set;
-// nothing when 0). With pc.observe set that is all. Otherwise it writes
+// Accumulate: a workgroup takes WG·PER indexed tokens c and, where the
+// token's logit row[h][first + c] is finite (the last step's attention
+// wrote it, AttentionRecord, or h2o_score's prompt phase), adds the
+// head's softmax weight exp(row[h][first + c] − m) / z ((m, z) = mz[h],
+// from the same kernel) to acc[h][c] and sets the row back to −∞, so
+// that each logit is added once. With pc.observe set that is all. Otherwise it writes
 // rank[h][c] = 2^31 − bits(acc[h][c]) for a candidate (c < S) and 0 for
 // the others (the recent part, always taken), and adds its candidates'
 // counts by the top 11 bits of their scores' float bits to hist0[h]
@@ -24,45 +26,37 @@
 // taken (or none for heavy = 0) it writes cut[h] = 2^31 + 1 − bits(v)
 // (1 for heavy = 0), so that the tokens ranked below it are those taken;
 // else it rewrites the candidates' ranks as 0 for a token taken and 1 for
-// the others, with cut[h] = 1. It copies the step's query for the next
-// step's h2o_score, records the step's length in state[h] and resets the
-// counter.
+// the others, with cut[h] = 1, and resets the counter.
 #extension GL_EXT_control_flow_attributes : enable
 #extension GL_KHR_shader_subgroup_basic : enable
 #extension GL_KHR_shader_subgroup_arithmetic : enable
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 1024;  // threads, a power of two, at most 1 024
-layout(constant_id = 1) const uint D = 128;    // head dimension, a multiple of 8
 // SUBGROUPS = 1 scans with subgroup arithmetic (the host sets it only
 // where supported, with subgroups of 4 to WG threads); 0 uses a
 // shared-memory tree.
-layout(constant_id = 2) const uint SUBGROUPS = 0;
-layout(constant_id = 3) const uint LIST = 4096;  // candidates gathered in shared memory at most
-layout(constant_id = 4) const uint PER = 8;      // tokens a thread accumulates
+layout(constant_id = 1) const uint SUBGROUPS = 0;
+layout(constant_id = 2) const uint LIST = 4096;  // candidates gathered in shared memory at most
+layout(constant_id = 3) const uint PER = 8;      // tokens a thread accumulates
 
-const uint D4 = D / 4;
 const uint NBINS = 2048;  // bins of the widest radix level
 const uint UN = 16;       // scores a thread loads at once in a pass over the candidates
 const uint TOP = 0x80000000u;  // a candidate's rank is TOP − its score's bits
 const float NEG = -1.0 / 0.0;
 
-layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };     // [Hq][D/4], the step's
-layout(std430, binding = 1) writeonly buffer Prev { vec4 prev[]; };    // [Hq][D/4]
-layout(std430, binding = 2) readonly buffer Rows { float row[]; };     // [Hq][R]
-layout(std430, binding = 3) readonly buffer MZ { vec2 mz[]; };         // [Hq]
+layout(std430, binding = 0) buffer Rows { float row[]; };              // [Hq][R], −∞ where nothing is left to add
+layout(std430, binding = 1) readonly buffer MZ { vec2 mz[]; };         // [Hq]
 // Written by every workgroup of a head, read by the last: coherent.
-layout(std430, binding = 4) coherent buffer Acc { float acc[]; };      // [Hq][C]
-layout(std430, binding = 5) writeonly buffer Rank { uint rank[]; };    // [Hq][C]
-layout(std430, binding = 6) writeonly buffer Cut { uint cut[]; };      // [Hq]
-layout(std430, binding = 7) coherent buffer Arrived { uint arrived[]; }; // [Hq], 0 between steps
-layout(std430, binding = 8) buffer State { uint state[]; };            // [Hq]
-layout(std430, binding = 9) coherent buffer Hist0 { uint hist0[]; };   // [Hq][NBINS], 0 between steps
+layout(std430, binding = 2) coherent buffer Acc { float acc[]; };      // [Hq][C]
+layout(std430, binding = 3) writeonly buffer Rank { uint rank[]; };    // [Hq][C]
+layout(std430, binding = 4) writeonly buffer Cut { uint cut[]; };      // [Hq]
+layout(std430, binding = 5) coherent buffer Arrived { uint arrived[]; }; // [Hq], 0 between steps
+layout(std430, binding = 6) coherent buffer Hist0 { uint hist0[]; };   // [Hq][NBINS], 0 between steps
 
 layout(push_constant) uniform Push {
 	uint C;          // indexed tokens per KV head
 	uint first;      // slot of indexed token 0
-	uint n;          // slots stored: the step's length
 	uint R;          // row stride per query head
 	uint heavy;      // candidates to take, below S
 	uint S;          // candidates: indexed tokens [0, S)
@@ -145,7 +139,6 @@ void main() {
 	uint tid = gl_LocalInvocationID.x;
 	uint h = gl_WorkGroupID.y;
 	uint base = h * pc.C;
-	uint N = pc.observe != 0 ? pc.n : state[h];
 	bool rank0 = pc.observe == 0 && pc.heavy > 0;  // this step ranks by the scores
 	if (rank0) clearHist();
 
@@ -156,7 +149,7 @@ void main() {
 	[[unroll]] for (uint i = 0; i < PER; i++) {
 		uint c = min((gl_WorkGroupID.x * PER + i) * WG + tid, pc.C - 1);
 		a[i] = acc[base + c];
-		l[i] = N > 0 && pc.first + c < N ? row[h * pc.R + pc.first + c] : NEG;
+		l[i] = row[h * pc.R + pc.first + c];
 	}
 	[[unroll]] for (uint i = 0; i < PER; i++) {
 		uint c = (gl_WorkGroupID.x * PER + i) * WG + tid;
@@ -164,6 +157,7 @@ void main() {
 			if (l[i] != NEG) {
 				a[i] += exp(l[i] - s.x) / s.y;
 				acc[base + c] = a[i];
+				row[h * pc.R + pc.first + c] = NEG;
 			}
 			if (pc.observe == 0) rank[base + c] = c < pc.S ? TOP - floatBitsToUint(a[i]) : 0;
 			if (rank0 && c < pc.S) atomicAdd(hist[floatBitsToUint(a[i]) >> 21], 1);
@@ -188,8 +182,6 @@ void main() {
 	if (!last) return;
 	memoryBarrierBuffer();
 
-	for (uint i = tid; i < D4; i += WG) prev[h * D4 + i] = q[h * D4 + i];
-	if (tid == 0) state[h] = pc.n;
 
 	// v = prefix, the heavy-th greatest key, ties of which `need` are
 	// taken.

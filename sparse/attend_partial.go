@@ -47,7 +47,8 @@ type partialSpec struct {
 	Window         uint32        `glsl:"WINDOW"` // clusters scanned at once (gatherClusters)
 	// Approx is 1 where attention over clusters adds pseudo-tokens.
 	Approx uint32 `glsl:"APPROX"`
-	// Logits is 1 where dense attention also writes its logits.
+	// Logits is 1 where attention also writes its logits (and, over
+	// clusters, each head's softmax normaliser).
 	Logits uint32 `glsl:"LOGITS"`
 }
 
@@ -89,6 +90,7 @@ type partialPush struct {
 	RunTable    uint32                `glsl:"runTable"`
 	Runs        [runTableBlocks]uint8 `glsl:"runLo,runHi"` // runs per head block of the table
 	FixedChunks uint32                `glsl:"fixedChunks"` // chunks of fixed tokens per head block
+	RowStride   uint32                `glsl:"rowStride"`   // floats between query heads' rows of logits (Logits)
 }
 
 // words returns the push constants as a dispatch takes them; Runs packs
@@ -96,7 +98,7 @@ type partialPush struct {
 func (p partialPush) words() []uint32 {
 	return []uint32{p.N, p.HeadStride, p.KVBase, p.Seq, p.Chunk, p.MaxChunks, math.Float32bits(p.Scale), p.QueryHeads, p.GroupSize,
 		p.Clusters, p.ClusterChunks, p.Clustered, p.First, p.ClusteredEnd, p.RunTable,
-		binary.LittleEndian.Uint32(p.Runs[0:4]), binary.LittleEndian.Uint32(p.Runs[4:8]), p.FixedChunks}
+		binary.LittleEndian.Uint32(p.Runs[0:4]), binary.LittleEndian.Uint32(p.Runs[4:8]), p.FixedChunks, p.RowStride}
 }
 
 // partialBuffers is attend_partial's buffers in binding order. A mode
@@ -125,9 +127,12 @@ type partialBuffers struct {
 	Logits vk.Range `glsl:"Logits"` // float32 [Hq][C]
 	Keep   vk.Range `glsl:"Keep"`   // uint32 [Hq]
 	Means  vk.Range `glsl:"Means"`  // fp16 [KV][C][D]
-	// Taken receives the rows each head block attended (gatherClusters),
-	// or the logits (Logits: float32 [B][Hq][n]).
+	// Taken receives the rows each head block attended (gatherClusters).
 	Taken vk.Range `glsl:"Taken"`
+	// Logits: every logit computed, float32 [B][Hq][RowStride] by slot,
+	// and (gatherClusters) each head's normaliser, float32 [B][Hq][2].
+	Rows  vk.Range `glsl:"Rows"`
+	Norms vk.Range `glsl:"Norms"`
 }
 
 // ranges returns the buffers in binding order, unused in place of each
@@ -135,7 +140,7 @@ type partialBuffers struct {
 // does not read it).
 func (b partialBuffers) ranges(unused vk.Range) []vk.Range {
 	all := []vk.Range{b.Queries, b.Keys, b.Values, b.PartialO, b.PartialML, b.Tokens, b.TokenCounts,
-		b.Rank, b.Cut, b.Starts, b.Sizes, b.Members, b.Arrivals, b.Out, b.Logits, b.Keep, b.Means, b.Taken}
+		b.Rank, b.Cut, b.Starts, b.Sizes, b.Members, b.Arrivals, b.Out, b.Logits, b.Keep, b.Means, b.Taken, b.Rows, b.Norms}
 	for i, r := range all {
 		if r.Buffer == nil {
 			all[i] = unused
@@ -146,6 +151,6 @@ func (b partialBuffers) ranges(unused vk.Range) []vk.Range {
 
 // The kernel's layout: its bindings and push-constant words.
 const (
-	partialBindings  = 18
-	partialPushWords = 18
+	partialBindings  = 20
+	partialPushWords = 19
 )

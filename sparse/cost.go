@@ -134,11 +134,10 @@ func (s *binSelector) selectionBytes() float64 {
 // selectionBytes: StreamingLLM's choice is fixed when it is built.
 func (s *StreamingSelector) selectionBytes() float64 { return 0 }
 
-// selectionBytes: H2O scores every stored key for its accumulation, and
-// its choice reads the accumulated attention of every indexed token.
+// selectionBytes: H2O reads, per query head and indexed token, the logit
+// its last attention recorded and the accumulated attention.
 func (s *H2OSelector) selectionBytes() float64 {
-	h := s.dense.heads
-	return float64(s.layer.Len())*float64(h.KV)*h.rowBytes() + float64(4*h.Query*s.Selection().Clusters.C)
+	return float64(2 * 4 * s.dense.heads.Query * s.tokens.C)
 }
 
 // selectionBytes: Double-P scores its fp16 centroids, then cuts over the

@@ -60,7 +60,7 @@ func ScratchRanges(s any) []vk.Range {
 			return all(sel.logits, sel.binOf, sel.exact, sel.keep)
 		case *H2OSelector:
 			l := sel.layout()
-			return []vk.Range{{Buffer: sel.scratch.Buffer, Offset: sel.scratch.Offset + l.row, Size: l.arrivedScore - l.row}}
+			return []vk.Range{{Buffer: sel.scratch.Buffer, Offset: sel.scratch.Offset + l.part, Size: l.arrivedScore - l.part}}
 		}
 	}
 	return nil

@@ -8,9 +8,9 @@ import (
 	"github.com/vksparse/vksparse/vk"
 )
 
-// H2OStages names H2OSelector's dispatches: the logits of the previous
-// step's attention, then its accumulation with the selection.
-var H2OStages = []string{"accumulate", "select"}
+// H2OStages names H2OSelector's dispatch: the previous step's attention
+// accumulated, then the selection.
+var H2OStages = []string{"select"}
 
 // H2OSelector is H2O on the GPU over a single-token index of a positional
 // layer (kvcache.NewPages with pages of one token), its state, every query
@@ -28,14 +28,14 @@ var H2OStages = []string{"accumulate", "select"}
 // others with cut 1.
 //
 // A step's weights are accumulated at the next step, before its
-// selection, from the query the selector copied and the ranks and cuts
-// the step left (stage "accumulate": the logits over every token the KV
-// head attended, that is outside the index or taken by some query head of
-// its group, and each head's softmax normaliser; stage "select": the
-// weights added, then the selection), so a selection uses the state of
-// the steps before it, as H2O's does. Observe adds a dense prompt-phase
-// softmax (H2O.Observe). The index is fixed when the selector is made;
-// tokens appended later are outside it and attended.
+// selection: the step's attention records its logits over every token
+// the KV head attended (outside the index, or taken by some query head of
+// its group) and each head's softmax normaliser (Selection.Record), and
+// the next selection adds the weights they give, so a selection uses the
+// state of the steps before it, as H2O's does, without reading a key.
+// Observe adds a dense prompt-phase softmax (H2O.Observe). The index is
+// fixed when the selector is made; tokens appended later are outside it
+// and attended.
 type H2OSelector struct {
 	dense         *Dense
 	layer         *kvcache.Layer
@@ -47,15 +47,16 @@ type H2OSelector struct {
 	wg            uint32 // threads of an h2o_score workgroup
 	shape         h2oSelectShape
 	score, choose *vk.Pipeline
-	scoreBind     *vk.Binding // the previous step's query
 	observeBind   *vk.Binding // Observe's query
 	chooseBind    *vk.Binding
 	bufs          []*vk.Buffer
-	prev          *vk.Buffer // float32 [Hq][D]: the previous step's queries
 	acc           *vk.Buffer // float32 [Hq][C]
 	rank, cut     *vk.Buffer // uint32 [Hq][C] and [Hq]
-	state         *vk.Buffer // uint32 [Hq]: the previous step's length, 0 for none
-	query         vk.Range   // the step's queries, copied by the selection (Bind)
+	// rows and norms hold the logits and normalisers of the attention not
+	// yet accumulated, float32 [Hq][capacity] (−∞ where none is left) and
+	// [Hq][2]: the last step's (its AttentionRecord) or the prompt
+	// phase's.
+	rows, norms *vk.Buffer
 	// The scratch, state within one step (h2oScratch), lies in a
 	// workspace region once the selector shares one (ws), in its own
 	// buffer until then.
@@ -65,13 +66,15 @@ type H2OSelector struct {
 }
 
 // h2oScratch is the layout of H2OSelector's scratch, byte offsets of:
-// the logits of the previous step (float32 [Hq][capacity]), h2o_score's
-// partial maxima and sums (float32 [Hq][partials][2]), each head's maximum
-// and normaliser (float32 [Hq][2]), the arrival counters of h2o_score's
-// blocks and h2o_select's heads (uint32 [blocks] and [Hq]) and the first
-// radix level's counts (uint32 [Hq][h2oBins]), and Observe's queries
-// (float32 [Hq][D]). Counters and counts are 0 between steps.
-type h2oScratch struct{ row, part, mz, arrivedScore, arrivedChoose, hist0, obs, size uint64 }
+// h2o_score's partial maxima and sums (float32 [Hq][partials][2]), the
+// arrival counters of h2o_score's blocks and h2o_select's heads (uint32
+// [blocks] and [Hq]) and the first radix level's counts (uint32
+// [Hq][h2oBins]), and Observe's queries (float32 [Hq][D]). Counters and
+// counts are 0 between steps.
+type h2oScratch struct{ part, arrivedScore, arrivedChoose, hist0, obs, size uint64 }
+
+// negInfBits is the float32 bits of −∞.
+const negInfBits = 0xff800000
 
 // h2oBins is the bins of h2o_select's first radix level (its NBINS).
 const h2oBins = 2048
@@ -169,22 +172,23 @@ func newH2OSelector(dense *Dense, layer *kvcache.Layer, tokens *kvcache.Clusters
 	b := &builder{dev: dev, bufs: &s.bufs, cache: &dense.kernels}
 	alloc := b.words
 	hq, c := h.Query, tokens.C
-	s.prev = alloc(hq * h.Dim)
-	s.acc, s.rank, s.cut, s.state = alloc(hq*c), alloc(hq*c), alloc(hq), alloc(hq)
+	s.acc, s.rank, s.cut = alloc(hq*c), alloc(hq*c), alloc(hq)
+	s.rows, s.norms = alloc(hq*layer.Capacity()), alloc(2*hq)
 	if b.err == nil {
 		s.ownScratch, b.err = dev.NewBuffer(s.layout().size, vk.DeviceLocal)
 	}
-	s.score = b.kernel("h2o_score", 9, 9, s.wg, uint32(h.Dim), uint32(s.heads), uint32(s.rowsPerScore()))
+	s.score = b.kernel("h2o_score", 6, 6, s.wg, uint32(h.Dim), uint32(s.heads), uint32(s.rowsPerScore()))
 	info := dev.Info()
 	threads := uint32(s.shape.threads)
 	subgroups := boolWord(!dense.tree && info.SubgroupSize >= 4 && info.SubgroupSize <= threads)
-	s.choose = b.kernel("h2o_select", 10, 7, threads, uint32(h.Dim), subgroups, uint32(s.shape.list), h2oAccumulated)
+	s.choose = b.kernel("h2o_select", 7, 6, threads, subgroups, uint32(s.shape.list), h2oAccumulated)
 	err := b.err
 	if err == nil {
 		err = dev.Run(func(cmd *vk.Commands) {
-			for _, b := range []*vk.Buffer{s.acc, s.rank, s.cut, s.state, s.ownScratch} {
+			for _, b := range []*vk.Buffer{s.acc, s.rank, s.cut, s.norms, s.ownScratch} {
 				cmd.Fill(b.All(), 0)
 			}
+			cmd.Fill(s.rows.All(), negInfBits)
 		})
 	}
 	if err == nil {
@@ -206,9 +210,7 @@ func (s *H2OSelector) layout() h2oScratch {
 		l.size += roundUp(uint64(max(words, 1))*4, regionAlign)
 		return at
 	}
-	l.row = next(h.Query * s.layer.Capacity())
 	l.part = next(h.Query * s.partials() * 2)
-	l.mz = next(h.Query * 2)
 	l.arrivedScore = next(h.KV * ceilDiv(h.Group(), s.heads))
 	l.arrivedChoose = next(h.Query)
 	l.hist0 = next(h.Query * h2oBins)
@@ -228,7 +230,7 @@ func (s *H2OSelector) bindScratch(r vk.Range, w *Workspace) error {
 	part := func(at, next uint64) vk.Range {
 		return vk.Range{Buffer: r.Buffer, Offset: r.Offset + at, Size: next - at}
 	}
-	row, prt, mz := part(l.row, l.part), part(l.part, l.mz), part(l.mz, l.arrivedScore)
+	prt := part(l.part, l.arrivedScore)
 	arrS, arrC, hist0, obs := part(l.arrivedScore, l.arrivedChoose), part(l.arrivedChoose, l.hist0), part(l.hist0, l.obs), part(l.obs, l.size)
 	keys := s.layer.Keys().All()
 	var made []*vk.Binding
@@ -239,19 +241,17 @@ func (s *H2OSelector) bindScratch(r vk.Range, w *Workspace) error {
 		}
 		return b, err
 	}
-	score, err := bind(s.score, s.prev.All(), keys, s.rank.All(), s.cut.All(), row, prt, mz, arrS, s.state.All())
-	var observe, choose *vk.Binding
+	rows, norms := s.rows.All(), s.norms.All()
+	observe, err := bind(s.score, obs, keys, rows, prt, norms, arrS)
+	var choose *vk.Binding
 	if err == nil {
-		observe, err = bind(s.score, obs, keys, s.rank.All(), s.cut.All(), row, prt, mz, arrS, s.state.All())
-	}
-	if err == nil && s.query.Buffer != nil {
-		choose, err = bind(s.choose, s.query, s.prev.All(), row, mz, s.acc.All(), s.rank.All(), s.cut.All(), arrC, s.state.All(), hist0)
+		choose, err = bind(s.choose, rows, norms, s.acc.All(), s.rank.All(), s.cut.All(), arrC, hist0)
 	}
 	if err != nil {
 		return errors.Join(err, releaseAll(made...))
 	}
-	old := []*vk.Binding{s.scoreBind, s.observeBind, s.chooseBind}
-	s.scoreBind, s.observeBind, s.chooseBind, s.scratch = score, observe, choose, r
+	old := []*vk.Binding{s.observeBind, s.chooseBind}
+	s.observeBind, s.chooseBind, s.scratch = observe, choose, r
 	err = releaseAll(old...)
 	if w != nil {
 		s.ws = w
@@ -268,54 +268,47 @@ func (s *H2OSelector) rowsPerScore() int { return 2 * int(s.wg) }
 // partials is h2o_score's most workgroups per row of the grid.
 func (s *H2OSelector) partials() int { return ceilDiv(s.layer.Capacity(), s.rowsPerScore()) }
 
-// Selection returns the ranks and the cuts: a head takes the tokens it
-// ranks below its cut.
+// Selection returns the ranks and the cuts (a head takes the tokens it
+// ranks below its cut), and where the attention records the logits and
+// normalisers the next selection accumulates.
 func (s *H2OSelector) Selection() Selection {
-	return Selection{Clusters: s.tokens, Rank: s.rank.All(), Cut: s.cut.All()}
+	rec := &AttentionRecord{Rows: s.rows.All(), RowStride: s.layer.Capacity(), Norms: s.norms.All()}
+	return Selection{Clusters: s.tokens, Rank: s.rank.All(), Cut: s.cut.All(), Record: rec}
 }
 
-// Bind makes the selection copy the step's queries from query for the
-// next step's accumulation.
-func (s *H2OSelector) Bind(query vk.Range) error {
-	old := s.query
-	s.query = query
-	if err := s.bindScratch(s.scratch, s.ws); err != nil {
-		s.query = old
-		return err
-	}
-	return nil
-}
+// Bind does nothing: H2O's selection reads no query, only the logits its
+// attention recorded.
+func (s *H2OSelector) Bind(vk.Range) error { return nil }
 
 // Stages returns H2OStages.
 func (s *H2OSelector) Stages() []string { return H2OStages }
 
-// RecordStage appends stage 0 (the previous step's logits) or 1 (their
-// accumulation and the selection).
+// RecordStage appends stage 0: the recorded attention accumulated, then
+// the selection.
 func (s *H2OSelector) RecordStage(c *vk.Commands, stage int) error {
 	if s.chooseBind == nil {
-		return fmt.Errorf("sparse: H2O needs its queries bound")
+		return vk.ErrReleased
 	}
-	switch stage {
-	case 0:
-		s.recordScore(c, s.scoreBind, false)
-	case 1:
-		s.recordChoose(c, false)
-	default:
-		return fmt.Errorf("sparse: H2O has two stages (asked for %d)", stage)
+	if stage != 0 {
+		return fmt.Errorf("sparse: H2O has one stage (asked for %d)", stage)
 	}
+	s.recordChoose(c, false)
 	return nil
 }
 
-func (s *H2OSelector) recordScore(c *vk.Commands, bind *vk.Binding, observe bool) {
-	h, x, n := s.dense.heads, s.tokens, s.layer.Len()
-	push := []uint32{uint32(x.C), uint32(x.First), uint32(h.Group()), h.scaleBits(),
-		uint32(s.layer.HeadBytes() / 16), uint32(n), uint32(s.layer.Capacity()), uint32(s.partials()), boolWord(observe)}
-	c.Dispatch(s.score, bind, push, uint32(ceilDiv(n, s.rowsPerScore())), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
+// recordScore appends h2o_score: the prompt phase's logits of Observe's
+// queries over every stored token, and their normalisers.
+func (s *H2OSelector) recordScore(c *vk.Commands) {
+	h, n := s.dense.heads, s.layer.Len()
+	push := []uint32{uint32(h.Group()), h.scaleBits(), uint32(s.layer.HeadBytes() / 16), uint32(n), uint32(s.layer.Capacity()), uint32(s.partials())}
+	c.Dispatch(s.score, s.observeBind, push, uint32(ceilDiv(n, s.rowsPerScore())), uint32(h.KV), uint32(ceilDiv(h.Group(), s.heads)))
 }
 
+// recordChoose appends h2o_select: the logits left in rows accumulated,
+// then (unless observe) the selection.
 func (s *H2OSelector) recordChoose(c *vk.Commands, observe bool) {
 	h, x := s.dense.heads, s.tokens
-	push := []uint32{uint32(x.C), uint32(x.First), uint32(s.layer.Len()), uint32(s.layer.Capacity()),
+	push := []uint32{uint32(x.C), uint32(x.First), uint32(s.layer.Capacity()),
 		uint32(s.heavy), uint32(s.cands), boolWord(observe)}
 	c.Dispatch(s.choose, s.chooseBind, push, uint32(ceilDiv(x.C, s.shape.threads*h2oAccumulated)), uint32(h.Query), 1)
 }
@@ -323,20 +316,22 @@ func (s *H2OSelector) recordChoose(c *vk.Commands, observe bool) {
 // Observe adds, for every query head h, its softmax over every token the
 // layer holds for the query q[h] ([Hq][D] float32) to the accumulated
 // attention of the indexed tokens, selecting nothing (H2O.Observe: the
-// dense prompt phase). The accumulation of a step before it is kept for
-// the next step. The queries must be bound (Bind; NewStep does it).
+// dense prompt phase). The attention a step recorded before it is
+// accumulated first, so that the prompt phase's logits do not replace it.
 func (s *H2OSelector) Observe(q []float32) error {
 	if err := checkQuery(q, 1, s.dense.heads); err != nil {
 		return err
 	}
 	if s.chooseBind == nil {
-		return fmt.Errorf("sparse: H2O needs its queries bound")
+		return vk.ErrReleased
 	}
 	if err := s.scratch.Buffer.WriteFloat32(s.scratch.Offset+s.layout().obs, q); err != nil {
 		return err
 	}
 	return s.dense.dev.Do(func(c *vk.Commands) error {
-		s.recordScore(c, s.observeBind, true)
+		s.recordChoose(c, true)
+		c.ComputeBarrier()
+		s.recordScore(c)
 		c.ComputeBarrier()
 		s.recordChoose(c, true)
 		return nil
@@ -374,7 +369,7 @@ func (s *H2OSelector) Cuts() ([]int, error) { return readInts(s.cut, s.dense.hea
 // Release frees the kernels, the state and an index the step made.
 func (s *H2OSelector) Release() error {
 	s.ws.leaveScratch(s)
-	err := errors.Join(releaseAll(s.scoreBind, s.observeBind, s.chooseBind), releaseAll(s.bufs...), releaseAll(s.ownScratch), releaseAll(s.owned))
-	s.scoreBind, s.observeBind, s.chooseBind, s.score, s.choose, s.bufs, s.owned, s.ownScratch, s.ws = nil, nil, nil, nil, nil, nil, nil, nil, nil
+	err := errors.Join(releaseAll(s.observeBind, s.chooseBind), releaseAll(s.bufs...), releaseAll(s.ownScratch), releaseAll(s.owned))
+	s.observeBind, s.chooseBind, s.score, s.choose, s.bufs, s.owned, s.ownScratch, s.ws = nil, nil, nil, nil, nil, nil, nil, nil
 	return err
 }

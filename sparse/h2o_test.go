@@ -15,7 +15,8 @@ import (
 
 // TestH2OStepMatchesReference runs consecutive H2O steps on the GPU over a
 // generated layer, a different query each step, at a few budgets (with a
-// dense prompt-phase Observe first or not) and selection shapes, and
+// dense prompt-phase Observe first or not, and again between steps) and
+// selection shapes, and
 // checks after every step,
 // the scratch buffers and the output poisoned (NaN) before it:
 //   - every head's accumulated attention against float64, accumulated over
@@ -62,9 +63,10 @@ func TestH2OStepMatchesReference(t *testing.T) {
 		observe       bool
 		shape         h2oSelectShape
 		shared        bool
-	}{{120, 5, false, h2oSelectShape{}, false}, {121, 4, true, h2oSelectShape{}, false}, {1, 2, false, h2oSelectShape{}, false}, {m, 2, true, h2oSelectShape{}, false},
-		{121, 3, true, small, false}, {120, 4, false, small, false}, {121, 4, true, h2oSelectShape{}, true}} {
-		what := fmt.Sprintf("budget %d observe %v shape %+v shared %v", c.budget, c.observe, c.shape, c.shared)
+		observeAfter  int // the step before which Observe runs again; 0 for none
+	}{{120, 5, false, h2oSelectShape{}, false, 2}, {121, 4, true, h2oSelectShape{}, false, 0}, {1, 2, false, h2oSelectShape{}, false, 0}, {m, 2, true, h2oSelectShape{}, false, 1},
+		{121, 3, true, small, false, 0}, {120, 4, false, small, false, 0}, {121, 4, true, h2oSelectShape{}, true, 3}} {
+		what := fmt.Sprintf("budget %d observe %v shape %+v shared %v observe after %d", c.budget, c.observe, c.shape, c.shared, c.observeAfter)
 		step, err := newH2OStep(dense, layer, c.budget, c.shape)
 		require.NoError(t, err)
 		sel := step.Selector().(*H2OSelector)
@@ -101,8 +103,7 @@ func TestH2OStepMatchesReference(t *testing.T) {
 			}
 			return got
 		}
-		if c.observe {
-			q := tr.Query(queries - 1)
+		observe := func(q []float32, at string) {
 			require.NoError(t, sel.Observe(q))
 			for g := range exact {
 				ks, _ := kv(g)
@@ -116,9 +117,17 @@ func TestH2OStepMatchesReference(t *testing.T) {
 					}
 				}
 			}
-			checkAcc("after Observe")
+			checkAcc(at)
+		}
+		if c.observe {
+			observe(tr.Query(queries-1), "after Observe")
 		}
 		for s := 0; s < c.steps; s++ {
+			if s > 0 && s == c.observeAfter {
+				// A prompt phase between steps: the last step's recorded
+				// attention must be accumulated as well as the prompt's.
+				observe(tr.Query(queries-2), fmt.Sprintf("after Observe at step %d", s))
+			}
 			at := fmt.Sprintf("step %d", s)
 			q := tr.Query(s)
 			if rival != nil {
@@ -128,8 +137,8 @@ func TestH2OStepMatchesReference(t *testing.T) {
 			nan := math.Float32bits(float32(math.NaN()))
 			l := sel.layout()
 			require.NoError(t, dev.Run(func(cmd *vk.Commands) {
-				// The logits and their partials; the counters stay 0.
-				cmd.Fill(vk.Range{Buffer: sel.scratch.Buffer, Offset: sel.scratch.Offset + l.row, Size: l.arrivedScore - l.row}, nan)
+				// The prompt phase's partials; the counters stay 0.
+				cmd.Fill(vk.Range{Buffer: sel.scratch.Buffer, Offset: sel.scratch.Offset + l.part, Size: l.arrivedScore - l.part}, nan)
 				cmd.Fill(step.Output().All(), nan)
 			}))
 			got, err := step.Attend(q)

@@ -24,7 +24,9 @@ type clusterMode struct {
 	// in place of equal runs (SetRuns); mostRuns caps each.
 	runs     []int
 	mostRuns int
-	approx   *Approximation // the pseudo-tokens' buffers; nil without
+	approx   *Approximation   // the pseudo-tokens' buffers; nil without
+	saved    *AttentionRecord // where logits and normalisers go; nil without
+	pipe     *vk.Pipeline     // the kernel's variant for the above
 }
 
 // PlanClusters prepares attention of one sequence over a clustered cache,
@@ -80,7 +82,25 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 			return nil, err
 		}
 	}
-	m := &clusterMode{index: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most}
+	m := &clusterMode{index: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most, pipe: d.clustered}
+	if sel.Approx != nil {
+		m.pipe = d.approx
+	}
+	if r := sel.Record; r != nil {
+		switch {
+		case sel.Approx != nil:
+			return nil, fmt.Errorf("sparse: attention with pseudo-tokens does not record its logits")
+		case r.RowStride < layer.Capacity() || r.Rows.Size < uint64(h.Query)*uint64(r.RowStride)*4 || r.Norms.Size < uint64(h.Query)*8:
+			return nil, fmt.Errorf("sparse: a record of %d bytes of logits in rows of %d and %d bytes of normalisers for %d query heads of capacity %d", r.Rows.Size, r.RowStride, r.Norms.Size, h.Query, layer.Capacity())
+		}
+		spec := d.clusterSpec
+		spec.Logits = 1
+		var err error
+		if m.pipe, err = d.variant("attend_partial (clusters, logits)", spec); err != nil {
+			return nil, err
+		}
+		m.saved = r
+	}
 	return d.newPlan([]*kvcache.Layer{layer}, chunks, m)
 }
 
@@ -98,10 +118,12 @@ func (m *clusterMode) bindings(d *Dense, b *partialBuffers) *vk.Pipeline {
 	}
 	b.Rank, b.Cut, b.Starts, b.Sizes, b.Members = m.rank, m.cut, x.Starts.All(), x.Counts.All(), members.All()
 	if a := m.approx; a != nil {
-		b.Logits, b.Keep, b.Means = a.Logits, a.Keep, a.Means
-		return d.approx // each run's workgroup then folds in its range's pseudo-tokens
+		b.Logits, b.Keep, b.Means = a.Logits, a.Keep, a.Means // each run's workgroup then folds in its range's pseudo-tokens
 	}
-	return d.clustered
+	if r := m.saved; r != nil {
+		b.Rows, b.Norms = r.Rows, r.Norms
+	}
+	return m.pipe
 }
 
 // record records the whole attention over the taken clusters and the
@@ -120,14 +142,14 @@ func (m *clusterMode) record(c *vk.Commands, p *DensePlan, sequences int) error 
 	per := m.runClusters(d, sequences)
 	runs := ceilDiv(x.C, per)
 	fixed := ceilDiv(n-x.Count, d.clusterTile)
-	pipe := d.clustered
-	if m.approx != nil {
-		pipe = d.approx
-	}
+	pipe := m.pipe
 	blocks := d.blocksPerKV()
 	for _, seg := range p.segments[0] {
 		push := p.push(0, seg)
 		push.N, push.Chunk, push.FixedChunks = uint32(n), uint32(per), uint32(fixed)
+		if m.saved != nil {
+			push.RowStride = uint32(m.saved.RowStride)
+		}
 		push.Clusters, push.ClusterChunks, push.Clustered, push.First, push.ClusteredEnd = uint32(x.C), uint32(runs), uint32(x.Count), uint32(x.First), uint32(end)
 		nb := seg.kvCount * blocks
 		if m.runs == nil || nb > runTableBlocks {

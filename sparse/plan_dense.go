@@ -68,7 +68,7 @@ func (p *DensePlan) Logits() *vk.Buffer {
 
 func (m *denseMode) bindings(d *Dense, b *partialBuffers) *vk.Pipeline {
 	if m.logits != nil {
-		b.Taken = m.logits.All()
+		b.Rows = m.logits.All()
 		return d.logits
 	}
 	return d.partial
@@ -93,7 +93,7 @@ func (m *denseMode) record(c *vk.Commands, p *DensePlan, _ int) error {
 		}
 		for _, seg := range p.segments[b] {
 			push := p.push(b, seg)
-			push.N, push.Chunk = uint32(n), uint32(chunk)
+			push.N, push.Chunk, push.RowStride = uint32(n), uint32(chunk), uint32(n)
 			c.Dispatch(pipe, seg.bind, push.words(), uint32(nc), uint32(seg.kvCount*p.d.blocksPerKV()), 1)
 		}
 	}

@@ -27,6 +27,21 @@ type Selection struct {
 	// for a few clusters that all are taken, short runs spread them over
 	// many workgroups.
 	RunClusters int
+	// Record, when set, receives the logits and normalisers attention
+	// computes, for a policy that reads them at its next step (H2O).
+	Record *AttentionRecord
+}
+
+// AttentionRecord is where attention over a selection leaves what it
+// computed: Rows[h][t] = scale·q_h·k_t for every slot t that query head h
+// attended (float32, RowStride floats a head; the entries of other slots
+// keep their values), and Norms[h] = (M, L), the largest of those logits
+// and Σ exp(logit − M) over them (float32 [Hq][2]), so that h's weight of
+// slot t was exp(Rows[h][t] − M) / L.
+type AttentionRecord struct {
+	Rows      vk.Range
+	RowStride int
+	Norms     vk.Range
 }
 
 // Approximation stands clusters in for their tokens: head h of KV head g
