@@ -27,6 +27,9 @@ type Dense struct {
 	// approx is attend_partial over taken clusters with pseudo-tokens of
 	// the kept ones (PlanSelection), built on first use.
 	approx *vk.Pipeline
+	// unit is attend_partial over taken clusters of one token each
+	// (PlanSelection over a single-token index), built on first use.
+	unit *vk.Pipeline
 	// logits is dense attend_partial that also writes its logits
 	// (PlanLogits), built on first use.
 	logits *vk.Pipeline
@@ -113,6 +116,11 @@ const (
 	// Sequences of a batch beyond which each one's attention over clusters
 	// takes proportionally fewer, longer runs (clusterRun).
 	clusterBatchSequences = 2
+	// Clusters each thread of attention over single tokens decides per
+	// window (attend_partial's UNIT): the ranks of its clusters for up to 8
+	// query heads load together, so a window of a run costs one round
+	// trip to memory for window·unitClusters tokens.
+	unitClusters = 4
 )
 
 // NewDense compiles the dense attention kernels for heads.
@@ -334,6 +342,19 @@ func (d *Dense) buildApprox() error {
 	return err
 }
 
+// buildUnit builds attention over clusters of one token each (d.unit) the
+// first time a plan needs it.
+func (d *Dense) buildUnit() error {
+	if d.unit != nil {
+		return nil
+	}
+	spec := d.clusterSpec
+	spec.Unit = unitClusters
+	var err error
+	d.unit, err = d.kernel("attend_partial (clusters of one token)", spec)
+	return err
+}
+
 // buildLogits builds dense attention that writes its logits (d.logits)
 // the first time a plan needs it.
 func (d *Dense) buildLogits() error {
@@ -383,7 +404,7 @@ func (d *Dense) Heads() Heads { return d.heads }
 // Release destroys the kernels.
 func (d *Dense) Release() error {
 	var errs []error
-	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.approx, d.logits} {
+	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.approx, d.logits, d.unit} {
 		if p != nil {
 			errs = append(errs, p.Release())
 		}

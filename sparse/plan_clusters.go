@@ -25,6 +25,9 @@ type clusterMode struct {
 	runs     []int
 	mostRuns int
 	approx   *Approximation // the pseudo-tokens' buffers; nil without
+	// unit: every cluster is one token (kvcache.Clusters.SingleTokens) and
+	// no pseudo-tokens are added, so d.unit attends it.
+	unit bool
 }
 
 // PlanClusters prepares attention of one sequence over a clustered cache,
@@ -80,7 +83,13 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 			return nil, err
 		}
 	}
-	m := &clusterMode{index: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most}
+	unit := sel.Approx == nil && clusters.SingleTokens()
+	if unit {
+		if err := d.buildUnit(); err != nil {
+			return nil, err
+		}
+	}
+	m := &clusterMode{index: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most, unit: unit}
 	return d.newPlan([]*kvcache.Layer{layer}, chunks, m)
 }
 
@@ -99,7 +108,19 @@ func (m *clusterMode) bindings(d *Dense, b *partialBuffers) *vk.Pipeline {
 	b.Rank, b.Cut, b.Starts, b.Sizes, b.Members = m.rank, m.cut, x.Starts.All(), x.Counts.All(), members.All()
 	if a := m.approx; a != nil {
 		b.Logits, b.Keep, b.Means = a.Logits, a.Keep, a.Means
-		return d.approx // each run's workgroup then folds in its range's pseudo-tokens
+	}
+	return m.pipeline(d)
+}
+
+// pipeline returns the kernel of d that attends m: with pseudo-tokens
+// (each run's workgroup then folds in its range's), over single tokens,
+// or over any clusters.
+func (m *clusterMode) pipeline(d *Dense) *vk.Pipeline {
+	switch {
+	case m.approx != nil:
+		return d.approx
+	case m.unit:
+		return d.unit
 	}
 	return d.clustered
 }
@@ -120,10 +141,7 @@ func (m *clusterMode) record(c *vk.Commands, p *DensePlan, sequences int) error 
 	per := m.runClusters(d, sequences)
 	runs := ceilDiv(x.C, per)
 	fixed := ceilDiv(n-x.Count, d.clusterTile)
-	pipe := d.clustered
-	if m.approx != nil {
-		pipe = d.approx
-	}
+	pipe := m.pipeline(d)
 	blocks := d.blocksPerKV()
 	for _, seg := range p.segments[0] {
 		push := p.push(0, seg)
