@@ -22,6 +22,11 @@ type Clusters struct {
 	// cluster order (Layer.Reorder): slots First+Starts[c] … of a head
 	// hold cluster c's members, in Members order.
 	Contiguous bool
+	// PageSize is the tokens of each page of a positional page index
+	// (NewPages): cluster c holds the tokens First + PageSize·c …, the
+	// last one maybe fewer. 0 for a K-means index, and for a page index
+	// whose Starts another writer owns.
+	PageSize int
 
 	Centroids *vk.Buffer // float32 [KVHeads][C][HeadDim]; nil once halved
 	// Halves holds the centroids rounded to fp16, [KVHeads][C][HeadDim],
@@ -39,6 +44,12 @@ type Clusters struct {
 	Assign  *vk.Buffer
 
 	holds int // readers binding the buffers (Hold); Release refuses while any
+}
+
+// SingleTokens reports that every cluster c is the one token First + c:
+// a positional index of pages of one token.
+func (x *Clusters) SingleTokens() bool {
+	return x.PageSize == 1 && x.C == x.Count && x.Contiguous
 }
 
 // Hold records a reader that binds the index's buffers (a plan): until

@@ -30,7 +30,7 @@ func NewPages(dev *vk.Device, kvHeads, headDim, first, count, pageSize int) (*Cl
 	if err != nil {
 		return nil, err
 	}
-	x.Contiguous = true
+	x.Contiguous, x.PageSize = true, pageSize
 	counts, starts := make([]uint32, kvHeads*c), make([]uint32, kvHeads*c)
 	for g := 0; g < kvHeads; g++ {
 		for j := 0; j < c; j++ {

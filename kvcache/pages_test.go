@@ -10,7 +10,8 @@ import (
 
 // TestNewPages checks a page index read back: pages of 16 over a range
 // whose last page is short, and single-token pages, every head the same,
-// centroids zero; and that bad shapes are refused.
+// centroids zero, single tokens reported only for pages of one; and that
+// bad shapes are refused.
 func TestNewPages(t *testing.T) {
 	dev := vktest.Open(t)
 	for _, tc := range []struct{ first, count, size int }{{4, 100, 16}, {0, 64, 16}, {3, 7, 1}, {5, 9, 32}} {
@@ -19,6 +20,8 @@ func TestNewPages(t *testing.T) {
 		c := (tc.count + tc.size - 1) / tc.size
 		require.Equal(t, c, x.C)
 		require.True(t, x.Contiguous)
+		require.Equal(t, tc.size, x.PageSize)
+		require.Equal(t, tc.size == 1, x.SingleTokens(), "every page one token")
 		require.Equal(t, tc.first, x.First)
 		require.Equal(t, tc.count, x.Count)
 		for g := 0; g < 2; g++ {

@@ -63,6 +63,12 @@ layout(constant_id = 12) const uint APPROX = 0;
 // norms[seq · qHeads + h] = (M, L): the max of its logits and
 // Σ exp(logit − M) over every token it attended.
 layout(constant_id = 13) const uint LOGITS = 0;
+// UNIT > 0 (with GATHER = 2, the host sets it where every cluster c is the
+// one token first + c: an index of pages of one token) takes a window's
+// clusters as taken or not from their ranks alone, without sizes, starts
+// or a search for a member's cluster: each of CW threads decides UNIT
+// consecutive clusters of the run, so a window spans CW · UNIT clusters.
+layout(constant_id = 14) const uint UNIT = 0;
 
 const uint DV = D / 8;  // uvec4 words per row
 const uint ACC = GROUP * 2;  // vec4 of output a thread accumulates
@@ -149,6 +155,8 @@ shared float red[REDUCE_SLOTS];
 const uint LIST = (GATHER / 2) * (TILE - 1) + 1;
 const uint CW = (GATHER / 2) * (WINDOW - 1) + 1;  // clusters per window
 shared uint lst[LIST];
+const uint UPT = UNIT == 0 ? 1 : UNIT;  // clusters a thread decides per window
+const uint SPAN = CW * UPT;  // clusters per window
 shared uint from[CW];
 shared uint pre[CW + 1];
 // Subgroup totals of scanSizes (subgroups of at least 4 threads).
@@ -344,6 +352,36 @@ bool takenByGroup(uint g, uint cl) {
 	return take != 0;
 }
 
+// takenUnits returns (UNIT > 0) the clusters of the window at w0 of run c
+// (stride runs apart, end of them) that this thread decides and some query
+// head of KV head g takes: bit u for run cluster w0 + tid·UNIT + u, below
+// end. The ranks of up to 8 of g's heads are loaded before any is
+// compared, so that a group of at most 8 heads waits for one round trip.
+uint takenUnits(uint g, uint c, uint stride, uint w0, uint end) {
+	uint tid = gl_LocalInvocationID.x;
+	uint i0 = w0 + tid * UNIT;
+	uint hEnd = (g + 1) * pc.groupSize;
+	uint mask = 0;
+	if (tid >= CW) return 0;
+	for (uint hb = g * pc.groupSize; hb < hEnd; hb += 8) {
+		uint ct[8];
+		uint r[8 * UPT];
+		[[unroll]] for (uint j = 0; j < 8; j++) {
+			ct[j] = 0;  // a head past the group takes nothing
+			if (hb + j < hEnd) ct[j] = cut[hb + j];
+			[[unroll]] for (uint u = 0; u < UNIT; u++) {
+				r[j * UNIT + u] = 0;
+				if (hb + j < hEnd && i0 + u < end) r[j * UNIT + u] = rank[(hb + j) * pc.C + c + (i0 + u) * stride];
+			}
+		}
+		[[unroll]] for (uint j = 0; j < 8; j++) {
+			[[unroll]] for (uint u = 0; u < UNIT; u++) mask |= uint(r[j * UNIT + u] < ct[j]) << u;
+		}
+	}
+	uint valid = i0 < end ? (1u << min(end - i0, UNIT)) - 1u : 0u;
+	return mask & valid;
+}
+
 // putML writes the partial max m and sum l of query head h0 + g (base is
 // head h0's slot), or where held keeps them in runM and runL.
 void putML(uint base, uint g, float m, float l, bool held) {
@@ -374,8 +412,10 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 	uint g = pc.kvBase + kvLocal;
 	uint stride = runs;
 	uint cEnd = GATHER == 2 && c < runs ? (pc.C - c + stride - 1) / stride : 0;  // clusters of this run
-	uint size0 = 0, from0 = 0;
-	if (tid < CW && tid < cEnd) {
+	uint size0 = 0, from0 = 0;  // UNIT: size0 is takenUnits' mask
+	if (UNIT != 0) {
+		size0 = takenUnits(g, c, stride, 0, cEnd);
+	} else if (tid < CW && tid < cEnd) {
 		uint cl = c + tid * stride;
 		size0 = takenByGroup(g, cl) ? sizes[g * pc.C + cl] : 0;
 		from0 = pc.first + starts[g * pc.C + cl];
@@ -411,17 +451,23 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 		}
 	} else if (c < runs) {
 		// Clusters c, c + R, c + 2R, ... of KV head g (R = runs
-		// runs), CW at a time: the taken ones' member counts are scanned,
+		// runs), SPAN at a time: the taken ones' member counts are scanned,
 		// and their members' token ids appended to lst; each full tile is
 		// attended, so that tiles stay full however few clusters a window
 		// takes. Striding spreads the clusters a region of the context
 		// holds, and so the tokens taken, over the runs.
+		// With UNIT every cluster is one token: a thread lists its taken
+		// clusters in order after the window's earlier threads' (pre[tid]).
 		attended = 0;
 		uint fill = 0;  // token ids in lst not yet attended
-		for (uint w0 = 0; w0 < cEnd; w0 += CW) {
+		for (uint w0 = 0; w0 < cEnd; w0 += SPAN) {
 			uint cl = c + (w0 + tid) * stride;
 			uint size = 0;
-			if (tid < CW && w0 + tid < cEnd) {
+			uint mask = 0;  // UNIT: this thread's taken clusters (takenUnits)
+			if (UNIT != 0) {
+				mask = w0 == 0 ? size0 : takenUnits(g, c, stride, w0, cEnd);
+				size = uint(bitCount(mask));
+			} else if (tid < CW && w0 + tid < cEnd) {
 				if (w0 == 0) {
 					size = size0;
 					from[tid] = from0;
@@ -434,13 +480,23 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 			scanSizes(size);
 			uint total = pre[CW];
 			attended += total;
-			bool last = w0 + CW >= cEnd;
+			bool last = w0 + SPAN >= cEnd;
+			uint at = UNIT != 0 ? pre[min(tid, CW)] : 0;  // UNIT: this thread's first member in the window
 			// One call of attendTile in the loop: a full tile, or what
 			// remains after the last window.
 			uint s0 = 0;
 			do {
 				uint len = min(TILE - fill, total - s0);
-				for (uint y = tid; y < len; y += WG) {
+				if (UNIT != 0) {
+					// Member j of the window (of its members [s0, s0 + len) that fit the tile) to lst[fill + j − s0].
+					uint j = at;
+					[[unroll]] for (uint u = 0; u < UNIT; u++) {
+						if (((mask >> u) & 1u) != 0) {
+							if (j >= s0 && j < s0 + len) lst[fill + j - s0] = pc.first + c + (w0 + tid * UNIT + u) * stride;
+							j++;
+						}
+					}
+				} else for (uint y = tid; y < len; y += WG) {
 					// The cluster j whose members hold s0 + y: pre[j] <= s0 + y < pre[j + 1].
 					uint lo = 0, hi = CW - 1;
 					while (lo < hi) {

@@ -50,13 +50,17 @@ type partialSpec struct {
 	// Logits is 1 where attention also writes its logits (and, over
 	// clusters, each head's softmax normaliser).
 	Logits uint32 `glsl:"LOGITS"`
+	// Unit is, for attention over an index of single tokens (cluster c is
+	// token First + c), the clusters each thread decides per window; 0
+	// for any index.
+	Unit uint32 `glsl:"UNIT"`
 }
 
 // words returns the constants as the pipeline takes them, constant_id i
 // at index i.
 func (s partialSpec) words() []uint32 {
 	return []uint32{s.Workgroup, s.Dim, s.Group, s.Tile, s.ThreadsPerRow, s.SubgroupReduce, s.Unroll,
-		s.ScoreSlots, s.ReduceSlots, uint32(s.Gather), s.RowsPerThread, s.Window, s.Approx, s.Logits}
+		s.ScoreSlots, s.ReduceSlots, uint32(s.Gather), s.RowsPerThread, s.Window, s.Approx, s.Logits, s.Unit}
 }
 
 // partialPush is attend_partial's push constants, in the order of its

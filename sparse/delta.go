@@ -173,8 +173,8 @@ func newDeltaSelect(dense *Dense, scores vk.Range, pages, budget, recent, pageSi
 	}
 	if err == nil {
 		// Picked pages lie anywhere among the first pages: the index spans
-		// them (its Starts are the pick's).
-		x.index.Count = pages * pageSize
+		// them (its Starts are the pick's, not positional).
+		x.index.Count, x.index.PageSize = pages*pageSize, 0
 		x.rank, err = dev.NewBuffer(uint64(h.Query*k)*4, vk.DeviceLocal)
 	}
 	if err == nil {

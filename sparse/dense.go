@@ -116,6 +116,11 @@ const (
 	// Sequences of a batch beyond which each one's attention over clusters
 	// takes proportionally fewer, longer runs (clusterRun).
 	clusterBatchSequences = 2
+	// Clusters each thread of attention over single tokens decides per
+	// window (attend_partial's UNIT): the ranks of its clusters for up to 8
+	// query heads load together, so a window of a run costs one round
+	// trip to memory for window·unitClusters tokens.
+	unitClusters = 4
 )
 
 // NewDense compiles the dense attention kernels for heads.

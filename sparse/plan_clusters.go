@@ -26,7 +26,9 @@ type clusterMode struct {
 	mostRuns int
 	approx   *Approximation   // the pseudo-tokens' buffers; nil without
 	saved    *AttentionRecord // where logits and normalisers go; nil without
-	pipe     *vk.Pipeline     // the kernel's variant for the above
+	// unit: every cluster is one token (kvcache.Clusters.SingleTokens) and
+	// no pseudo-tokens are added, so a kernel for single tokens attends it.
+	unit bool
 }
 
 // PlanClusters prepares attention of one sequence over a clustered cache,
@@ -82,10 +84,8 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 			return nil, err
 		}
 	}
-	m := &clusterMode{index: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most, pipe: d.clustered}
-	if sel.Approx != nil {
-		m.pipe = d.approx
-	}
+	m := &clusterMode{index: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most,
+		unit: sel.Approx == nil && clusters.SingleTokens()}
 	if r := sel.Record; r != nil {
 		switch {
 		case sel.Approx != nil:
@@ -93,13 +93,12 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 		case r.RowStride < layer.Capacity() || r.Rows.Size < uint64(h.Query)*uint64(r.RowStride)*4 || r.Norms.Size < uint64(h.Query)*8:
 			return nil, fmt.Errorf("sparse: a record of %d bytes of logits in rows of %d and %d bytes of normalisers for %d query heads of capacity %d", r.Rows.Size, r.RowStride, r.Norms.Size, h.Query, layer.Capacity())
 		}
-		spec := d.clusterSpec
-		spec.Logits = 1
-		var err error
-		if m.pipe, err = d.variant("attend_partial (clusters, logits)", spec); err != nil {
+		m.saved = r
+	}
+	if spec := m.spec(d); sel.Approx == nil && spec != d.clusterSpec {
+		if _, err := d.variant(fmt.Sprintf("attend_partial (clusters, single tokens %v, logits %v)", m.unit, m.saved != nil), spec); err != nil {
 			return nil, err
 		}
-		m.saved = r
 	}
 	return d.newPlan([]*kvcache.Layer{layer}, chunks, m)
 }
@@ -118,12 +117,42 @@ func (m *clusterMode) bindings(d *Dense, b *partialBuffers) *vk.Pipeline {
 	}
 	b.Rank, b.Cut, b.Starts, b.Sizes, b.Members = m.rank, m.cut, x.Starts.All(), x.Counts.All(), members.All()
 	if a := m.approx; a != nil {
-		b.Logits, b.Keep, b.Means = a.Logits, a.Keep, a.Means // each run's workgroup then folds in its range's pseudo-tokens
+		b.Logits, b.Keep, b.Means = a.Logits, a.Keep, a.Means
 	}
 	if r := m.saved; r != nil {
 		b.Rows, b.Norms = r.Rows, r.Norms
 	}
-	return m.pipe
+	return m.pipeline(d)
+}
+
+// spec returns the specialization of attend_partial that attends m: with
+// pseudo-tokens (each run's workgroup then folds in its range's), or over
+// single tokens and writing the logits where m asks for them.
+func (m *clusterMode) spec(d *Dense) partialSpec {
+	s := d.clusterSpec
+	if m.approx != nil {
+		s.Approx = 1
+		return s
+	}
+	if m.unit {
+		s.Unit = unitClusters
+	}
+	if m.saved != nil {
+		s.Logits = 1
+	}
+	return s
+}
+
+// pipeline returns the kernel of d that attends m (PlanSelection built it).
+func (m *clusterMode) pipeline(d *Dense) *vk.Pipeline {
+	switch s := m.spec(d); {
+	case m.approx != nil:
+		return d.approx
+	case s == d.clusterSpec:
+		return d.clustered
+	default:
+		return d.variants[s]
+	}
 }
 
 // record records the whole attention over the taken clusters and the
@@ -142,7 +171,7 @@ func (m *clusterMode) record(c *vk.Commands, p *DensePlan, sequences int) error 
 	per := m.runClusters(d, sequences)
 	runs := ceilDiv(x.C, per)
 	fixed := ceilDiv(n-x.Count, d.clusterTile)
-	pipe := m.pipe
+	pipe := m.pipeline(d)
 	blocks := d.blocksPerKV()
 	for _, seg := range p.segments[0] {
 		push := p.push(0, seg)
