@@ -67,7 +67,8 @@ layout(constant_id = 13) const uint LOGITS = 0;
 // one token first + c: an index of pages of one token) takes a window's
 // clusters as taken or not from their ranks alone, without sizes, starts
 // or a search for a member's cluster: each of CW threads decides UNIT
-// consecutive clusters of the run, so a window spans CW · UNIT clusters.
+// consecutive clusters of the run, so a window spans CW · UNIT clusters;
+// a run then takes blocks of UNIT consecutive clusters (unitCluster).
 layout(constant_id = 14) const uint UNIT = 0;
 
 const uint DV = D / 8;  // uvec4 words per row
@@ -352,14 +353,23 @@ bool takenByGroup(uint g, uint cl) {
 	return take != 0;
 }
 
+// unitCluster returns (UNIT > 0) the i-th cluster of run c: the runs
+// take blocks of UNIT consecutive clusters, stride blocks apart, so that
+// a thread's UNIT ranks of a head lie side by side in memory.
+uint unitCluster(uint c, uint stride, uint i) {
+	return (c + i / UNIT * stride) * UNIT + i % UNIT;
+}
+
 // takenUnits returns (UNIT > 0) the clusters of the window at w0 of run c
 // (stride runs apart, end of them) that this thread decides and some query
-// head of KV head g takes: bit u for run cluster w0 + tid·UNIT + u, below
-// end. The ranks of up to 8 of g's heads are loaded before any is
-// compared, so that a group of at most 8 heads waits for one round trip.
+// head of KV head g takes: bit u for run cluster w0 + tid·UNIT + u
+// (unitCluster), below end and C. The ranks of up to 8 of g's heads are
+// loaded before any is compared, so that a group of at most 8 heads waits
+// for one round trip.
 uint takenUnits(uint g, uint c, uint stride, uint w0, uint end) {
 	uint tid = gl_LocalInvocationID.x;
 	uint i0 = w0 + tid * UNIT;
+	uint cl0 = unitCluster(c, stride, i0);
 	uint hEnd = (g + 1) * pc.groupSize;
 	uint mask = 0;
 	if (tid >= CW) return 0;
@@ -371,14 +381,14 @@ uint takenUnits(uint g, uint c, uint stride, uint w0, uint end) {
 			if (hb + j < hEnd) ct[j] = cut[hb + j];
 			[[unroll]] for (uint u = 0; u < UNIT; u++) {
 				r[j * UNIT + u] = 0;
-				if (hb + j < hEnd && i0 + u < end) r[j * UNIT + u] = rank[(hb + j) * pc.C + c + (i0 + u) * stride];
+				if (hb + j < hEnd && i0 + u < end && cl0 + u < pc.C) r[j * UNIT + u] = rank[(hb + j) * pc.C + cl0 + u];
 			}
 		}
 		[[unroll]] for (uint j = 0; j < 8; j++) {
 			[[unroll]] for (uint u = 0; u < UNIT; u++) mask |= uint(r[j * UNIT + u] < ct[j]) << u;
 		}
 	}
-	uint valid = i0 < end ? (1u << min(end - i0, UNIT)) - 1u : 0u;
+	uint valid = i0 < end && cl0 < pc.C ? (1u << min(min(end - i0, pc.C - cl0), UNIT)) - 1u : 0u;
 	return mask & valid;
 }
 
@@ -412,6 +422,11 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 	uint g = pc.kvBase + kvLocal;
 	uint stride = runs;
 	uint cEnd = GATHER == 2 && c < runs ? (pc.C - c + stride - 1) / stride : 0;  // clusters of this run
+	if (UNIT != 0) {
+		// Blocks c, c + stride, ... of UNIT clusters (unitCluster).
+		uint blocks = (pc.C + UNIT - 1) / UNIT;
+		cEnd = GATHER == 2 && c < runs && c < blocks ? (blocks - c + stride - 1) / stride * UNIT : 0;
+	}
 	uint size0 = 0, from0 = 0;  // UNIT: size0 is takenUnits' mask
 	if (UNIT != 0) {
 		size0 = takenUnits(g, c, stride, 0, cEnd);
@@ -492,7 +507,7 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 					uint j = at;
 					[[unroll]] for (uint u = 0; u < UNIT; u++) {
 						if (((mask >> u) & 1u) != 0) {
-							if (j >= s0 && j < s0 + len) lst[fill + j - s0] = pc.first + c + (w0 + tid * UNIT + u) * stride;
+							if (j >= s0 && j < s0 + len) lst[fill + j - s0] = pc.first + unitCluster(c, stride, w0 + tid * UNIT) + u;
 							j++;
 						}
 					}
