@@ -16,9 +16,12 @@ import (
 // each policy, prefills every layer, attends each once (so that every
 // batch exists), and checks that Memory accounts for every byte the model
 // holds on the device and that the memory beyond the KV caches stays
-// within 10 % of the caches. What grows with the tokens (indexes, H2O's
-// accumulated attention and ranks) weighs the same share at 32 768
-// tokens; what is sized per slot (the workspace's partials and scratch,
+// within 10 % of the caches, 12.5 % for H2O, which keeps three words per
+// token and query head (9.4 % of the caches at this head shape) so that
+// its accumulation reads the logits its attention recorded instead of
+// every key. What grows with the tokens (indexes, H2O's
+// accumulated attention, ranks and recorded logits) weighs the same share
+// at 32 768 tokens; what is sized per slot (the workspace's partials and scratch,
 // shared by the layers) weighs less there, so at 4 slots of 32 768
 // tokens the share is lower than here.
 func TestModelMemoryBeyondCaches(t *testing.T) {
@@ -48,7 +51,7 @@ func TestModelMemoryBeyondCaches(t *testing.T) {
 		{DoubleP(sparse.DefaultDoubleP(), sparse.TacticDecoderOptions{}), 0.10},
 		{Quest(256), 0.10},
 		{StreamingLLM(256), 0.10},
-		{H2O(256), 0.10},
+		{H2O(256), 0.125},
 	} {
 		pol := tc.pol
 		before := dev.Allocated()
