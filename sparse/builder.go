@@ -25,9 +25,10 @@ type builder struct {
 }
 
 // kernelCache holds the kernels compiled for one Dense, by name and
-// specialization, for every selector made from it (all the layers and
-// sequences of a model) to share; Dense.Release releases them. It is safe
-// for concurrent use.
+// specialization, for every selector and plan made from it (all the
+// layers and sequences of a model) to share: the selection kernels and
+// attend_partial's variants (Dense.variant); Dense.Release releases them.
+// It is safe for concurrent use.
 type kernelCache struct {
 	mu    sync.Mutex
 	pipes map[string]*vk.Pipeline
@@ -56,8 +57,9 @@ func (k *kernelCache) get(dev *vk.Device, name string, bindings, push int, spec 
 	return p, nil
 }
 
-// Kernels names the selection kernels compiled for this Dense so far
-// (each once, whatever the selectors made from it), with their
+// Kernels names the kernels compiled for this Dense on first use so far
+// (the selection kernels and attend_partial's variants, each once,
+// whatever the selectors and plans made from it), with their
 // specializations.
 func (d *Dense) Kernels() []string {
 	d.kernels.mu.Lock()

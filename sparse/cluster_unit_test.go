@@ -127,8 +127,9 @@ func TestUnitClustersMatchReference(t *testing.T) {
 			t.Cleanup(func() { plan.Release() })
 			m := plan.mode.(*clusterMode)
 			require.NotZero(t, m.spec(dense).Unit)
-			require.NotNil(t, m.pipeline(dense))
-			require.Same(t, dense.variants[m.spec(dense)], m.pipeline(dense), "the single-token kernel attends")
+			unit, err := dense.variant(m.spec(dense))
+			require.NoError(t, err)
+			require.Same(t, unit, m.pipe, "the single-token kernel attends")
 
 			fixed, err := TacticFixedTokens(c.first, c.first+count, c.n-1)
 			require.NoError(t, err)
@@ -154,10 +155,9 @@ func TestUnitClustersMatchReference(t *testing.T) {
 				require.Equal(t, len(lists[i/blocks])-len(fixed), int(members), "tokens taken by head block %d", i)
 			}
 
-			moved, err := plan.rebind(func() { m.unit = false }, nil)
+			moved, err := plan.rebind(func() { m.unit, m.pipe = false, dense.clustered }, nil)
 			require.NoError(t, err)
 			require.True(t, moved)
-			require.Same(t, dense.clustered, m.pipeline(dense))
 			general := make([]float64, len(got))
 			for i, x := range got {
 				general[i] = float64(x)
@@ -204,10 +204,10 @@ func TestUnitClustersOnlyForSingleTokens(t *testing.T) {
 		if c.unit {
 			spec := dense.clusterSpec
 			spec.Unit = unitClusters
-			want = dense.variants[spec]
-			require.NotNil(t, want)
+			want, err = dense.variant(spec)
+			require.NoError(t, err)
 		}
-		require.Same(t, want, plan.mode.(*clusterMode).pipeline(dense), "pages of %d", c.pageSize)
+		require.Same(t, want, plan.mode.(*clusterMode).pipe, "pages of %d", c.pageSize)
 		require.NoError(t, plan.Release())
 	}
 }

@@ -30,11 +30,8 @@ type Dense struct {
 	// logits is dense attend_partial that also writes its logits
 	// (PlanLogits), built on first use.
 	logits *vk.Pipeline
-	// variants holds attend_partial's other specializations, each built
-	// on first use (variant).
-	variants map[partialSpec]*vk.Pipeline
-	code     []byte      // attend_partial's SPIR-V
-	spec     partialSpec // its specialization for dense attention
+	code   []byte      // attend_partial's SPIR-V
+	spec   partialSpec // its specialization for dense attention
 	// clusterSpec is its specialization for attention over clusters, with
 	// tiles and score slots of its own.
 	clusterSpec partialSpec
@@ -355,21 +352,11 @@ func (d *Dense) buildLogits() error {
 	return err
 }
 
-// variant returns attend_partial specialized by spec, built the first
-// time a plan asks for it and kept until Release.
-func (d *Dense) variant(name string, spec partialSpec) (*vk.Pipeline, error) {
-	if p, ok := d.variants[spec]; ok {
-		return p, nil
-	}
-	p, err := d.kernel(name, spec)
-	if err != nil {
-		return nil, err
-	}
-	if d.variants == nil {
-		d.variants = map[partialSpec]*vk.Pipeline{}
-	}
-	d.variants[spec] = p
-	return p, nil
+// variant returns attend_partial specialized by spec, compiled the first
+// time a plan asks for it and kept with the selection kernels until
+// Release.
+func (d *Dense) variant(spec partialSpec) (*vk.Pipeline, error) {
+	return d.kernels.get(d.dev, "attend_partial", partialBindings, partialPushWords, spec.words())
 }
 
 // kernel builds attend_partial specialized by spec.
@@ -413,10 +400,6 @@ func (d *Dense) Release() error {
 			errs = append(errs, p.Release())
 		}
 	}
-	for _, p := range d.variants {
-		errs = append(errs, p.Release())
-	}
-	d.variants = nil
 	errs = append(errs, d.kernels.release())
 	return errors.Join(errs...)
 }

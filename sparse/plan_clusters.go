@@ -29,6 +29,7 @@ type clusterMode struct {
 	// unit: every cluster is one token (kvcache.Clusters.SingleTokens) and
 	// no pseudo-tokens are added, so a kernel for single tokens attends it.
 	unit bool
+	pipe *vk.Pipeline // attend_partial specialized by spec
 }
 
 // PlanClusters prepares attention of one sequence over a clustered cache,
@@ -95,8 +96,14 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 		}
 		m.saved = r
 	}
-	if spec := m.spec(d); sel.Approx == nil && spec != d.clusterSpec {
-		if _, err := d.variant(fmt.Sprintf("attend_partial (clusters, single tokens %v, logits %v)", m.unit, m.saved != nil), spec); err != nil {
+	switch spec := m.spec(d); {
+	case sel.Approx != nil:
+		m.pipe = d.approx
+	case spec == d.clusterSpec:
+		m.pipe = d.clustered
+	default:
+		var err error
+		if m.pipe, err = d.variant(spec); err != nil {
 			return nil, err
 		}
 	}
@@ -122,7 +129,7 @@ func (m *clusterMode) bindings(d *Dense, b *partialBuffers) *vk.Pipeline {
 	if r := m.saved; r != nil {
 		b.Rows, b.Norms = r.Rows, r.Norms
 	}
-	return m.pipeline(d)
+	return m.pipe
 }
 
 // spec returns the specialization of attend_partial that attends m: with
@@ -143,18 +150,6 @@ func (m *clusterMode) spec(d *Dense) partialSpec {
 	return s
 }
 
-// pipeline returns the kernel of d that attends m (PlanSelection built it).
-func (m *clusterMode) pipeline(d *Dense) *vk.Pipeline {
-	switch s := m.spec(d); {
-	case m.approx != nil:
-		return d.approx
-	case s == d.clusterSpec:
-		return d.clustered
-	default:
-		return d.variants[s]
-	}
-}
-
 // record records the whole attention over the taken clusters and the
 // fixed tokens in one dispatch per range of KV heads, for a stage that
 // sequences plans share: a workgroup per run of clusters (runClusters, or
@@ -171,7 +166,7 @@ func (m *clusterMode) record(c *vk.Commands, p *DensePlan, sequences int) error 
 	per := m.runClusters(d, sequences)
 	runs := ceilDiv(x.C, per)
 	fixed := ceilDiv(n-x.Count, d.clusterTile)
-	pipe := m.pipeline(d)
+	pipe := m.pipe
 	blocks := d.blocksPerKV()
 	for _, seg := range p.segments[0] {
 		push := p.push(0, seg)
