@@ -276,17 +276,7 @@ func (r *readProbe) empty(c *vk.Commands) {
 // Release frees the buffers and the binding (the pipeline is the
 // device's).
 func (r *readProbe) Release() error {
-	var errs []error
-	if r.bind != nil {
-		errs = append(errs, r.bind.Release())
-	}
-	if r.dst != nil {
-		errs = append(errs, r.dst.Release())
-	}
-	if r.src != nil {
-		errs = append(errs, r.src.Release())
-	}
-	return errors.Join(errs...)
+	return errors.Join(releaseAll(r.bind), releaseAll(r.dst, r.src))
 }
 
 // measureCostModel times the chains and the read (Calibrate).

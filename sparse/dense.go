@@ -24,14 +24,10 @@ type Dense struct {
 	partial   *vk.Pipeline
 	gather    *vk.Pipeline // attend_partial reading rows through token lists
 	clustered *vk.Pipeline // attend_partial over taken clusters; nil where shared memory is short
-	// approx is attend_partial over taken clusters with pseudo-tokens of
-	// the kept ones (PlanSelection), built on first use.
-	approx *vk.Pipeline
-	// logits is dense attend_partial that also writes its logits
-	// (PlanLogits), built on first use.
-	logits *vk.Pipeline
-	code   []byte      // attend_partial's SPIR-V
-	spec   partialSpec // its specialization for dense attention
+	// Other specializations (pseudo-tokens, logits, single tokens) are
+	// built on first use (variant).
+	code []byte      // attend_partial's SPIR-V
+	spec partialSpec // its specialization for dense attention
 	// clusterSpec is its specialization for attention over clusters, with
 	// tiles and score slots of its own.
 	clusterSpec partialSpec
@@ -326,32 +322,6 @@ func (d *Dense) compile(clusters bool) error {
 	return err
 }
 
-// buildApprox builds attention over clusters with pseudo-tokens (d.approx)
-// the first time a plan needs it.
-func (d *Dense) buildApprox() error {
-	if d.approx != nil {
-		return nil
-	}
-	spec := d.clusterSpec
-	spec.Approx = 1
-	var err error
-	d.approx, err = d.kernel("attend_partial (clusters, pseudo-tokens)", spec)
-	return err
-}
-
-// buildLogits builds dense attention that writes its logits (d.logits)
-// the first time a plan needs it.
-func (d *Dense) buildLogits() error {
-	if d.logits != nil {
-		return nil
-	}
-	spec := d.spec
-	spec.Logits = 1
-	var err error
-	d.logits, err = d.kernel("attend_partial (dense, logits)", spec)
-	return err
-}
-
 // variant returns attend_partial specialized by spec, compiled the first
 // time a plan asks for it and kept with the selection kernels until
 // Release.
@@ -395,7 +365,7 @@ func (d *Dense) Heads() Heads { return d.heads }
 // Release destroys the kernels.
 func (d *Dense) Release() error {
 	var errs []error
-	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered, d.approx, d.logits} {
+	for _, p := range []*vk.Pipeline{d.partial, d.gather, d.clustered} {
 		if p != nil {
 			errs = append(errs, p.Release())
 		}

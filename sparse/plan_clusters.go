@@ -81,9 +81,6 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 		if a.Keep.Size < uint64(h.Query)*4 || a.Logits.Size < c*4 || a.Means.Size < uint64(h.KV*clusters.C*h.Dim)*2 {
 			return nil, fmt.Errorf("sparse: pseudo-tokens with keeps of %d bytes, logits of %d and means of %d for %d query heads of %d clusters", a.Keep.Size, a.Logits.Size, a.Means.Size, h.Query, clusters.C)
 		}
-		if err := d.buildApprox(); err != nil {
-			return nil, err
-		}
 	}
 	m := &clusterMode{index: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most,
 		unit: sel.Approx == nil && clusters.SingleTokens()}
@@ -96,12 +93,8 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 		}
 		m.saved = r
 	}
-	switch spec := m.spec(d); {
-	case sel.Approx != nil:
-		m.pipe = d.approx
-	case spec == d.clusterSpec:
-		m.pipe = d.clustered
-	default:
+	m.pipe = d.clustered
+	if spec := m.spec(d); spec != d.clusterSpec {
 		var err error
 		if m.pipe, err = d.variant(spec); err != nil {
 			return nil, err

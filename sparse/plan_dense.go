@@ -13,6 +13,7 @@ type denseMode struct {
 	// logits, with PlanLogits, receives every logit, float32 [Hq][Len] of
 	// the one sequence (rows of Len floats from the start).
 	logits *vk.Buffer
+	pipe   *vk.Pipeline // attend_partial, writing the logits with them
 }
 
 // Plan prepares attention over the sequences (one query per sequence).
@@ -37,14 +38,17 @@ func (d *Dense) PlanChunks(seqs []*kvcache.Layer, maxChunks int) (*DensePlan, er
 			return nil, fmt.Errorf("sparse: sequence %d has %d KV heads of %d, kernels want %d of %d", i, s.KVHeads(), s.HeadDim(), h.KV, h.Dim)
 		}
 	}
-	return d.newPlan(seqs, maxChunks, &denseMode{})
+	return d.newPlan(seqs, maxChunks, &denseMode{pipe: d.partial})
 }
 
 // PlanLogits prepares dense attention over one sequence that also writes
 // every logit scale·q_h·k_t it computes into Logits, float32 [Hq][Len]
 // (DELTA's token scores read them).
 func (d *Dense) PlanLogits(layer *kvcache.Layer) (*DensePlan, error) {
-	if err := d.buildLogits(); err != nil {
+	spec := d.spec
+	spec.Logits = 1
+	pipe, err := d.variant(spec)
+	if err != nil {
 		return nil, err
 	}
 	if layer.KVHeads() != d.heads.KV || layer.HeadDim() != d.heads.Dim {
@@ -54,7 +58,7 @@ func (d *Dense) PlanLogits(layer *kvcache.Layer) (*DensePlan, error) {
 	if err != nil {
 		return nil, err
 	}
-	return d.newPlan([]*kvcache.Layer{layer}, defaultMaxChunk, &denseMode{logits: logits})
+	return d.newPlan([]*kvcache.Layer{layer}, defaultMaxChunk, &denseMode{logits: logits, pipe: pipe})
 }
 
 // Logits returns where a PlanLogits plan writes its logits, float32
@@ -69,18 +73,13 @@ func (p *DensePlan) Logits() *vk.Buffer {
 func (m *denseMode) bindings(d *Dense, b *partialBuffers) *vk.Pipeline {
 	if m.logits != nil {
 		b.Rows = m.logits.All()
-		return d.logits
 	}
-	return d.partial
+	return m.pipe
 }
 
 // record dispatches, per sequence and range of KV heads, a workgroup per
 // chunk of tokens (chunkFor) and head block.
 func (m *denseMode) record(c *vk.Commands, p *DensePlan, _ int) error {
-	pipe := p.d.partial
-	if m.logits != nil {
-		pipe = p.d.logits
-	}
 	for b, s := range p.seqs {
 		n := s.Len()
 		if n == 0 {
@@ -94,7 +93,7 @@ func (m *denseMode) record(c *vk.Commands, p *DensePlan, _ int) error {
 		for _, seg := range p.segments[b] {
 			push := p.push(b, seg)
 			push.N, push.Chunk, push.RowStride = uint32(n), uint32(chunk), uint32(n)
-			c.Dispatch(pipe, seg.bind, push.words(), uint32(nc), uint32(seg.kvCount*p.d.blocksPerKV()), 1)
+			c.Dispatch(m.pipe, seg.bind, push.words(), uint32(nc), uint32(seg.kvCount*p.d.blocksPerKV()), 1)
 		}
 	}
 	return nil

@@ -24,8 +24,12 @@ type KernelStatistics struct {
 // reports them (vk.Info.ExecutableStatistics); elsewhere it returns
 // vk.ErrUnsupported.
 func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
+	var approx *vk.Pipeline
 	if dense.clustered != nil { // built only where attention over clusters is
-		if err := dense.buildApprox(); err != nil {
+		spec := dense.clusterSpec
+		spec.Approx = 1
+		var err error
+		if approx, err = dense.variant(spec); err != nil {
 			return nil, err
 		}
 	}
@@ -48,7 +52,7 @@ func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
 		{"attend_partial (dense)", dense.partial},
 		{"attend_partial (token lists)", dense.gather},
 		{"attend_partial (clusters)", dense.clustered},
-		{"attend_partial (clusters, pseudo-tokens)", dense.approx},
+		{"attend_partial (clusters, pseudo-tokens)", approx},
 		{"centroid_score (Tactic)", tactic.score.pipe},
 		{"tactic_select", tactic.selection},
 		{"centroid_score (Double-P)", doublePScore},
