@@ -294,6 +294,13 @@ func New(dev *vk.Device, cfg Config) (*Model, error) {
 	m.dense, err = sparse.NewDense(dev, h)
 	if err == nil && slices.ContainsFunc(policies, Policy.Clustered) {
 		m.km, err = sparse.NewKMeans(dev, h.KV, h.Dim)
+		// The scratch of the largest prefill's clustering, allocated now
+		// rather than at the first prefill.
+		for _, pol := range policies {
+			if err == nil && pol.Clustered() && cfg.Capacity > pol.opts.Sinks {
+				err = m.km.Reserve(cfg.Capacity-pol.opts.Sinks, pol.opts.KMeans)
+			}
+		}
 	}
 	if err == nil {
 		m.cmd, err = dev.NewCommands()

@@ -22,8 +22,9 @@ type TacticRun struct {
 	Steps   int     `json:"steps"`
 	// ClusterMs is the wall time of clustering the prefill and storing it
 	// in cluster order, the first clustering of the run (its kernels'
-	// first use; after a second of GPU load, sparse.WarmUp, as a model's
-	// prefill would leave the clocks); ClusterWarmMs the wall time of clustering it again with
+	// first use, their scratch reserved as decode.Model does when made;
+	// after a second of GPU load, sparse.WarmUp, as a model's prefill
+	// would leave the clocks); ClusterWarmMs the wall time of clustering it again with
 	// the same kernels and ReorderMs of storing it, ClusterGPUMs the GPU
 	// time of that clustering (first to last timestamp).
 	ClusterMs     float64 `json:"cluster_ms"`
@@ -133,6 +134,11 @@ func TacticTrace(dev *vk.Device, t *trace.Trace, ps []float64, fit sparse.Tactic
 		return nil, err
 	}
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
+	// The clustering's scratch is allocated before, as decode.Model does
+	// when it is made.
+	if err := km.Reserve(prefill-sparse.TacticDefaultSinks, clustering); err != nil {
+		return nil, err
+	}
 	// Clocks up first, as a model's prefill leaves them before clustering.
 	if err := sparse.WarmUp(dev, time.Second); err != nil {
 		return nil, err

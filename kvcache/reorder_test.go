@@ -86,3 +86,20 @@ func TestReorder(t *testing.T) {
 		require.NoError(t, l.Release())
 	}
 }
+
+// TestPrepareReorder compiles the reorder kernel ahead: Reorder then uses
+// the same device-owned kernel, and head sizes no kernel serves are
+// refused.
+func TestPrepareReorder(t *testing.T) {
+	dev := vktest.Open(t)
+	require.NoError(t, PrepareReorder(dev, 40))
+	before, err := reorderKernel(dev, 40)
+	require.NoError(t, err)
+	require.NoError(t, PrepareReorder(dev, 40), "again")
+	after, err := reorderKernel(dev, 40)
+	require.NoError(t, err)
+	require.Same(t, before, after, "one kernel per head size")
+	for _, bad := range []int{0, -8, 12} {
+		require.Error(t, PrepareReorder(dev, bad), "heads of %d", bad)
+	}
+}

@@ -213,3 +213,48 @@ func TestKMeansSpansLargeCluster(t *testing.T) {
 		require.GreaterOrEqual(t, longest, hi-lo, "tensor %v", tensor)
 	}
 }
+
+// TestKMeansReserve reserves the scratch of a clustering within spans and
+// checks that a clustering of that size, and of a smaller one, then takes
+// no new scratch and clusters as a KMeans without a reservation does,
+// bit for bit; that a larger clustering grows it; and that Reserve refuses
+// what Cluster refuses.
+func TestKMeansReserve(t *testing.T) {
+	dev := vktest.Open(t)
+	const heads, dim, first, count, span = 2, 32, 3, 1203, 400
+	seed := uint64(rand.Int63())
+	layer, _ := clusteredLayer(t, dev, first+count, heads, dim, int64(seed))
+	plain, err := NewKMeans(dev, heads, dim)
+	require.NoError(t, err)
+	defer plain.Release()
+	km, err := NewKMeans(dev, heads, dim)
+	require.NoError(t, err)
+	defer km.Release()
+	opts := KMeansOptions{Seed: seed, Span: span, MaxIter: 4}
+	require.NoError(t, km.Reserve(count, opts))
+	scratch := []*vk.Buffer{km.changed, km.readback, km.cursor, km.halves}
+	for _, n := range []int{count, count - 500} {
+		var got [2]*kvcache.HostClusters
+		for i, k := range []*KMeans{km, plain} {
+			x, err := k.Cluster(layer, first, n, opts)
+			require.NoError(t, err)
+			got[i], err = x.Read(heads - 1)
+			require.NoError(t, x.Release())
+			require.NoError(t, err)
+		}
+		require.Equal(t, got[1], got[0], "%d tokens: reserved against not", n)
+		require.Equal(t, scratch, []*vk.Buffer{km.changed, km.readback, km.cursor, km.halves}, "%d tokens: a clustering within the reservation allocates no scratch", n)
+	}
+	more := opts
+	more.MaxIter = 8
+	x, err := km.Cluster(layer, first, count, more)
+	require.NoError(t, err)
+	require.NoError(t, x.Release())
+	require.NotSame(t, scratch[0], km.changed, "more steps than reserved grow the step counts")
+
+	require.Error(t, km.Reserve(0, opts), "no tokens")
+	require.Error(t, km.Reserve(count, KMeansOptions{Span: -1}), "a negative span")
+	require.Error(t, km.Reserve(count, KMeansOptions{AvgClusterSize: -2}), "a negative cluster size")
+	require.NoError(t, km.Release())
+	require.ErrorIs(t, km.Reserve(count, opts), vk.ErrReleased)
+}
