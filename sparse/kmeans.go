@@ -86,16 +86,19 @@ type KMeansOptions struct {
 	Stages *KMeansStages
 }
 
-// withDefaults returns o with its zero cluster size and steps set to the
-// defaults.
-func (o KMeansOptions) withDefaults() KMeansOptions {
+// resolved returns o with its zero cluster size and steps set to the
+// defaults, and refuses negative ones.
+func (o KMeansOptions) resolved() (KMeansOptions, error) {
 	if o.AvgClusterSize == 0 {
 		o.AvgClusterSize = KMeansDefaultAvgClusterSize
 	}
 	if o.MaxIter == 0 {
 		o.MaxIter = KMeansDefaultIters
 	}
-	return o
+	if o.MaxIter < 0 || o.AvgClusterSize < 0 || o.Span < 0 {
+		return o, fmt.Errorf("sparse: KMeansOptions %+v", o)
+	}
+	return o, nil
 }
 
 // KMeansStages is the time a clustering spent in each kind of step.
@@ -234,6 +237,10 @@ func (km *KMeans) scratch(b **vk.Buffer, size uint64, kind vk.Memory) (*vk.Buffe
 	return nb, nil
 }
 
+// tensorFor reports whether a clustering of n tokens takes the tensor
+// path.
+func (km *KMeans) tensorFor(n int) bool { return km.tensor && n >= 16 }
+
 // Reserve allocates the scratch that clustering count tokens with opts
 // takes, so that the first Cluster of up to that size allocates only its
 // index: on an NVIDIA H200 the first clustering of a 131 072-token layer
@@ -243,16 +250,16 @@ func (km *KMeans) Reserve(count int, opts KMeansOptions) error {
 	if km.scan == nil {
 		return vk.ErrReleased
 	}
-	opts = opts.withDefaults()
-	if opts.MaxIter < 0 || opts.AvgClusterSize < 0 || opts.Span < 0 {
-		return fmt.Errorf("sparse: KMeansOptions %+v", opts)
+	opts, err := opts.resolved()
+	if err != nil {
+		return err
 	}
 	spans, err := KMeansSpans(count, opts.Span, opts.AvgClusterSize)
 	if err != nil {
 		return err
 	}
 	last := spans[len(spans)-1]
-	_, err = km.runScratch(last.FirstCluster+last.Clusters, len(spans), opts.MaxIter, km.tensor && count >= 16, nil)
+	_, err = km.runScratch(last.FirstCluster+last.Clusters, len(spans), opts.MaxIter, km.tensorFor(count), nil)
 	return err
 }
 
@@ -269,14 +276,15 @@ func (km *KMeans) Cluster(layer *kvcache.Layer, first, count int, opts KMeansOpt
 		return nil, vk.ErrReleased
 	}
 	start := time.Now()
-	opts = opts.withDefaults()
+	opts, err := opts.resolved()
+	if err != nil {
+		return nil, err
+	}
 	switch {
 	case layer.KVHeads() != km.kvHeads || layer.HeadDim() != km.dim:
 		return nil, fmt.Errorf("sparse: KMeans built for %d heads of %d, layer has %d of %d", km.kvHeads, km.dim, layer.KVHeads(), layer.HeadDim())
 	case first < 0 || count <= 0 || first+count > layer.Len():
 		return nil, fmt.Errorf("sparse: clustering tokens [%d, %d) of a cache of %d", first, first+count, layer.Len())
-	case opts.MaxIter < 0 || opts.AvgClusterSize < 0 || opts.Span < 0:
-		return nil, fmt.Errorf("sparse: KMeansOptions %+v", opts)
 	}
 	spans, err := KMeansSpans(count, opts.Span, opts.AvgClusterSize)
 	if err != nil {
@@ -301,7 +309,7 @@ func (km *KMeans) Cluster(layer *kvcache.Layer, first, count int, opts KMeansOpt
 // (but the last of the spans).
 func (km *KMeans) run(layer *kvcache.Layer, x *kvcache.Clusters, init []int, span, spanClusters, spans, maxIter int, start time.Time, stages *KMeansStages) (err error) {
 	dev, h, c, n := km.dev, km.kvHeads, x.C, x.Count
-	tensor := km.tensor && n >= 16
+	tensor := km.tensorFor(n)
 	// The initial centroids are the update of one-member clusters: cluster
 	// j's member is token First+init[j], listed at the start of Members.
 	rows := make([]uint32, c)
