@@ -401,7 +401,7 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 		x, err := m.km.Cluster(sl.cache, pol.opts.Sinks, n-pol.opts.Sinks, pol.opts.KMeans)
 		if err == nil {
 			// The index keeps its centroids in fp16, as the selection reads them.
-			if err = errors.Join(sl.cache.Reorder(x), x.Halve(m.dev)); err != nil {
+			if err = errors.Join(sl.cache.Reorder(x), x.Quantize(m.dev)); err != nil {
 				err = errors.Join(err, x.Release())
 			}
 		}
@@ -576,7 +576,7 @@ func (m *Model) clusterTail(slot, layer int) error {
 			}
 			sl.pending = x
 		}
-		if err := sl.pending.Halve(m.dev); err != nil {
+		if err := sl.pending.Quantize(m.dev); err != nil {
 			return fail(err)
 		}
 		joined, err := sl.clusters.Join(m.dev, sl.pending)

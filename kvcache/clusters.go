@@ -4,8 +4,6 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/x448/float16"
-
 	"github.com/vksparse/vksparse/vk"
 )
 
@@ -23,14 +21,17 @@ type Clusters struct {
 	// hold cluster c's members, in Members order.
 	Contiguous bool
 
-	Centroids *vk.Buffer // float32 [KVHeads][C][HeadDim]; nil once halved
-	// Halves holds the centroids rounded to fp16, [KVHeads][C][HeadDim],
-	// in place of Centroids once Halve ran (what the selection kernels
-	// read, in half the memory); nil before.
-	Halves *vk.Buffer
-	Norms  *vk.Buffer // float32 [KVHeads][C], |centroid|²
-	Counts *vk.Buffer // uint32 [KVHeads][C], cluster sizes
-	Starts *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
+	Centroids *vk.Buffer // float32 [KVHeads][C][HeadDim]; nil once quantized
+	// Codes and Scales hold the centroids in 8 bits in place of Centroids
+	// once Quantize ran (what the selection kernels read, in a quarter of
+	// the memory), nil before: Codes the codes of every row, [KVHeads][C]
+	// [HeadDim] packed four to a word (PackCodes), Scales each row's scale,
+	// float32 [KVHeads][C]; centroid c's element i is Scales[c]·code[c][i]
+	// (QuantizeRows).
+	Codes, Scales *vk.Buffer
+	Norms         *vk.Buffer // float32 [KVHeads][C], |centroid|²
+	Counts        *vk.Buffer // uint32 [KVHeads][C], cluster sizes
+	Starts        *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
 	// Members, uint32 [KVHeads][Count], lists token ids in cluster order;
 	// Assign, uint32 [KVHeads][Count], the cluster of token First+r. Both
 	// are nil in a page index (NewPages), where members are the identity
@@ -97,12 +98,12 @@ func (x *Clusters) Release() error {
 		return fmt.Errorf("kvcache: the index is read by %d plans: release them first", x.holds)
 	}
 	var errs []error
-	for _, b := range []*vk.Buffer{x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
+	for _, b := range []*vk.Buffer{x.Centroids, x.Codes, x.Scales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
 		if b != nil {
 			errs = append(errs, b.Release())
 		}
 	}
-	x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil, nil
+	x.Centroids, x.Codes, x.Scales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil, nil, nil
 	return errors.Join(errs...)
 }
 
@@ -126,13 +127,13 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 	c4, n4 := uint64(x.C)*4, uint64(x.Count)*4
 	readCentroids := func() error {
 		switch {
-		case x.Halves != nil:
-			h := make([]uint16, len(cent))
-			if err := x.Halves.ReadUint16(uint64(g)*c4/2*uint64(x.HeadDim), h); err != nil {
+		case x.Codes != nil:
+			words, scales := make([]uint32, len(cent)/4), make([]float32, x.C)
+			if err := errors.Join(x.Codes.ReadUint32(uint64(g)*c4/4*uint64(x.HeadDim), words), x.Scales.ReadFloat32(uint64(g)*c4, scales)); err != nil {
 				return err
 			}
-			for i, v := range h {
-				cent[i] = float16.Frombits(v).Float32()
+			for i, k := range UnpackCodes(words) {
+				cent[i] = scales[i/x.HeadDim] * float32(k)
 			}
 		case x.Centroids != nil:
 			return x.Centroids.ReadFloat32(uint64(g)*c4*uint64(x.HeadDim), cent)
@@ -190,18 +191,21 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 		return nil, fmt.Errorf("kvcache: joining an index of tokens [%d, %d) (%d heads of %d) after one of [%d, %d) (%d heads of %d)",
 			next.First, next.First+next.Count, next.KVHeads, next.HeadDim, x.First, x.First+x.Count, x.KVHeads, x.HeadDim)
 	}
-	halved := x.Halves != nil
+	coded := x.Codes != nil
 	switch {
-	case (x.Centroids == nil && !halved) || (next.Centroids == nil && next.Halves == nil):
+	case (x.Centroids == nil && !coded) || (next.Centroids == nil && next.Codes == nil):
 		return nil, fmt.Errorf("kvcache: joining a page index (no centroids): make pages over the whole range instead")
-	case halved != (next.Halves != nil):
-		return nil, fmt.Errorf("kvcache: joining an index with fp16 centroids and one with float32 (Halve both)")
+	case coded != (next.Codes != nil):
+		return nil, fmt.Errorf("kvcache: joining an index with 8-bit centroids and one with float32 (Quantize both)")
 	}
-	j, err := newClusters(dev, x.KVHeads, x.HeadDim, x.C+next.C, x.First, x.Count+next.Count, !halved, true)
-	if err == nil && halved {
+	j, err := newClusters(dev, x.KVHeads, x.HeadDim, x.C+next.C, x.First, x.Count+next.Count, !coded, true)
+	if err == nil && coded {
 		j.Norms, err = dev.NewBuffer(uint64(x.KVHeads*j.C)*4, vk.DeviceLocal)
 		if err == nil {
-			j.Halves, err = dev.NewBuffer(uint64(x.KVHeads*j.C*x.HeadDim)*2, vk.DeviceLocal)
+			j.Codes, err = dev.NewBuffer(uint64(x.KVHeads*j.C*x.HeadDim), vk.DeviceLocal)
+		}
+		if err == nil {
+			j.Scales, err = dev.NewBuffer(uint64(x.KVHeads*j.C)*4, vk.DeviceLocal)
 		}
 		if err != nil {
 			err = errors.Join(err, j.Release())
@@ -237,8 +241,9 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 					c.Copy(b.Slice(uint64(g)*wb, wb), dst.Slice(uint64(g)*(wa+wb)+wa, wb))
 				}
 			}
-			if halved {
-				join(j.Halves, x.Halves, next.Halves, x.C, next.C, x.HeadDim/2)
+			if coded {
+				join(j.Codes, x.Codes, next.Codes, x.C, next.C, x.HeadDim/4)
+				join(j.Scales, x.Scales, next.Scales, x.C, next.C, 1)
 			} else {
 				join(j.Centroids, x.Centroids, next.Centroids, x.C, next.C, x.HeadDim)
 			}
@@ -268,36 +273,62 @@ func (x *Clusters) Bytes() uint64 {
 	if x == nil {
 		return 0
 	}
-	return vk.Held(x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign)
+	return vk.Held(x.Centroids, x.Codes, x.Scales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign)
 }
 
-// Halve rounds the centroids to fp16 into Halves and releases the float32
-// ones: the selection kernels read fp16 centroids, and an index kept for
-// decoding takes half the memory so. An index already halved is left as
-// it is; on error it is left as it was.
-func (x *Clusters) Halve(dev *vk.Device) error {
-	if x.Halves != nil {
+// Quantize stores the centroids in 8 bits (QuantizeRows) in Codes and
+// Scales and releases the float32 ones: the selection kernels read 8-bit
+// centroids, and an index kept for decoding takes a quarter of the memory
+// so. An index already quantized is left as it is; on error it is left as
+// it was.
+func (x *Clusters) Quantize(dev *vk.Device) error {
+	if x.Codes != nil {
 		return nil
 	}
 	if x.Centroids == nil {
-		return fmt.Errorf("kvcache: Halve of an index without centroids")
+		return fmt.Errorf("kvcache: Quantize of an index without centroids")
+	}
+	codes, scales, err := x.ReadCodes()
+	if err != nil {
+		return err
+	}
+	var c, s *vk.Buffer
+	c, err = dev.NewBuffer(uint64(len(codes))*4, vk.DeviceLocal)
+	if err == nil {
+		s, err = dev.NewBuffer(uint64(len(scales))*4, vk.DeviceLocal)
+	}
+	if err == nil {
+		err = errors.Join(c.WriteUint32(0, codes), s.WriteFloat32(0, scales))
+	}
+	if err != nil {
+		for _, b := range []*vk.Buffer{c, s} {
+			if b != nil {
+				err = errors.Join(err, b.Release())
+			}
+		}
+		return err
+	}
+	err = x.Centroids.Release()
+	x.Centroids, x.Codes, x.Scales = nil, c, s
+	return err
+}
+
+// ReadCodes returns the float32 centroids of every head in 8 bits, as
+// Quantize stores them: the packed codes (PackCodes) and the rows' scales.
+func (x *Clusters) ReadCodes() (codes []uint32, scales []float32, err error) {
+	switch {
+	case x.Centroids == nil:
+		return nil, nil, fmt.Errorf("kvcache: the index holds no float32 centroids")
+	case x.HeadDim%4 != 0:
+		return nil, nil, fmt.Errorf("kvcache: 8-bit centroids of dimension %d: codes are packed four to a word", x.HeadDim)
 	}
 	f := make([]float32, x.KVHeads*x.C*x.HeadDim)
 	if err := x.Centroids.ReadFloat32(0, f); err != nil {
-		return err
+		return nil, nil, err
 	}
-	h, err := ToHalves(f)
+	k, scales, err := QuantizeRows(f, x.HeadDim)
 	if err != nil {
-		return fmt.Errorf("kvcache: centroids in fp16: %w", err)
+		return nil, nil, fmt.Errorf("kvcache: centroids in 8 bits: %w", err)
 	}
-	halves, err := dev.NewBuffer(uint64(len(h))*2, vk.DeviceLocal)
-	if err != nil {
-		return err
-	}
-	if err := halves.WriteUint16(0, h); err != nil {
-		return errors.Join(err, halves.Release())
-	}
-	err = x.Centroids.Release()
-	x.Centroids, x.Halves = nil, halves
-	return err
+	return PackCodes(k), scales, nil
 }
