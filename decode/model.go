@@ -400,7 +400,7 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 	if pol := m.policy[layer]; pol.Clustered() {
 		x, err := m.km.Cluster(sl.cache, pol.opts.Sinks, n-pol.opts.Sinks, pol.opts.KMeans)
 		if err == nil {
-			// The index keeps its centroids in fp16, as the selection reads them.
+			// The index keeps its centroids in 8 bits, as the selection reads them.
 			if err = errors.Join(sl.cache.Reorder(x), x.Quantize(m.dev)); err != nil {
 				err = errors.Join(err, x.Release())
 			}
