@@ -576,7 +576,7 @@ func (m *Model) clusterTail(slot, layer int) error {
 			}
 			sl.pending = x
 		}
-		if err := sl.pending.Quantize(m.dev); err != nil {
+		if err := sl.pending.QuantizeLike(m.dev, sl.clusters); err != nil {
 			return fail(err)
 		}
 		joined, err := sl.clusters.Join(m.dev, sl.pending)

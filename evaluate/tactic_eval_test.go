@@ -73,7 +73,7 @@ func TestTacticEvaluateMatchesReferences(t *testing.T) {
 		for pi, p := range opts.P {
 			_, union, budgets, err := sparse.TacticDecodeRef(qs, keys, values, tr.Scale, idx, fixed, p, opts.Fit)
 			require.NoError(t, err)
-			traffic[pi].Centroids += float64(idx.Clusters() * kvcache.CodedRowBytes(d))
+			traffic[pi].Centroids += float64(kvcache.CodedHeadBytes(idx.Clusters(), d))
 			traffic[pi].Attended += float64(2*len(union)) * row
 			traffic[pi].Dense += float64(2*(pos+1)) * row
 			for j, q := range qs {

@@ -4,10 +4,11 @@ import "github.com/vksparse/vksparse/kvcache"
 
 // StepTraffic is what one decode step of a layer reads from memory at the
 // least, in bytes, from the float64 selection, mean over the evaluated
-// queries: every KV head's 8-bit centroids with their scales once
-// (Centroids, kvcache.CodedRowBytes a row), the fp16 key rows that each
-// query head's fit scores, fixed tokens included (Sampled), and the fp16
-// key and value rows of every KV head's union (Attended). Dense is what dense attention reads: every key and value
+// queries: every KV head's 8-bit centroids with their row and dimension
+// scales once (Centroids, kvcache.CodedHeadBytes a head), the fp16 key
+// rows that each query head's fit scores, fixed tokens included
+// (Sampled), and the fp16 key and value rows of every KV head's union
+// (Attended). Dense is what dense attention reads: every key and value
 // row. Scores, cuts and partial results are left out: they are small
 // beside these and stay in the GPU's cache.
 type StepTraffic struct {
@@ -62,10 +63,9 @@ func stepTraffic(cases [][]tacticCase, heads []kvHead, d int) StepTraffic {
 	}
 	group := len(cases[0]) / len(heads)
 	row := float64(2 * d) // bytes of one fp16 row
-	coded := float64(kvcache.CodedRowBytes(d))
 	for _, byHead := range cases {
 		for g, h := range heads {
-			s.Centroids += float64(h.idx.Clusters()) * coded
+			s.Centroids += float64(kvcache.CodedHeadBytes(h.idx.Clusters(), d))
 			// The union is the same for every query head of the group.
 			s.Attended += 2 * float64(byHead[g*group].union.Selected) * row
 			s.Dense += 2 * float64(byHead[g*group].attended) * row

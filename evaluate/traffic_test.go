@@ -43,9 +43,10 @@ func TestTacticSelectionBytesAtLlamaShape(t *testing.T) {
 		t.Logf("%+v: selection %.2f MB (centroids %.2f, fit's rows %.2f), unions %.2f MB: %.3f; success %.1f%%, union %.2f%% of the tokens",
 			fit, s.Selection()/1e6, s.Centroids/1e6, s.Sampled/1e6, s.Attended/1e6, s.SelectionShare(), 100*r.SuccessRate, 100*r.Union/r.Attended)
 		// A row of codes and its scale per cluster of every KV head,
-		// clusters of opts.AvgClusterSize tokens on average.
+		// clusters of opts.AvgClusterSize tokens on average, and the head's
+		// dimension scales.
 		clusters := float64(tr.Tokens-tr.Queries()-opts.Sinks) / float64(opts.AvgClusterSize)
-		assert.InEpsilon(t, kvHeads*clusters*float64(kvcache.CodedRowBytes(dim)), s.Centroids, 0.01, "centroid bytes")
+		assert.InEpsilon(t, kvHeads*(clusters*float64(kvcache.CodedRowBytes(dim))+4*dim), s.Centroids, 0.01, "centroid bytes")
 		// Every query head's fit reads its rows; every KV head's union its
 		// keys and values, fp16.
 		assert.InDelta(t, qHeads*r.Sampled*2*dim, s.Sampled, 1e-6*s.Sampled, "fit's bytes")
@@ -54,7 +55,7 @@ func TestTacticSelectionBytesAtLlamaShape(t *testing.T) {
 	}
 
 	def := traffic(sparse.DefaultTacticFit())
-	fp16 := def.Centroids * float64(2*dim) / float64(kvcache.CodedRowBytes(dim))
+	fp16 := (def.Centroids - kvHeads*4*dim) * float64(2*dim) / float64(kvcache.CodedRowBytes(dim))
 	assert.Less(t, def.SelectionShare(), 0.8*(fp16+def.Sampled)/def.Attended, "8-bit centroids against fp16 ones")
 
 	capped := sparse.DefaultTacticFit()

@@ -3,6 +3,7 @@ package kvcache
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/vksparse/vksparse/vk"
 )
@@ -22,16 +23,18 @@ type Clusters struct {
 	Contiguous bool
 
 	Centroids *vk.Buffer // float32 [KVHeads][C][HeadDim]; nil once quantized
-	// Codes and Scales hold the centroids in 8 bits in place of Centroids
-	// once Quantize ran (what the selection kernels read, in a quarter of
-	// the memory), nil before: Codes the codes of every row, [KVHeads][C]
-	// [HeadDim] packed four to a word (PackCodes), Scales each row's scale,
-	// float32 [KVHeads][C]; centroid c's element i is Scales[c]·code[c][i]
+	// Codes, Scales and DimScales hold the centroids in 8 bits in place of
+	// Centroids once Quantize ran (what the selection kernels read, in
+	// about a quarter of the memory), nil before: Codes the codes of every
+	// row, [KVHeads][C][HeadDim] packed four to a word (PackCodes), Scales
+	// each row's scale, float32 [KVHeads][C], DimScales each head's
+	// dimension scales, float32 [KVHeads][HeadDim]; element i of head g's
+	// centroid c is Scales[g][c]·DimScales[g][i]·code[g][c][i]
 	// (QuantizeRows).
-	Codes, Scales *vk.Buffer
-	Norms         *vk.Buffer // float32 [KVHeads][C], |centroid|²
-	Counts        *vk.Buffer // uint32 [KVHeads][C], cluster sizes
-	Starts        *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
+	Codes, Scales, DimScales *vk.Buffer
+	Norms                    *vk.Buffer // float32 [KVHeads][C], |centroid|²
+	Counts                   *vk.Buffer // uint32 [KVHeads][C], cluster sizes
+	Starts                   *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
 	// Members, uint32 [KVHeads][Count], lists token ids in cluster order;
 	// Assign, uint32 [KVHeads][Count], the cluster of token First+r. Both
 	// are nil in a page index (NewPages), where members are the identity
@@ -98,12 +101,12 @@ func (x *Clusters) Release() error {
 		return fmt.Errorf("kvcache: the index is read by %d plans: release them first", x.holds)
 	}
 	var errs []error
-	for _, b := range []*vk.Buffer{x.Centroids, x.Codes, x.Scales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
+	for _, b := range []*vk.Buffer{x.Centroids, x.Codes, x.Scales, x.DimScales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
 		if b != nil {
 			errs = append(errs, b.Release())
 		}
 	}
-	x.Centroids, x.Codes, x.Scales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil, nil, nil
+	x.Centroids, x.Codes, x.Scales, x.DimScales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil, nil, nil, nil
 	return errors.Join(errs...)
 }
 
@@ -114,7 +117,8 @@ type HostClusters struct {
 	Assign    []int32   // cluster of token First+r
 }
 
-// Read copies head g's index to the host.
+// Read copies head g's index to the host; 8-bit centroids are read back
+// as Decode gives them.
 func (x *Clusters) Read(g int) (*HostClusters, error) {
 	if g < 0 || g >= x.KVHeads {
 		return nil, fmt.Errorf("kvcache: head %d of %d", g, x.KVHeads)
@@ -128,12 +132,14 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 	readCentroids := func() error {
 		switch {
 		case x.Codes != nil:
-			words, scales := make([]uint32, len(cent)/4), make([]float32, x.C)
-			if err := errors.Join(x.Codes.ReadUint32(uint64(g)*c4/4*uint64(x.HeadDim), words), x.Scales.ReadFloat32(uint64(g)*c4, scales)); err != nil {
+			d := x.HeadDim
+			words, scales, dims := make([]uint32, len(cent)/4), make([]float32, x.C), make([]float32, d)
+			if err := errors.Join(x.Codes.ReadUint32(uint64(g)*c4/4*uint64(d), words), x.Scales.ReadFloat32(uint64(g)*c4, scales),
+				x.DimScales.ReadFloat32(uint64(g*d)*4, dims)); err != nil {
 				return err
 			}
 			for i, k := range UnpackCodes(words) {
-				cent[i] = scales[i/x.HeadDim] * float32(k)
+				cent[i] = Decode(scales[i/d], dims[i%d], k)
 			}
 		case x.Centroids != nil:
 			return x.Centroids.ReadFloat32(uint64(g)*c4*uint64(x.HeadDim), cent)
@@ -198,6 +204,19 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 	case coded != (next.Codes != nil):
 		return nil, fmt.Errorf("kvcache: joining an index with 8-bit centroids and one with float32 (Quantize both)")
 	}
+	var dims []float32
+	if coded {
+		var err error
+		if dims, err = x.readDimScales(); err == nil {
+			var nd []float32
+			if nd, err = next.readDimScales(); err == nil && !slices.Equal(dims, nd) {
+				err = fmt.Errorf("kvcache: joining 8-bit indexes of different dimension scales (QuantizeLike the first)")
+			}
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
 	j, err := newClusters(dev, x.KVHeads, x.HeadDim, x.C+next.C, x.First, x.Count+next.Count, !coded, true)
 	if err == nil && coded {
 		j.Norms, err = dev.NewBuffer(uint64(x.KVHeads*j.C)*4, vk.DeviceLocal)
@@ -206,6 +225,12 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 		}
 		if err == nil {
 			j.Scales, err = dev.NewBuffer(uint64(x.KVHeads*j.C)*4, vk.DeviceLocal)
+		}
+		if err == nil {
+			j.DimScales, err = dev.NewBuffer(uint64(len(dims))*4, vk.DeviceLocal)
+		}
+		if err == nil {
+			err = j.DimScales.WriteFloat32(0, dims)
 		}
 		if err != nil {
 			err = errors.Join(err, j.Release())
@@ -273,35 +298,55 @@ func (x *Clusters) Bytes() uint64 {
 	if x == nil {
 		return 0
 	}
-	return vk.Held(x.Centroids, x.Codes, x.Scales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign)
+	return vk.Held(x.Centroids, x.Codes, x.Scales, x.DimScales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign)
 }
 
-// Quantize stores the centroids in 8 bits (QuantizeRows) in Codes and
-// Scales and releases the float32 ones: the selection kernels read 8-bit
-// centroids, and an index kept for decoding takes a quarter of the memory
-// so. An index already quantized is left as it is; on error it is left as
-// it was.
+// Quantize stores the centroids in 8 bits in Codes, Scales and DimScales
+// and releases the float32 ones: each head's rows quantized against its
+// own dimension scales (DimScales over its C centroids, then
+// QuantizeRows). The selection kernels read 8-bit centroids, and an index
+// kept for decoding takes about a quarter of the memory so. An index
+// already quantized is left as it is; on error it is left as it was.
 func (x *Clusters) Quantize(dev *vk.Device) error {
+	return x.quantize(dev, nil)
+}
+
+// QuantizeLike is Quantize against the dimension scales of like, an index
+// of the same heads already quantized, so that the two join (Join): rows
+// beyond like's scales take a larger row scale, not clamped codes.
+func (x *Clusters) QuantizeLike(dev *vk.Device, like *Clusters) error {
+	if like.DimScales == nil || like.KVHeads != x.KVHeads || like.HeadDim != x.HeadDim {
+		return fmt.Errorf("kvcache: QuantizeLike an index that is not quantized or of other heads")
+	}
+	dims, err := like.readDimScales()
+	if err != nil {
+		return err
+	}
+	return x.quantize(dev, dims)
+}
+
+func (x *Clusters) quantize(dev *vk.Device, dims []float32) error {
 	if x.Codes != nil {
 		return nil
 	}
 	if x.Centroids == nil {
 		return fmt.Errorf("kvcache: Quantize of an index without centroids")
 	}
-	codes, scales, err := x.ReadCodes()
+	codes, scales, dims, err := x.readCodes(dims)
 	if err != nil {
 		return err
 	}
-	var c, s *vk.Buffer
-	c, err = dev.NewBuffer(uint64(len(codes))*4, vk.DeviceLocal)
-	if err == nil {
-		s, err = dev.NewBuffer(uint64(len(scales))*4, vk.DeviceLocal)
+	var bufs [3]*vk.Buffer
+	for i, n := range []int{len(codes), len(scales), len(dims)} {
+		if err == nil {
+			bufs[i], err = dev.NewBuffer(uint64(n)*4, vk.DeviceLocal)
+		}
 	}
 	if err == nil {
-		err = errors.Join(c.WriteUint32(0, codes), s.WriteFloat32(0, scales))
+		err = errors.Join(bufs[0].WriteUint32(0, codes), bufs[1].WriteFloat32(0, scales), bufs[2].WriteFloat32(0, dims))
 	}
 	if err != nil {
-		for _, b := range []*vk.Buffer{c, s} {
+		for _, b := range bufs {
 			if b != nil {
 				err = errors.Join(err, b.Release())
 			}
@@ -309,26 +354,59 @@ func (x *Clusters) Quantize(dev *vk.Device) error {
 		return err
 	}
 	err = x.Centroids.Release()
-	x.Centroids, x.Codes, x.Scales = nil, c, s
+	x.Centroids, x.Codes, x.Scales, x.DimScales = nil, bufs[0], bufs[1], bufs[2]
 	return err
 }
 
 // ReadCodes returns the float32 centroids of every head in 8 bits, as
-// Quantize stores them: the packed codes (PackCodes) and the rows' scales.
-func (x *Clusters) ReadCodes() (codes []uint32, scales []float32, err error) {
+// Quantize stores them: the packed codes (PackCodes), the rows' scales and
+// the heads' dimension scales.
+func (x *Clusters) ReadCodes() (codes []uint32, scales, dims []float32, err error) {
+	return x.readCodes(nil)
+}
+
+// readCodes quantizes the float32 centroids against dims, [KVHeads]
+// [HeadDim], or each head's own (DimScales) where dims is nil.
+func (x *Clusters) readCodes(dims []float32) (codes []uint32, scales, outDims []float32, err error) {
 	switch {
 	case x.Centroids == nil:
-		return nil, nil, fmt.Errorf("kvcache: the index holds no float32 centroids")
+		return nil, nil, nil, fmt.Errorf("kvcache: the index holds no float32 centroids")
 	case x.HeadDim%4 != 0:
-		return nil, nil, fmt.Errorf("kvcache: 8-bit centroids of dimension %d: codes are packed four to a word", x.HeadDim)
+		return nil, nil, nil, fmt.Errorf("kvcache: 8-bit centroids of dimension %d: codes are packed four to a word", x.HeadDim)
 	}
-	f := make([]float32, x.KVHeads*x.C*x.HeadDim)
+	d, per := x.HeadDim, x.C*x.HeadDim
+	f := make([]float32, x.KVHeads*per)
 	if err := x.Centroids.ReadFloat32(0, f); err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	k, scales, err := QuantizeRows(f, x.HeadDim)
-	if err != nil {
-		return nil, nil, fmt.Errorf("kvcache: centroids in 8 bits: %w", err)
+	k := make([]int8, 0, len(f))
+	for g := 0; g < x.KVHeads; g++ {
+		rows := f[g*per : (g+1)*per]
+		var m []float32
+		if dims != nil {
+			m = dims[g*d : (g+1)*d]
+		} else if m, err = DimScales(rows, d); err != nil {
+			return nil, nil, nil, fmt.Errorf("kvcache: centroids in 8 bits: %w", err)
+		} else {
+			outDims = append(outDims, m...)
+		}
+		kg, sg, err := QuantizeRows(rows, d, m)
+		if err != nil {
+			return nil, nil, nil, fmt.Errorf("kvcache: centroids in 8 bits: %w", err)
+		}
+		k, scales = append(k, kg...), append(scales, sg...)
 	}
-	return PackCodes(k), scales, nil
+	if dims != nil {
+		outDims = dims
+	}
+	return PackCodes(k), scales, outDims, nil
+}
+
+// readDimScales reads the dimension scales of a quantized index.
+func (x *Clusters) readDimScales() ([]float32, error) {
+	dims := make([]float32, x.KVHeads*x.HeadDim)
+	if x.DimScales == nil {
+		return nil, fmt.Errorf("kvcache: the index holds no 8-bit centroids")
+	}
+	return dims, x.DimScales.ReadFloat32(0, dims)
 }

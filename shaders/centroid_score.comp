@@ -3,10 +3,11 @@
 // (Tactic, LOG_SIZE = 0) or scale · q_h · centroid_c + ln s_c, the logit of
 // cluster c's pseudo-token in Double-P (the Double-P paper, Eq. 5; −∞ for an empty
 // cluster, LOG_SIZE = 1), for every query head h and cluster c of its KV
-// head, the centroids in 8 bits: centroid_c = r_c · k_c, k_c signed bytes
-// packed four to a 32-bit word (byte i mod 4 of word i/4 holds element i,
-// lowest first), r_c the row's float32 scale, so that
-// l = r_c · Σ_i (scale · q_h[i]) · k_c[i]. A workgroup
+// head, the centroids in 8 bits: centroid_c[i] = r_c · m[i] · k_c[i], k_c
+// signed bytes packed four to a 32-bit word (byte i mod 4 of word i/4
+// holds element i, lowest first), r_c the row's float32 scale, m the KV
+// head's dimension scales, so that l = r_c · Σ_i (scale · q_h[i] · m[i]) ·
+// k_c[i], m folded into the queries as they are loaded. A workgroup
 // scores pc.iters groups of ROWS consecutive centroids of KV head
 // gl_WorkGroupID.y for the up to HB query heads of block gl_WorkGroupID.z
 // (HB ≤ LANES), LANES lanes sharing a row so that each row is read once for
@@ -42,6 +43,7 @@ layout(std430, binding = 3) readonly buffer Sizes { uint sizes[]; };     // [Hkv
 // (so both are maxima); 0 between steps.
 layout(std430, binding = 4) buffer Extremes { uvec2 ext[]; };            // [Hq]
 layout(std430, binding = 5) readonly buffer Scales { float rowScale[]; }; // [Hkv][C]
+layout(std430, binding = 6) readonly buffer DimScales { vec4 dimScale[]; }; // [Hkv][D/4]
 
 layout(push_constant) uniform Push {
 	uint C;
@@ -89,7 +91,7 @@ void main() {
 	float rs;
 	uint size;
 	loadRow(g, first + r, lane, x, rs, size);
-	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * pc.scale;
+	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * (pc.scale * dimScale[g * D4 + i % D4]);
 	if (tid < HB) {
 		keyMax[tid] = 0;
 		keyMin[tid] = 0;

@@ -15,11 +15,17 @@ import (
 )
 
 // randomCentroids returns c rows of d values shaped like the means of
-// attention keys: most channels near N(0, 1), a few outlier channels an
-// order of magnitude larger, some rows shrunk towards zero (clusters of
-// spread keys), one row all zero where c > 2 (its scale is 0).
+// attention keys: channels of scales spread over two orders of magnitude,
+// a few outlier channels an order of magnitude larger still, with an
+// offset, some rows shrunk towards zero (clusters of spread keys), one row
+// all zero where c > 2 (its scale is 0) and one channel all zero where
+// d > 8 (its dimension scale is 0).
 func randomCentroids(rng *rand.Rand, c, d int) []float32 {
 	outliers := []int{rng.Intn(d), rng.Intn(d)}
+	spread := make([]float64, d)
+	for i := range spread {
+		spread[i] = math.Pow(10, 2*rng.Float64()-1.5)
+	}
 	x := make([]float32, c*d)
 	for r := 0; r < c; r++ {
 		shrink := 1.0
@@ -27,7 +33,7 @@ func randomCentroids(rng *rand.Rand, c, d int) []float32 {
 			shrink = 0.05 + 0.2*rng.Float64()
 		}
 		for i := 0; i < d; i++ {
-			v := rng.NormFloat64()
+			v := spread[i] * rng.NormFloat64()
 			if i == outliers[0] || i == outliers[1] {
 				v = 12 + 3*rng.NormFloat64()
 			}
@@ -37,13 +43,37 @@ func randomCentroids(rng *rand.Rand, c, d int) []float32 {
 	if c > 2 {
 		clear(x[d : 2*d])
 	}
+	if d > 8 {
+		zero := (outliers[0] + 1 + rng.Intn(d-1)) % d
+		for r := 0; r < c; r++ {
+			x[r*d+zero] = 0
+		}
+	}
 	return x
+}
+
+// quantizeHeads quantizes the rows of d values of each of heads heads of
+// x against the head's own dimension scales, as Clusters.Quantize does:
+// the codes, row scales and dimension scales of every head, one after
+// another.
+func quantizeHeads(t *testing.T, x []float32, heads, d int) (codes []int8, r, m []float32) {
+	t.Helper()
+	per := len(x) / heads
+	for g := 0; g < heads; g++ {
+		rows := x[g*per : (g+1)*per]
+		mg, err := kvcache.DimScales(rows, d)
+		require.NoError(t, err)
+		kg, rg, err := kvcache.QuantizeRows(rows, d, mg)
+		require.NoError(t, err)
+		codes, r, m = append(codes, kg...), append(r, rg...), append(m, mg...)
+	}
+	return codes, r, m
 }
 
 // TestCentroidScoresRefOfQuantizedCentroids checks the two references
 // against each other: scores over the 8-bit codes equal float64 products
 // with QuantizedCentroidsRef's centroids, and those lie within half a
-// step of the float32 centroids.
+// step (row scale × dimension scale) of the float32 centroids.
 func TestCentroidScoresRefOfQuantizedCentroids(t *testing.T) {
 	rng := rand.New(rand.NewSource(rand.Int63()))
 	const c, d = 37, 24
@@ -54,30 +84,32 @@ func TestCentroidScoresRefOfQuantizedCentroids(t *testing.T) {
 	}
 	deq, err := QuantizedCentroidsRef(x, d)
 	require.NoError(t, err)
-	codes, r, err := kvcache.QuantizeRows(f, d)
-	require.NoError(t, err)
+	codes, r, m := quantizeHeads(t, f, 1, d)
 	for i := range x {
-		require.LessOrEqual(t, math.Abs(deq[i]-x[i]), float64(r[i/d])/2*(1+1e-6), "value %d", i)
+		require.LessOrEqual(t, math.Abs(deq[i]-x[i]), float64(r[i/d])*float64(m[i%d])/2*(1+1e-6), "value %d", i)
 	}
 	q := make([]float64, d)
 	for i := range q {
 		q[i] = rng.NormFloat64()
 	}
 	sizes := make([]int, c)
-	got, err := CentroidScoresRef([][]float64{q}, 0.3, codes, r, sizes, d, false)
+	got, err := CentroidScoresRef([][]float64{q}, 0.3, codes, r, m, sizes, d, false)
 	require.NoError(t, err)
 	for j := 0; j < c; j++ {
 		want := 0.3 * dot(q, deq[j*d:(j+1)*d])
 		require.InDelta(t, want, got[0][j], 1e-12*(1+math.Abs(want)), "cluster %d", j)
 	}
-	_, err = CentroidScoresRef([][]float64{q}, 0.3, codes[1:], r, sizes, d, false)
+	_, err = CentroidScoresRef([][]float64{q}, 0.3, codes[1:], r, m, sizes, d, false)
+	require.Error(t, err)
+	_, err = CentroidScoresRef([][]float64{q}, 0.3, codes, r, m[1:], sizes, d, false)
 	require.Error(t, err)
 	_, err = QuantizedCentroidsRef([]float64{1, math.NaN()}, 2)
 	require.Error(t, err)
 }
 
 // TestCentroidScoreKernel runs centroid_score on fresh random 8-bit
-// centroids and queries of realistic scales, for odd and edge counts of
+// centroids (each KV head's own dimension scales) and queries of
+// realistic scales, for odd and edge counts of
 // clusters, several head shapes, both kinds of score (Tactic's, and
 // Double-P's with ln s_c and −∞ for empty clusters), one and several
 // groups of centroids per workgroup, subgroup shuffles and shared memory;
@@ -123,8 +155,7 @@ func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c 
 	b := &builder{dev: dev, bufs: &bufs, cache: &dense.kernels}
 	scorer := centroidScores(b, dense, logSize)
 	d := h.Dim
-	codes, r, err := kvcache.QuantizeRows(randomCentroids(rng, h.KV*c, d), d)
-	require.NoError(t, err)
+	codes, r, m := quantizeHeads(t, randomCentroids(rng, h.KV*c, d), h.KV, d)
 	sizes := make([]uint32, h.KV*c)
 	for i := range sizes {
 		sizes[i] = uint32(rng.Intn(40))
@@ -136,16 +167,16 @@ func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c 
 	for i := range q {
 		q[i] = float32(1.5 * rng.NormFloat64())
 	}
-	codeBuf, scaleBuf := b.words(len(codes)/4), b.words(len(r))
+	codeBuf, scaleBuf, dimBuf := b.words(len(codes)/4), b.words(len(r)), b.words(len(m))
 	queries, logits, counts, extremes := b.words(len(q)), b.words(h.Query*c), b.words(len(sizes)), b.words(2*h.Query)
 	require.NoError(t, b.err)
-	require.NoError(t, errors.Join(codeBuf.WriteUint32(0, kvcache.PackCodes(codes)), scaleBuf.WriteFloat32(0, r), queries.WriteFloat32(0, q), counts.WriteUint32(0, sizes)))
+	require.NoError(t, errors.Join(codeBuf.WriteUint32(0, kvcache.PackCodes(codes)), scaleBuf.WriteFloat32(0, r), dimBuf.WriteFloat32(0, m), queries.WriteFloat32(0, q), counts.WriteUint32(0, sizes)))
 	nan := math.Float32bits(float32(math.NaN()))
 	require.NoError(t, dev.Run(func(cmd *vk.Commands) {
 		cmd.Fill(logits.All(), nan)
 		cmd.Fill(extremes.All(), 0)
 	}))
-	bind, err := scorer.pipe.Bind(queries.All(), codeBuf.All(), logits.All(), counts.All(), extremes.All(), scaleBuf.All())
+	bind, err := scorer.pipe.Bind(queries.All(), codeBuf.All(), logits.All(), counts.All(), extremes.All(), scaleBuf.All(), dimBuf.All())
 	require.NoError(t, err)
 	defer bind.Release()
 	require.NoError(t, dev.Run(func(cmd *vk.Commands) { scorer.record(cmd, bind, c, 1, wgs) }))
@@ -167,7 +198,7 @@ func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c 
 		for i := range sz {
 			sz[i] = int(sizes[g*c+i])
 		}
-		want, err := CentroidScoresRef(qs, scale, codes[g*c*d:(g+1)*c*d], r[g*c:(g+1)*c], sz, d, logSize)
+		want, err := CentroidScoresRef(qs, scale, codes[g*c*d:(g+1)*c*d], r[g*c:(g+1)*c], m[g*d:(g+1)*d], sz, d, logSize)
 		require.NoError(t, err)
 		for j := range qs {
 			hh := g*h.Group() + j
@@ -177,7 +208,7 @@ func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c 
 				// the terms' magnitudes.
 				mag := 0.0
 				for i := 0; i < d; i++ {
-					mag += math.Abs(scale * qs[j][i] * float64(codes[(g*c+cl)*d+i]))
+					mag += math.Abs(scale * qs[j][i] * float64(m[g*d+i]) * float64(codes[(g*c+cl)*d+i]))
 				}
 				mag *= float64(r[g*c+cl])
 				w, x := want[j][cl], float64(got[hh*c+cl])

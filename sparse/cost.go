@@ -78,10 +78,11 @@ func selectionBytes(sel Selector, h Heads) float64 {
 }
 
 // CentroidBytes returns what scoring c clusters per KV head reads: their
-// 8-bit centroids with their scales (kvcache.CodedRowBytes a row), and one
-// float32 score per query head and cluster read back by the stage after.
+// 8-bit centroids with their row and dimension scales
+// (kvcache.CodedHeadBytes a KV head), and one float32 score per query head
+// and cluster read back by the stage after.
 func CentroidBytes(h Heads, c int) float64 {
-	return float64(c*h.KV*kvcache.CodedRowBytes(h.Dim)) + float64(4*h.Query*c)
+	return float64(h.KV*kvcache.CodedHeadBytes(c, h.Dim)) + float64(4*h.Query*c)
 }
 
 // Cost returns the cost of the last step that ran: its stages (Stages)

@@ -16,11 +16,13 @@ import (
 // head).
 var DoublePStages = []string{"score", "cut"}
 
-// DoublePSelector is Double-P's selection (the Double-P paper, section 4) on the GPU, in two
-// dispatches (shaders/centroid_score.comp, doublep_cut.comp): per query
-// head h and cluster c the pseudo-token logit ℓ = scale·q_h·C_c + ln s_c
-// (C_c in 8 bits, kvcache.QuantizeRows, when the selector is made), clusters ranked by bins
-// of ℓ (DoublePBinRanks), and two cuts in bins, keep for P1 of the
+// DoublePSelector is Double-P's selection (the Double-P paper, section 4)
+// on the GPU, in two dispatches (shaders/centroid_score.comp,
+// doublep_cut.comp): per query head h and cluster c the pseudo-token logit
+// ℓ = scale·q_h·C_c + ln s_c (C_c in 8 bits against its KV head's
+// dimension scales, kvcache.Clusters.Quantize, when the selector is made
+// from an index not yet quantized), clusters ranked by bins of ℓ
+// (DoublePBinRanks), and two cuts in bins, keep for P1 of the
 // estimated mass and exact for P2 of the kept mass (DoublePCutsRef over
 // the bins, the bins' masses summed in fixed point). Attention then takes
 // the clusters below the exact cut exactly (their union over the group)
@@ -124,7 +126,7 @@ func (s *DoublePSelector) Selection() Selection {
 // Bind makes the kernels read the queries from query.
 func (s *DoublePSelector) Bind(query vk.Range) error {
 	x := s.clusters
-	score, err := s.score.pipe.Bind(query, s.centroids.codes.All(), s.logits.All(), x.Counts.All(), s.extremes.All(), s.centroids.scales.All())
+	score, err := s.score.pipe.Bind(query, s.centroids.codes.All(), s.logits.All(), x.Counts.All(), s.extremes.All(), s.centroids.scales.All(), s.centroids.dims.All())
 	if err != nil {
 		return err
 	}

@@ -330,7 +330,7 @@ func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
 		wg &= wg - 1
 	}
 	shuffle := !dense.tree && info.SubgroupShuffle && info.SubgroupSize%lanes == 0
-	pipe := b.kernel("centroid_score", 6, 4, wg, uint32(h.Dim), uint32(heads), boolWord(logSize), boolWord(shuffle), lanes)
+	pipe := b.kernel("centroid_score", 7, 4, wg, uint32(h.Dim), uint32(heads), boolWord(logSize), boolWord(shuffle), lanes)
 	return centroidScorer{pipe: pipe, rows: int(wg / lanes), heads: heads, kv: h.KV, group: h.Group(), scale: h.scaleBits()}
 }
 
@@ -349,25 +349,26 @@ func (s centroidScorer) record(cmd *vk.Commands, bind *vk.Binding, c, sequences,
 }
 
 // codedCentroids are an index's centroids as centroid_score reads them:
-// 8-bit codes and each row's scale (kvcache.Clusters.Codes and Scales).
-type codedCentroids struct{ codes, scales *vk.Buffer }
+// 8-bit codes, each row's scale and each head's dimension scales
+// (kvcache.Clusters.Codes, Scales and DimScales).
+type codedCentroids struct{ codes, scales, dims *vk.Buffer }
 
 // codeCentroids returns the centroids of x in 8 bits: a quantized index's
 // own, else copies allocated with b and written through the host
 // (kvcache.Clusters.ReadCodes), once per index.
 func codeCentroids(b *builder, x *kvcache.Clusters) (codedCentroids, error) {
 	if x.Codes != nil {
-		return codedCentroids{x.Codes, x.Scales}, nil
+		return codedCentroids{x.Codes, x.Scales, x.DimScales}, nil
 	}
-	codes, scales, err := x.ReadCodes()
+	codes, scales, dims, err := x.ReadCodes()
 	if err != nil {
 		return codedCentroids{}, fmt.Errorf("sparse: %w", err)
 	}
-	c := codedCentroids{b.words(len(codes)), b.words(len(scales))}
+	c := codedCentroids{b.words(len(codes)), b.words(len(scales)), b.words(len(dims))}
 	if b.err != nil {
 		return codedCentroids{}, b.err
 	}
-	return c, errors.Join(c.codes.WriteUint32(0, codes), c.scales.WriteFloat32(0, scales))
+	return c, errors.Join(c.codes.WriteUint32(0, codes), c.scales.WriteFloat32(0, scales), c.dims.WriteFloat32(0, dims))
 }
 
 // Attended returns the rows the last step that ran attended for a KV head,

@@ -291,7 +291,7 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 // queries in query.
 func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query vk.Range) error {
 	clusters := x.clusters
-	score, err := k.score.pipe.Bind(query, x.centroids.codes.All(), x.scores.All(), clusters.Counts.All(), x.extremes.All(), x.centroids.scales.All())
+	score, err := k.score.pipe.Bind(query, x.centroids.codes.All(), x.scores.All(), clusters.Counts.All(), x.extremes.All(), x.centroids.scales.All(), x.centroids.dims.All())
 	if err != nil {
 		return err
 	}
