@@ -576,6 +576,8 @@ func (m *Model) clusterTail(slot, layer int) error {
 			}
 			sl.pending = x
 		}
+		// The tail's centroids in 8 bits under the index's dimension
+		// scales, so that the two join.
 		if err := sl.pending.QuantizeLike(m.dev, sl.clusters); err != nil {
 			return fail(err)
 		}

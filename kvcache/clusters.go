@@ -190,8 +190,10 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 // Join returns a new index over x's tokens followed by next's: next must
 // start where x ends and index the same heads. Its clusters are x's, then
 // next's (cluster x.C+c is next's cluster c), with next's members placed
-// after x's in every head. x and next are left as they were; the caller
-// owns all three.
+// after x's in every head. Both hold float32 centroids, or both 8-bit ones
+// under the same dimension scales (next quantized with QuantizeLike(x)),
+// which the joined index keeps. x and next are left as they were; the
+// caller owns all three.
 func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 	if next.KVHeads != x.KVHeads || next.HeadDim != x.HeadDim || next.First != x.First+x.Count {
 		return nil, fmt.Errorf("kvcache: joining an index of tokens [%d, %d) (%d heads of %d) after one of [%d, %d) (%d heads of %d)",
@@ -404,9 +406,9 @@ func (x *Clusters) readCodes(dims []float32) (codes []uint32, scales, outDims []
 
 // readDimScales reads the dimension scales of a quantized index.
 func (x *Clusters) readDimScales() ([]float32, error) {
-	dims := make([]float32, x.KVHeads*x.HeadDim)
 	if x.DimScales == nil {
 		return nil, fmt.Errorf("kvcache: the index holds no 8-bit centroids")
 	}
+	dims := make([]float32, x.KVHeads*x.HeadDim)
 	return dims, x.DimScales.ReadFloat32(0, dims)
 }
