@@ -407,8 +407,8 @@ func (m *Model) Prefill(slot, layer int, k, v []uint16, n int) error {
 	if pol := m.policy[layer]; pol.Clustered() {
 		x, err := m.km.Cluster(sl.cache, pol.opts.Sinks, n-pol.opts.Sinks, pol.opts.KMeans)
 		if err == nil {
-			// The index keeps its centroids in fp16, as the selection reads them.
-			if err = errors.Join(sl.cache.Reorder(x), x.Halve(m.dev)); err != nil {
+			// The index keeps its centroids in 8 bits, as the selection reads them.
+			if err = errors.Join(sl.cache.Reorder(x), x.Quantize(m.dev)); err != nil {
 				err = errors.Join(err, x.Release())
 			}
 		}
@@ -583,7 +583,9 @@ func (m *Model) clusterTail(slot, layer int) error {
 			}
 			sl.pending = x
 		}
-		if err := sl.pending.Halve(m.dev); err != nil {
+		// The tail's centroids in 8 bits under the index's dimension
+		// scales, so that the two join.
+		if err := sl.pending.QuantizeLike(m.dev, sl.clusters); err != nil {
 			return fail(err)
 		}
 		joined, err := sl.clusters.Join(m.dev, sl.pending)

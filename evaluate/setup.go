@@ -129,8 +129,9 @@ type kvHead struct {
 }
 
 // clusterHeads decodes the first rows tokens of every KV head of t and
-// clusters each head's prefill [Sinks, prefill) as Setup says, calling
-// step after each head.
+// clusters each head's prefill [Sinks, prefill) as Setup says, its
+// centroids then held in 8 bits as the GPU's selection reads them
+// (sparse.QuantizedCentroidsRef), calling step after each head.
 func (s *Setup) clusterHeads(t *trace.Trace, rows, prefill int, step func()) ([]kvHead, error) {
 	d := t.HeadDim
 	heads := make([]kvHead, t.KVHeads)
@@ -141,6 +142,9 @@ func (s *Setup) clusterHeads(t *trace.Trace, rows, prefill int, step func()) ([]
 		h.values = sparse.HalvesToFloat64(t.V[off : off+rows*d])
 		var err error
 		h.idx, err = sparse.BuildSpanClusterIndexRef(h.keys, d, s.Sinks, prefill-s.Sinks, s.KMeansSpan, s.AvgClusterSize, s.KMeansIters, s.Seed+uint64(g))
+		if err == nil {
+			h.idx.Centroids, err = sparse.QuantizedCentroidsRef(h.idx.Centroids, d)
+		}
 		step()
 		return err
 	})

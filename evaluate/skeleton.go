@@ -63,9 +63,9 @@ func (s *Skeleton) Add(o *Skeleton) error {
 }
 
 // The counts below are the arrays a stage streams, each element once:
-// fp16 rows of keys, values and centroids, and float32 or uint32 words of
-// scores and cluster sizes. The queries, cuts and counters, a few words a
-// head, are left out.
+// fp16 rows of keys and values, 8-bit rows of centroids with their row and
+// dimension scales, and float32 or uint32 words of scores and cluster
+// sizes. The queries, cuts and counters, a few words a head, are left out.
 
 // rowBytes returns the bytes of one fp16 row of heads.
 func rowBytes(h sparse.Heads) float64 { return float64(2 * h.Dim) }
@@ -77,9 +77,10 @@ func attendBytes(h sparse.Heads, rows float64) float64 {
 }
 
 // centroidBytes returns what scoring the centroids of x reads: every KV
-// head's fp16 centroids and cluster sizes.
+// head's 8-bit centroids with their row and dimension scales
+// (kvcache.CodedHeadBytes) and cluster sizes.
 func centroidBytes(h sparse.Heads, x *kvcache.Clusters) float64 {
-	return float64(h.KV*x.C) * (rowBytes(h) + 4)
+	return float64(h.KV * (kvcache.CodedHeadBytes(x.C, h.Dim) + 4*x.C))
 }
 
 // keyBytes returns what scoring every stored key of layer reads.

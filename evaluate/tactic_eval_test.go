@@ -6,6 +6,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/sparse"
 	"github.com/vksparse/vksparse/trace"
 	"github.com/vksparse/vksparse/workload"
@@ -32,9 +33,10 @@ func TestTacticTailQueriesAndDefaultPrefill(t *testing.T) {
 
 // TestTacticEvaluateMatchesReferences checks the wiring against the
 // references called directly: for one query, every head's figures equal
-// sparse.TacticDecodeRef followed by sparse.FidelityRef on the union and
-// on the head's own selection, and the layer's traffic is the bytes of the
-// centroids, the fit's rows and the unions those references give.
+// sparse.TacticDecodeRef (over the centroids in 8 bits) followed by
+// sparse.FidelityRef on the union and on the head's own selection, and the
+// layer's traffic is the bytes of the 8-bit centroids, the fit's rows and
+// the unions those references give.
 func TestTacticEvaluateMatchesReferences(t *testing.T) {
 	tr := smallLayer(t)
 	opts := DefaultTacticOptions()
@@ -58,6 +60,9 @@ func TestTacticEvaluateMatchesReferences(t *testing.T) {
 		values := sparse.HalvesToFloat64(tr.V[off : off+(pos+1)*d])
 		idx, err := sparse.BuildClusterIndexRef(keys, d, opts.Sinks, prefill-opts.Sinks, opts.AvgClusterSize, opts.KMeansIters, opts.Seed+uint64(g))
 		require.NoError(t, err)
+		// The selection scores the centroids in 8 bits.
+		idx.Centroids, err = sparse.QuantizedCentroidsRef(idx.Centroids, d)
+		require.NoError(t, err)
 		qs := make([][]float64, group)
 		for j := range qs {
 			h := g*group + j
@@ -68,7 +73,7 @@ func TestTacticEvaluateMatchesReferences(t *testing.T) {
 		for pi, p := range opts.P {
 			_, union, budgets, err := sparse.TacticDecodeRef(qs, keys, values, tr.Scale, idx, fixed, p, opts.Fit)
 			require.NoError(t, err)
-			traffic[pi].Centroids += float64(idx.Clusters()) * row
+			traffic[pi].Centroids += float64(kvcache.CodedHeadBytes(idx.Clusters(), d))
 			traffic[pi].Attended += float64(2*len(union)) * row
 			traffic[pi].Dense += float64(2*(pos+1)) * row
 			for j, q := range qs {

@@ -1,8 +1,11 @@
 package evaluate
 
+import "github.com/vksparse/vksparse/kvcache"
+
 // StepTraffic is what one decode step of a layer reads from memory at the
 // least, in bytes, from the float64 selection, mean over the evaluated
-// queries: every KV head's fp16 centroids once (Centroids), the fp16 key
+// queries: every KV head's 8-bit centroids with their row and dimension
+// scales once (Centroids, kvcache.CodedHeadBytes a head), the fp16 key
 // rows that each query head's fit scores, fixed tokens included
 // (Sampled), and the fp16 key and value rows of every KV head's union
 // (Attended). Dense is what dense attention reads: every key and value
@@ -17,6 +20,19 @@ type StepTraffic struct {
 
 // Total returns Centroids + Sampled + Attended.
 func (s StepTraffic) Total() float64 { return s.Centroids + s.Sampled + s.Attended }
+
+// Selection returns what the step reads before attention: Centroids +
+// Sampled.
+func (s StepTraffic) Selection() float64 { return s.Centroids + s.Sampled }
+
+// SelectionShare returns Selection / Attended: the selection's bytes per
+// byte that attention over the unions reads (0 when it reads none).
+func (s StepTraffic) SelectionShare() float64 {
+	if s.Attended == 0 {
+		return 0
+	}
+	return s.Selection() / s.Attended
+}
 
 // BoundUs returns the least time of a step for a batch of b sequences like
 // this one, in µs, when it reads at bw bytes per µs and each of its
@@ -49,7 +65,7 @@ func stepTraffic(cases [][]tacticCase, heads []kvHead, d int) StepTraffic {
 	row := float64(2 * d) // bytes of one fp16 row
 	for _, byHead := range cases {
 		for g, h := range heads {
-			s.Centroids += float64(h.idx.Clusters()) * row
+			s.Centroids += float64(kvcache.CodedHeadBytes(h.idx.Clusters(), d))
 			// The union is the same for every query head of the group.
 			s.Attended += 2 * float64(byHead[g*group].union.Selected) * row
 			s.Dense += 2 * float64(byHead[g*group].attended) * row

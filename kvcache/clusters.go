@@ -3,8 +3,7 @@ package kvcache
 import (
 	"errors"
 	"fmt"
-
-	"github.com/x448/float16"
+	"slices"
 
 	"github.com/vksparse/vksparse/vk"
 )
@@ -28,14 +27,19 @@ type Clusters struct {
 	// whose Starts another writer owns.
 	PageSize int
 
-	Centroids *vk.Buffer // float32 [KVHeads][C][HeadDim]; nil once halved
-	// Halves holds the centroids rounded to fp16, [KVHeads][C][HeadDim],
-	// in place of Centroids once Halve ran (what the selection kernels
-	// read, in half the memory); nil before.
-	Halves *vk.Buffer
-	Norms  *vk.Buffer // float32 [KVHeads][C], |centroid|²
-	Counts *vk.Buffer // uint32 [KVHeads][C], cluster sizes
-	Starts *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
+	Centroids *vk.Buffer // float32 [KVHeads][C][HeadDim]; nil once quantized
+	// Codes, Scales and DimScales hold the centroids in 8 bits in place of
+	// Centroids once Quantize ran (what the selection kernels read, in
+	// about a quarter of the memory), nil before: Codes the codes of every
+	// row, [KVHeads][C][HeadDim] packed four to a word (PackCodes), Scales
+	// each row's scale, float32 [KVHeads][C], DimScales each head's
+	// dimension scales, float32 [KVHeads][HeadDim]; element i of head g's
+	// centroid c is Scales[g][c]·DimScales[g][i]·code[g][c][i]
+	// (QuantizeRows).
+	Codes, Scales, DimScales *vk.Buffer
+	Norms                    *vk.Buffer // float32 [KVHeads][C], |centroid|²
+	Counts                   *vk.Buffer // uint32 [KVHeads][C], cluster sizes
+	Starts                   *vk.Buffer // uint32 [KVHeads][C], Σ sizes of earlier clusters
 	// Members, uint32 [KVHeads][Count], lists token ids in cluster order;
 	// Assign, uint32 [KVHeads][Count], the cluster of token First+r. Both
 	// are nil in a page index (NewPages), where members are the identity
@@ -108,12 +112,12 @@ func (x *Clusters) Release() error {
 		return fmt.Errorf("kvcache: the index is read by %d plans: release them first", x.holds)
 	}
 	var errs []error
-	for _, b := range []*vk.Buffer{x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
+	for _, b := range []*vk.Buffer{x.Centroids, x.Codes, x.Scales, x.DimScales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign} {
 		if b != nil {
 			errs = append(errs, b.Release())
 		}
 	}
-	x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil, nil
+	x.Centroids, x.Codes, x.Scales, x.DimScales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign = nil, nil, nil, nil, nil, nil, nil, nil, nil
 	return errors.Join(errs...)
 }
 
@@ -124,7 +128,8 @@ type HostClusters struct {
 	Assign    []int32   // cluster of token First+r
 }
 
-// Read copies head g's index to the host.
+// Read copies head g's index to the host; 8-bit centroids are read back
+// as Decode gives them.
 func (x *Clusters) Read(g int) (*HostClusters, error) {
 	if g < 0 || g >= x.KVHeads {
 		return nil, fmt.Errorf("kvcache: head %d of %d", g, x.KVHeads)
@@ -137,13 +142,15 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 	c4, n4 := uint64(x.C)*4, uint64(x.Count)*4
 	readCentroids := func() error {
 		switch {
-		case x.Halves != nil:
-			h := make([]uint16, len(cent))
-			if err := x.Halves.ReadUint16(uint64(g)*c4/2*uint64(x.HeadDim), h); err != nil {
+		case x.Codes != nil:
+			d := x.HeadDim
+			words, scales, dims := make([]uint32, len(cent)/4), make([]float32, x.C), make([]float32, d)
+			if err := errors.Join(x.Codes.ReadUint32(uint64(g)*c4/4*uint64(d), words), x.Scales.ReadFloat32(uint64(g)*c4, scales),
+				x.DimScales.ReadFloat32(uint64(g*d)*4, dims)); err != nil {
 				return err
 			}
-			for i, v := range h {
-				cent[i] = float16.Frombits(v).Float32()
+			for i, k := range UnpackCodes(words) {
+				cent[i] = Decode(scales[i/d], dims[i%d], k)
 			}
 		case x.Centroids != nil:
 			return x.Centroids.ReadFloat32(uint64(g)*c4*uint64(x.HeadDim), cent)
@@ -194,25 +201,49 @@ func (x *Clusters) Read(g int) (*HostClusters, error) {
 // Join returns a new index over x's tokens followed by next's: next must
 // start where x ends and index the same heads. Its clusters are x's, then
 // next's (cluster x.C+c is next's cluster c), with next's members placed
-// after x's in every head. x and next are left as they were; the caller
-// owns all three.
+// after x's in every head. Both hold float32 centroids, or both 8-bit ones
+// under the same dimension scales (next quantized with QuantizeLike(x)),
+// which the joined index keeps. x and next are left as they were; the
+// caller owns all three.
 func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 	if next.KVHeads != x.KVHeads || next.HeadDim != x.HeadDim || next.First != x.First+x.Count {
 		return nil, fmt.Errorf("kvcache: joining an index of tokens [%d, %d) (%d heads of %d) after one of [%d, %d) (%d heads of %d)",
 			next.First, next.First+next.Count, next.KVHeads, next.HeadDim, x.First, x.First+x.Count, x.KVHeads, x.HeadDim)
 	}
-	halved := x.Halves != nil
+	coded := x.Codes != nil
 	switch {
-	case (x.Centroids == nil && !halved) || (next.Centroids == nil && next.Halves == nil):
+	case (x.Centroids == nil && !coded) || (next.Centroids == nil && next.Codes == nil):
 		return nil, fmt.Errorf("kvcache: joining a page index (no centroids): make pages over the whole range instead")
-	case halved != (next.Halves != nil):
-		return nil, fmt.Errorf("kvcache: joining an index with fp16 centroids and one with float32 (Halve both)")
+	case coded != (next.Codes != nil):
+		return nil, fmt.Errorf("kvcache: joining an index with 8-bit centroids and one with float32 (Quantize both)")
 	}
-	j, err := newClusters(dev, x.KVHeads, x.HeadDim, x.C+next.C, x.First, x.Count+next.Count, !halved, true)
-	if err == nil && halved {
+	var dims []float32
+	if coded {
+		var err error
+		if dims, err = x.readDimScales(); err == nil {
+			var nd []float32
+			if nd, err = next.readDimScales(); err == nil && !slices.Equal(dims, nd) {
+				err = fmt.Errorf("kvcache: joining 8-bit indexes of different dimension scales (QuantizeLike the first)")
+			}
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	j, err := newClusters(dev, x.KVHeads, x.HeadDim, x.C+next.C, x.First, x.Count+next.Count, !coded, true)
+	if err == nil && coded {
 		j.Norms, err = dev.NewBuffer(uint64(x.KVHeads*j.C)*4, vk.DeviceLocal)
 		if err == nil {
-			j.Halves, err = dev.NewBuffer(uint64(x.KVHeads*j.C*x.HeadDim)*2, vk.DeviceLocal)
+			j.Codes, err = dev.NewBuffer(uint64(x.KVHeads*j.C*x.HeadDim), vk.DeviceLocal)
+		}
+		if err == nil {
+			j.Scales, err = dev.NewBuffer(uint64(x.KVHeads*j.C)*4, vk.DeviceLocal)
+		}
+		if err == nil {
+			j.DimScales, err = dev.NewBuffer(uint64(len(dims))*4, vk.DeviceLocal)
+		}
+		if err == nil {
+			err = j.DimScales.WriteFloat32(0, dims)
 		}
 		if err != nil {
 			err = errors.Join(err, j.Release())
@@ -248,8 +279,9 @@ func (x *Clusters) Join(dev *vk.Device, next *Clusters) (*Clusters, error) {
 					c.Copy(b.Slice(uint64(g)*wb, wb), dst.Slice(uint64(g)*(wa+wb)+wa, wb))
 				}
 			}
-			if halved {
-				join(j.Halves, x.Halves, next.Halves, x.C, next.C, x.HeadDim/2)
+			if coded {
+				join(j.Codes, x.Codes, next.Codes, x.C, next.C, x.HeadDim/4)
+				join(j.Scales, x.Scales, next.Scales, x.C, next.C, 1)
 			} else {
 				join(j.Centroids, x.Centroids, next.Centroids, x.C, next.C, x.HeadDim)
 			}
@@ -279,36 +311,115 @@ func (x *Clusters) Bytes() uint64 {
 	if x == nil {
 		return 0
 	}
-	return vk.Held(x.Centroids, x.Halves, x.Norms, x.Counts, x.Starts, x.Members, x.Assign)
+	return vk.Held(x.Centroids, x.Codes, x.Scales, x.DimScales, x.Norms, x.Counts, x.Starts, x.Members, x.Assign)
 }
 
-// Halve rounds the centroids to fp16 into Halves and releases the float32
-// ones: the selection kernels read fp16 centroids, and an index kept for
-// decoding takes half the memory so. An index already halved is left as
-// it is; on error it is left as it was.
-func (x *Clusters) Halve(dev *vk.Device) error {
-	if x.Halves != nil {
+// Quantize stores the centroids in 8 bits in Codes, Scales and DimScales
+// and releases the float32 ones: each head's rows quantized against its
+// own dimension scales (DimScales over its C centroids, then
+// QuantizeRows). The selection kernels read 8-bit centroids, and an index
+// kept for decoding takes about a quarter of the memory so. An index
+// already quantized is left as it is; on error it is left as it was.
+func (x *Clusters) Quantize(dev *vk.Device) error {
+	return x.quantize(dev, nil)
+}
+
+// QuantizeLike is Quantize against the dimension scales of like, an index
+// of the same heads already quantized, so that the two join (Join): rows
+// beyond like's scales take a larger row scale, not clamped codes.
+func (x *Clusters) QuantizeLike(dev *vk.Device, like *Clusters) error {
+	if like.DimScales == nil || like.KVHeads != x.KVHeads || like.HeadDim != x.HeadDim {
+		return fmt.Errorf("kvcache: QuantizeLike an index that is not quantized or of other heads")
+	}
+	dims, err := like.readDimScales()
+	if err != nil {
+		return err
+	}
+	return x.quantize(dev, dims)
+}
+
+func (x *Clusters) quantize(dev *vk.Device, dims []float32) error {
+	if x.Codes != nil {
 		return nil
 	}
 	if x.Centroids == nil {
-		return fmt.Errorf("kvcache: Halve of an index without centroids")
+		return fmt.Errorf("kvcache: Quantize of an index without centroids")
 	}
-	f := make([]float32, x.KVHeads*x.C*x.HeadDim)
-	if err := x.Centroids.ReadFloat32(0, f); err != nil {
-		return err
-	}
-	h, err := ToHalves(f)
-	if err != nil {
-		return fmt.Errorf("kvcache: centroids in fp16: %w", err)
-	}
-	halves, err := dev.NewBuffer(uint64(len(h))*2, vk.DeviceLocal)
+	codes, scales, dims, err := x.readCodes(dims)
 	if err != nil {
 		return err
 	}
-	if err := halves.WriteUint16(0, h); err != nil {
-		return errors.Join(err, halves.Release())
+	var bufs [3]*vk.Buffer
+	for i, n := range []int{len(codes), len(scales), len(dims)} {
+		if err == nil {
+			bufs[i], err = dev.NewBuffer(uint64(n)*4, vk.DeviceLocal)
+		}
+	}
+	if err == nil {
+		err = errors.Join(bufs[0].WriteUint32(0, codes), bufs[1].WriteFloat32(0, scales), bufs[2].WriteFloat32(0, dims))
+	}
+	if err != nil {
+		for _, b := range bufs {
+			if b != nil {
+				err = errors.Join(err, b.Release())
+			}
+		}
+		return err
 	}
 	err = x.Centroids.Release()
-	x.Centroids, x.Halves = nil, halves
+	x.Centroids, x.Codes, x.Scales, x.DimScales = nil, bufs[0], bufs[1], bufs[2]
 	return err
+}
+
+// ReadCodes returns the float32 centroids of every head in 8 bits, as
+// Quantize stores them: the packed codes (PackCodes), the rows' scales and
+// the heads' dimension scales.
+func (x *Clusters) ReadCodes() (codes []uint32, scales, dims []float32, err error) {
+	return x.readCodes(nil)
+}
+
+// readCodes quantizes the float32 centroids against dims, [KVHeads]
+// [HeadDim], or each head's own (DimScales) where dims is nil.
+func (x *Clusters) readCodes(dims []float32) (codes []uint32, scales, outDims []float32, err error) {
+	switch {
+	case x.Centroids == nil:
+		return nil, nil, nil, fmt.Errorf("kvcache: the index holds no float32 centroids")
+	case x.HeadDim%4 != 0:
+		return nil, nil, nil, fmt.Errorf("kvcache: 8-bit centroids of dimension %d: codes are packed four to a word", x.HeadDim)
+	}
+	d, per := x.HeadDim, x.C*x.HeadDim
+	f := make([]float32, x.KVHeads*per)
+	if err := x.Centroids.ReadFloat32(0, f); err != nil {
+		return nil, nil, nil, err
+	}
+	k := make([]int8, 0, len(f))
+	for g := 0; g < x.KVHeads; g++ {
+		rows := f[g*per : (g+1)*per]
+		var m []float32
+		if dims != nil {
+			m = dims[g*d : (g+1)*d]
+		} else if m, err = DimScales(rows, d); err != nil {
+			return nil, nil, nil, fmt.Errorf("kvcache: centroids in 8 bits: %w", err)
+		} else {
+			outDims = append(outDims, m...)
+		}
+		kg, sg, err := QuantizeRows(rows, d, m)
+		if err != nil {
+			return nil, nil, nil, fmt.Errorf("kvcache: centroids in 8 bits: %w", err)
+		}
+		k, scales = append(k, kg...), append(scales, sg...)
+	}
+	if dims != nil {
+		outDims = dims
+	}
+	return PackCodes(k), scales, outDims, nil
+}
+
+// readDimScales reads the dimension scales of a quantized index.
+func (x *Clusters) readDimScales() ([]float32, error) {
+	if x.DimScales == nil {
+		return nil, fmt.Errorf("kvcache: the index holds no 8-bit centroids")
+	}
+	dims := make([]float32, x.KVHeads*x.HeadDim)
+	return dims, x.DimScales.ReadFloat32(0, dims)
 }

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/shaders"
 	"github.com/vksparse/vksparse/vk"
 )
@@ -63,7 +64,7 @@ type selectionReader interface {
 }
 
 // selectionBytes returns what sel's stages read in one step: its own count
-// where it keeps one, otherwise the fp16 centroids of its index and one
+// where it keeps one, otherwise the 8-bit centroids of its index and one
 // float32 score per query head and cluster (a lower bound).
 func selectionBytes(sel Selector, h Heads) float64 {
 	if r, ok := sel.(selectionReader); ok {
@@ -77,10 +78,11 @@ func selectionBytes(sel Selector, h Heads) float64 {
 }
 
 // CentroidBytes returns what scoring c clusters per KV head reads: their
-// fp16 centroids, and one float32 score per query head and cluster read
-// back by the stage after.
+// 8-bit centroids with their row and dimension scales
+// (kvcache.CodedHeadBytes a KV head), and one float32 score per query head
+// and cluster read back by the stage after.
 func CentroidBytes(h Heads, c int) float64 {
-	return float64(c)*float64(h.KV)*h.rowBytes() + float64(4*h.Query*c)
+	return float64(h.KV*kvcache.CodedHeadBytes(c, h.Dim)) + float64(4*h.Query*c)
 }
 
 // Cost returns the cost of the last step that ran: its stages (Stages)
@@ -140,7 +142,7 @@ func (s *H2OSelector) selectionBytes() float64 {
 	return float64(2 * 4 * s.dense.heads.Query * s.tokens.C)
 }
 
-// selectionBytes: Double-P scores its fp16 centroids, then cuts over the
+// selectionBytes: Double-P scores its 8-bit centroids, then cuts over the
 // scores.
 func (s *DoublePSelector) selectionBytes() float64 {
 	return CentroidBytes(s.dense.heads, s.Selection().Clusters.C)
@@ -335,7 +337,7 @@ func (f TacticFit) SampledRows(n, c int) float64 {
 // TacticCost returns about what one Tactic step over an index of c
 // clusters holding n tokens costs, when each KV head attends rows rows
 // (the sinks, the tail and its union): its stages (TacticStages, then
-// attention), the fp16 centroids and their scores, the fit's key rows of
+// attention), the 8-bit centroids and their scores, the fit's key rows of
 // every query head, and attention's keys and values.
 func (h Heads) TacticCost(fit TacticFit, n, c int, rows float64) Cost {
 	sampled := float64(h.Query) * fit.SampledRows(n, c) * h.rowBytes()

@@ -22,8 +22,9 @@ func TestCostModelArithmetic(t *testing.T) {
 	require.Equal(t, 1, d.Dispatches)
 	require.InDelta(t, 2*2*1000*64*2, d.Bytes, 0)
 	require.InDelta(t, d.Bytes, h.AttentionBytes(1000), 0)
-	// Centroids: C fp16 rows per KV head and a float32 score per query head.
-	require.InDelta(t, 50*2*64*2+4*8*50, CentroidBytes(h, 50), 0)
+	// Centroids: C rows of 8-bit codes and a float32 scale, and a float32
+	// scale per dimension, per KV head, and a float32 score per query head.
+	require.InDelta(t, 2*(50*(64+4)+4*64)+4*8*50, CentroidBytes(h, 50), 0)
 	for _, bad := range []CostModel{{-1, 1}, {1, 0}, {1, -3}, {math.NaN(), 1}, {1, math.NaN()}, {math.Inf(1), 1}, {1, math.Inf(1)}} {
 		require.Error(t, bad.Validate(), "%+v", bad)
 	}

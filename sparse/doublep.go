@@ -16,11 +16,13 @@ import (
 // head).
 var DoublePStages = []string{"score", "cut"}
 
-// DoublePSelector is Double-P's selection (the Double-P paper, section 4) on the GPU, in two
-// dispatches (shaders/centroid_score.comp, doublep_cut.comp): per query
-// head h and cluster c the pseudo-token logit ℓ = scale·q_h·C_c + ln s_c
-// (C_c rounded to fp16 when the selector is made), clusters ranked by bins
-// of ℓ (DoublePBinRanks), and two cuts in bins, keep for P1 of the
+// DoublePSelector is Double-P's selection (the Double-P paper, section 4)
+// on the GPU, in two dispatches (shaders/centroid_score.comp,
+// doublep_cut.comp): per query head h and cluster c the pseudo-token logit
+// ℓ = scale·q_h·C_c + ln s_c (C_c in 8 bits against its KV head's
+// dimension scales, kvcache.Clusters.Quantize, when the selector is made
+// from an index not yet quantized), clusters ranked by bins of ℓ
+// (DoublePBinRanks), and two cuts in bins, keep for P1 of the
 // estimated mass and exact for P2 of the kept mass (DoublePCutsRef over
 // the bins, the bins' masses summed in fixed point). Attention then takes
 // the clusters below the exact cut exactly (their union over the group)
@@ -37,12 +39,12 @@ type DoublePSelector struct {
 	cut             *vk.Pipeline
 	binds           struct{ score, cut *vk.Binding }
 	bufs            []*vk.Buffer
-	logits          *vk.Buffer // float32 [Hq][C]
-	binOf           *vk.Buffer // uint32 [Hq][C]
-	exact, keep     *vk.Buffer // uint32 [Hq]
-	means           *vk.Buffer // fp16 [Hkv][C][D], each cluster's mean value row rounded
-	centroids       *vk.Buffer // fp16 [Hkv][C][D], the index's centroids rounded
-	extremes        *vk.Buffer // uint32 [Hq][2], 0 between steps
+	logits          *vk.Buffer     // float32 [Hq][C]
+	binOf           *vk.Buffer     // uint32 [Hq][C]
+	exact, keep     *vk.Buffer     // uint32 [Hq]
+	means           *vk.Buffer     // fp16 [Hkv][C][D], each cluster's mean value row rounded
+	centroids       codedCentroids // the index's centroids in 8 bits
+	extremes        *vk.Buffer     // uint32 [Hq][2], 0 between steps
 }
 
 // NewDoublePStep prepares Double-P decode steps with targets opts over
@@ -75,15 +77,11 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 	s.logits, s.binOf, s.exact, s.keep = b.words(hq*c), b.words(hq*c), b.words(hq), b.words(hq)
 	s.means = b.words(h.KV * c * h.Dim / 2)
 	s.extremes = b.words(2 * hq)
-	s.centroids = clusters.Halves // a halved index's own, or a copy
-	if s.centroids == nil {
-		s.centroids = b.words(h.KV * c * h.Dim / 2)
-	}
 	s.score = centroidScores(b, dense, true)
 	s.cut = doublePCut(b)
 	err := b.err
-	if err == nil && clusters.Halves == nil {
-		err = halfCentroids(clusters, s.centroids)
+	if err == nil {
+		s.centroids, err = codeCentroids(b, clusters) // a quantized index's own, or copies
 	}
 	if err == nil {
 		err = s.computeMeans(layer)
@@ -128,7 +126,7 @@ func (s *DoublePSelector) Selection() Selection {
 // Bind makes the kernels read the queries from query.
 func (s *DoublePSelector) Bind(query vk.Range) error {
 	x := s.clusters
-	score, err := s.score.pipe.Bind(query, s.centroids.All(), s.logits.All(), x.Counts.All(), s.extremes.All())
+	score, err := s.score.pipe.Bind(query, s.centroids.codes.All(), s.logits.All(), x.Counts.All(), s.extremes.All(), s.centroids.scales.All(), s.centroids.dims.All())
 	if err != nil {
 		return err
 	}

@@ -16,8 +16,8 @@ import (
 
 // TestDoublePStepMatchesReference runs Double-P steps on a generated layer
 // and checks each stage against float64: the clusters' mean values
-// (ClusterValueMeansRef), every pseudo-token logit (with the centroids
-// rounded to fp16, as the selection reads them), each cluster's bin
+// (ClusterValueMeansRef), every pseudo-token logit (with the centroids in
+// 8 bits, as the selection reads them), each cluster's bin
 // (DoublePBinRanks of the GPU's logits), both cuts (DoublePCutsRef over
 // those bins, up to the rounding of the fixed-point masses at the
 // boundary); P1 = P2 = 1 attends every token. The output is the
@@ -43,7 +43,7 @@ func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP) {
 	require.NoError(t, err)
 	defer dense.Release()
 	index := hostIndex(t, clusters)
-	halfIndex(t, index) // the selection scores with the centroids in fp16
+	quantizeIndex(t, index) // the selection scores with 8-bit centroids
 	fixed, err := TacticFixedTokens(sinks, n-tail, n-1)
 	require.NoError(t, err)
 	k, v := HalvesToFloat64(tr.K), HalvesToFloat64(tr.V)
@@ -228,18 +228,14 @@ func hostIndex(t *testing.T, clusters *kvcache.Clusters) []*ClusterIndex {
 	return index
 }
 
-// halfIndex rounds the centroids of every index to fp16, as the selection
-// kernels read them.
-func halfIndex(t *testing.T, index []*ClusterIndex) {
+// quantizeIndex stores the centroids of every index in 8 bits, as the
+// selection kernels read them (QuantizedCentroidsRef).
+func quantizeIndex(t *testing.T, index []*ClusterIndex) {
 	t.Helper()
 	for _, x := range index {
-		c32 := make([]float32, len(x.Centroids))
-		for i, v := range x.Centroids {
-			c32[i] = float32(v)
-		}
-		halves, err := kvcache.ToHalves(c32)
+		var err error
+		x.Centroids, err = QuantizedCentroidsRef(x.Centroids, x.D)
 		require.NoError(t, err)
-		x.Centroids = HalvesToFloat64(halves)
 	}
 }
 

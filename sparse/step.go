@@ -345,7 +345,7 @@ func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
 		wg &= wg - 1
 	}
 	shuffle := !dense.tree && info.SubgroupShuffle && info.SubgroupSize%lanes == 0
-	pipe := b.kernel("centroid_score", 5, 4, wg, uint32(h.Dim), uint32(heads), boolWord(logSize), boolWord(shuffle), lanes)
+	pipe := b.kernel("centroid_score", 7, 4, wg, uint32(h.Dim), uint32(heads), boolWord(logSize), boolWord(shuffle), lanes)
 	return centroidScorer{pipe: pipe, rows: int(wg / lanes), heads: heads, kv: h.KV, group: h.Group(), scale: h.scaleBits()}
 }
 
@@ -363,21 +363,27 @@ func (s centroidScorer) record(cmd *vk.Commands, bind *vk.Binding, c, sequences,
 	cmd.Dispatch(s.pipe, bind, []uint32{uint32(c), uint32(s.group), s.scale, uint32(iters)}, uint32(ceilDiv(groups, iters)), uint32(s.kv), uint32(blocks))
 }
 
-// halfCentroids writes the centroids of x rounded to fp16 into dst (the
-// selection kernels read half the bytes), through the host, once per index.
-func halfCentroids(x *kvcache.Clusters, dst *vk.Buffer) error {
-	if x.Halves != nil {
-		return fmt.Errorf("sparse: the index is halved: bind its Halves")
+// codedCentroids are an index's centroids as centroid_score reads them:
+// 8-bit codes, each row's scale and each head's dimension scales
+// (kvcache.Clusters.Codes, Scales and DimScales).
+type codedCentroids struct{ codes, scales, dims *vk.Buffer }
+
+// codeCentroids returns the centroids of x in 8 bits: a quantized index's
+// own, else copies allocated with b and written through the host
+// (kvcache.Clusters.ReadCodes), once per index.
+func codeCentroids(b *builder, x *kvcache.Clusters) (codedCentroids, error) {
+	if x.Codes != nil {
+		return codedCentroids{x.Codes, x.Scales, x.DimScales}, nil
 	}
-	f := make([]float32, x.KVHeads*x.C*x.HeadDim)
-	if err := x.Centroids.ReadFloat32(0, f); err != nil {
-		return err
-	}
-	halves, err := kvcache.ToHalves(f)
+	codes, scales, dims, err := x.ReadCodes()
 	if err != nil {
-		return fmt.Errorf("sparse: centroids in fp16: %w", err)
+		return codedCentroids{}, fmt.Errorf("sparse: %w", err)
 	}
-	return dst.WriteUint16(0, halves)
+	c := codedCentroids{b.words(len(codes)), b.words(len(scales)), b.words(len(dims))}
+	if b.err != nil {
+		return codedCentroids{}, b.err
+	}
+	return c, errors.Join(c.codes.WriteUint32(0, codes), c.scales.WriteFloat32(0, scales), c.dims.WriteFloat32(0, dims))
 }
 
 // Attended returns the rows the last step that ran attended for a KV head,

@@ -71,8 +71,8 @@ type tacticBound struct {
 	fixedE   *vk.Buffer
 	cut      *vk.Buffer // uint32 [Hq]
 	extremes *vk.Buffer // uint32 [Hq][2]: keys of each head's best and worst score, 0 between steps
-	// centroids holds the index's centroids rounded to fp16, [Hkv][C][D].
-	centroids *vk.Buffer
+	// centroids are the index's centroids in 8 bits, [Hkv][C][D].
+	centroids codedCentroids
 	// fitArrived counts the selection's workgroups done per query head, 0
 	// between steps.
 	fitArrived *vk.Buffer
@@ -269,14 +269,10 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
 	x.planBuf, x.cut = alloc(hq*16), alloc(hq)
 	x.extremes, x.fitArrived = alloc(2*hq), alloc(hq)
-	x.centroids = clusters.Halves // a halved index's own, or a copy
-	if x.centroids == nil {
-		x.centroids = alloc(h.KV * c * h.Dim / 2)
-	}
 	x.sampled, x.fixedE = alloc(2*hq*(c+maxSampleWorkgroups)), alloc(4*hq*maxSampleWorkgroups)
 	err := b.err
-	if err == nil && clusters.Halves == nil {
-		err = halfCentroids(clusters, x.centroids)
+	if err == nil {
+		x.centroids, err = codeCentroids(b, clusters) // a quantized index's own, or copies
 	}
 	if err == nil {
 		err = dev.Run(func(c *vk.Commands) {
@@ -295,7 +291,7 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 // queries in query.
 func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query vk.Range) error {
 	clusters := x.clusters
-	score, err := k.score.pipe.Bind(query, x.centroids.All(), x.scores.All(), clusters.Counts.All(), x.extremes.All())
+	score, err := k.score.pipe.Bind(query, x.centroids.codes.All(), x.scores.All(), clusters.Counts.All(), x.extremes.All(), x.centroids.scales.All(), x.centroids.dims.All())
 	if err != nil {
 		return err
 	}

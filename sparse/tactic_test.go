@@ -29,7 +29,7 @@ func generated(t *testing.T, h Heads, n, queries int) *trace.Trace {
 
 // TestTacticStepMatchesReference runs whole GPU decode steps on a
 // generated layer and checks each stage: centroid scores against float64
-// products with the GPU's centroids rounded to fp16, each head's cut against
+// products with the GPU's centroids in 8 bits, each head's cut against
 // TacticBinnedBudgetRef on those scores and the token lists against the
 // union of the selected clusters with sinks and tail. The output is the
 // conformance suite's to check.
@@ -64,7 +64,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	require.NoError(t, err)
 	defer dense.Release()
 	index := hostIndex(t, clusters)
-	halfIndex(t, index) // the step scores with the centroids in fp16
+	quantizeIndex(t, index) // the step scores with 8-bit centroids
 	fixed, err := TacticFixedTokens(sinks, n-tail, n-1)
 	require.NoError(t, err)
 	k := HalvesToFloat64(tr.K)

@@ -86,6 +86,7 @@ func fidelity(args []string) error {
 	kindsName := fs.String("kinds", "mixed", kindsUsage)
 	perHead := fs.Bool("per-head", false, "also print a table of every query head's figures")
 	initial := fs.Float64("initial", sparse.DefaultTacticFit().InitialFrac, "share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)")
+	maxInitial := fs.Int("max-initial", sparse.DefaultTacticFit().MaxInitial, "the most tokens the fit computes exactly (0: no limit)")
 	spans := fs.String("span", "0", fmt.Sprintf("K-means within spans of this many tokens (comma-separated to compare; 0: whole prefill, the paper's clustering; %d recommended)", sparse.KMeansDefaultSpan))
 	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
 	windowStride := fs.Int("window-stride", sparse.DefaultTacticFit().WindowStride, "sampling windows score only the clusters whose index is a multiple of this (0 or 1: every cluster)")
@@ -97,7 +98,7 @@ func fidelity(args []string) error {
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	plotPath := fs.String("plot", "", "draw tokens selected and mass reached against P (or against N) into this PNG file")
 	fs.Usage = func() {
-		fmt.Fprint(fs.Output(), "usage: vkbench fidelity [flags]\n\nMeasures how well Tactic's selection (float64 reference, CPU) reaches\nthe target attention mass P, against exact attention, and what a step\nmust read (centroids, the fit's key rows, the union's key and value rows):\nMB/step, and the most a step can gain over dense attention when both read\nat -bandwidth and each dependent dispatch costs -floor.\n\n")
+		fmt.Fprint(fs.Output(), "usage: vkbench fidelity [flags]\n\nMeasures how well Tactic's selection (float64 reference, CPU) reaches\nthe target attention mass P, against exact attention, and what a step\nmust read (centroids, the fit's key rows, the union's key and value rows):\nMB/step, the bytes read before attention per byte of the unions\n(select/union), and the most a step can gain over dense attention when both read\nat -bandwidth and each dependent dispatch costs -floor.\n\n")
 		fs.PrintDefaults()
 	}
 	fs.Parse(args)
@@ -112,6 +113,9 @@ func fidelity(args []string) error {
 	}
 	if err := checkFit(*initial, *maxWindow, *windowStride); err != nil {
 		return err
+	}
+	if *maxInitial < 0 {
+		return fmt.Errorf("-max-initial %d: must not be negative", *maxInitial)
 	}
 	pList, err := floats(*ps)
 	if err != nil {
@@ -136,7 +140,7 @@ func fidelity(args []string) error {
 	}
 	opts := evaluate.DefaultTacticOptions()
 	opts.P = pList
-	opts.Fit.InitialFrac = *initial
+	opts.Fit.InitialFrac, opts.Fit.MaxInitial = *initial, *maxInitial
 	opts.Fit.MaxWindow = *maxWindow
 	opts.Fit.WindowStride = *windowStride
 	opts.AvgClusterSize = *clusterSize
@@ -277,12 +281,13 @@ func printTactic(results []tacticResult, perHead bool) {
 		rows = append(rows, []string{r.Source, fmt.Sprint(r.Tokens), fmt.Sprint(r.Span), fmt.Sprintf("%d×%d", len(r.Queries), r.QHeads), fmt.Sprint(r.P),
 			fmt.Sprintf("%.1f", r.Selected), pct(r.Selected, r.Attended), pct(r.Union, r.Attended), fmt.Sprintf("%.3f", r.Mass), fmt.Sprintf("%.3f", r.MinMass),
 			fmt.Sprintf("%.1f%%", 100*r.SuccessRate), fmt.Sprintf("%.3f", r.SelectedOverClusterOptimal), pct(r.ClusterOptimal, r.Attended), pct(r.GlobalOptimal, r.Attended),
-			fmt.Sprintf("%.4f", r.RelErr), fmt.Sprintf("%.3f", r.BoundWorst), fmt.Sprintf("%.1f", r.Traffic.Total()/1e6)})
+			fmt.Sprintf("%.4f", r.RelErr), fmt.Sprintf("%.3f", r.BoundWorst), fmt.Sprintf("%.1f", r.Traffic.Total()/1e6),
+			fmt.Sprintf("%.2f", r.Traffic.SelectionShare())})
 		for _, b := range r.Bounds {
 			rows[len(rows)-1] = append(rows[len(rows)-1], fmt.Sprintf("%.2f×", b.Speedup))
 		}
 	}
-	header := []string{"source", "tokens", "span", "queries", "P", "selected", "sel/N", "union/N", "mass", "min mass", "success", "sel/c-opt", "c-opt/N", "g-opt/N", "rel err", "bound", "MB/step"}
+	header := []string{"source", "tokens", "span", "queries", "P", "selected", "sel/N", "union/N", "mass", "min mass", "success", "sel/c-opt", "c-opt/N", "g-opt/N", "rel err", "bound", "MB/step", "select/union"}
 	if len(results) > 0 {
 		for _, b := range results[0].Bounds {
 			header = append(header, fmt.Sprintf("most × B=%d", b.Batch))
