@@ -11,7 +11,7 @@
 //   KIND 1 (mass), rows are the layer's slots [0, n): the exact logit
 //     scale · q · k of the key stored there.
 // Cuts: the last workgroup of a block to arrive (an arrival counter; no
-// workgroup waits for another) takes its heads one after another. It
+// workgroup waits for another) takes its heads up to four at a time. It
 // gives each cluster c its score l_c (KIND 0 the row of c; KIND 1
 // log Σ_{j < s_c} exp(row[first + start_c + j]), the log of the cluster's
 // true mass), −∞ for an empty cluster, and ranks clusters by
@@ -33,7 +33,9 @@
 // workgroup's into ext[h] with atomic maxima of order-preserving keys,
 // which the last workgroup reads and resets), so that its heads take one
 // pass over their clusters; KIND 1 takes two (the extremes, then the
-// bins). The bins' pass loads BATCH clusters a thread at a time.
+// bins). The bins' pass keeps BATCH loads a thread in flight: BATCH / HC
+// clusters of each head it takes at once (more held more registers and
+// slowed the rows at batch 8).
 #extension GL_EXT_control_flow_attributes : enable
 
 layout(local_size_x_id = 0) in;
@@ -86,7 +88,15 @@ layout(push_constant) uniform Push {
 shared vec4 qs[HB][D4];
 // The rows' lane sums, then a head's bins' counts or fixed-point masses.
 shared uint scratch[SCRATCH];
-shared uint keyMax, keyMin, found;
+// The last workgroup cuts HC heads at a time (a power of two, as many as
+// the scratch holds bins for, at most 4); each head's scan then takes T
+// threads, P bins a thread.
+const uint HCX = HB < SCRATCH / NB ? HB : SCRATCH / NB;
+const uint HC = HCX >= 4 ? 4 : (HCX >= 2 ? 2 : 1);
+const uint T = WG / HC;
+const uint P = NB / T;
+const uint HBATCH = BATCH / HC;  // clusters a thread loads at once for each head
+shared uint keyMax[4], keyMin[4], found[4];  // per head of the chunk
 shared uint rowMax[HB], rowMin[HB];  // KIND 0: the workgroup's extremes
 shared float part[WG];  // scan of the bins
 shared bool last;
@@ -102,10 +112,10 @@ float unkey(uint x) {
 	return uintBitsToFloat((x & 0x80000000u) != 0 ? x & 0x7fffffffu : ~x);
 }
 
-// weight returns what bin b holds: its cluster count, or its mass relative
-// to m from its fixed-point sum.
-float weight(uint b, float u) {
-	uint x = scratch[b];
+// weight returns what bin b, at scratch[at], holds: its cluster count, or
+// its mass relative to m from its fixed-point sum.
+float weight(uint at, uint b, float u) {
+	uint x = scratch[at];
 	return TOPP == 0 ? float(x) : float(x) / pc.quant * exp(-float(b) / u);
 }
 
@@ -194,115 +204,144 @@ void main() {
 	if (!last) return;
 	memoryBarrierBuffer();
 
-	const uint PER = NB / WG;  // bins a thread scans
-	for (uint hl = 0; hl < heads; hl++) {
-		uint h = h0 + hl;
-		if (tid == 0) {
-			keyMax = 0;
-			keyMin = 0;
-			found = NB;
+	for (uint c0h = 0; c0h < heads; c0h += HC) {
+		uint hc = min(HC, heads - c0h);
+		if (tid < HC) {
+			keyMax[tid] = 0;
+			keyMin[tid] = 0;
+			found[tid] = NB;
 		}
-		for (uint i = tid; i < NB; i += WG) scratch[i] = 0;
+		for (uint i = tid; i < HC * NB; i += WG) scratch[i] = 0;
 		barrier();
 		if (KIND == 0) {
 			// The extremes the rows folded.
-			if (tid == 0) {
-				uvec2 e = ext[h];
-				keyMax = e.x;
-				keyMin = e.y;
-				ext[h] = uvec2(0);
+			if (tid < hc) {
+				uvec2 e = ext[h0 + c0h + tid];
+				keyMax[tid] = e.x;
+				keyMin[tid] = e.y;
+				ext[h0 + c0h + tid] = uvec2(0);
 			}
 		} else {
 			// Scores.
 			for (uint c = tid; c < pc.C; c += WG) {
 				uint size = sizes[g * pc.C + c];
-				float l = size > 0 ? clusterScore(h, g, c, size) : NEG;
-				if (size > 0) {
-					atomicMax(keyMax, key(l));
-					atomicMax(keyMin, ~key(l));
+				for (uint j = 0; j < hc; j++) {
+					uint h = h0 + c0h + j;
+					float l = size > 0 ? clusterScore(h, g, c, size) : NEG;
+					if (size > 0) {
+						atomicMax(keyMax[j], key(l));
+						atomicMax(keyMin[j], ~key(l));
+					}
+					score[h * pc.C + c] = l;
 				}
-				score[h * pc.C + c] = l;
 			}
 		}
 		barrier();
-		float m = unkey(keyMax), m0 = unkey(~keyMin);
-		float u = 1.0;
-		if (m - m0 > 0.0) {
-			int ex;
-			frexp(m - m0, ex);
-			u = ldexp(1.0, LOG2NB - ex);
+		float m[4], u[4];
+		[[unroll]] for (uint j = 0; j < 4; j++) {
+			m[j] = 0.0;
+			u[j] = 1.0;
+			if (j < hc) {
+				m[j] = unkey(keyMax[j]);
+				float m0 = unkey(~keyMin[j]);
+				if (m[j] - m0 > 0.0) {
+					int ex;
+					frexp(m[j] - m0, ex);
+					u[j] = ldexp(1.0, LOG2NB - ex);
+				}
+			}
 		}
-		// The bins, BATCH clusters a thread at a time (KIND 0 writes the
-		// scores here).
-		for (uint c0 = tid; c0 < pc.C; c0 += WG * BATCH) {
-			float lv[BATCH];
+		// The bins of every head of the chunk, HBATCH clusters a thread at a
+		// time for each (BATCH loads in flight), their sizes loaded once
+		// (KIND 0 writes the scores here).
+		for (uint c0 = tid; c0 < pc.C; c0 += WG * HBATCH) {
+			float lv[4][BATCH];
 			uint zv[BATCH];
-			[[unroll]] for (uint i = 0; i < BATCH; i++) {
+			[[unroll]] for (uint i = 0; i < HBATCH; i++) {
 				uint c = min(c0 + i * WG, pc.C - 1);
 				zv[i] = sizes[g * pc.C + c];
-				if (KIND == 0) lv[i] = row[h * pc.R + c];
+				[[unroll]] for (uint j = 0; j < HC; j++) {
+					if (KIND == 0 && j < hc) lv[j][i] = row[(h0 + c0h + j) * pc.R + c];
+				}
 			}
-			[[unroll]] for (uint i = 0; i < BATCH; i++) {
+			[[unroll]] for (uint i = 0; i < HBATCH; i++) {
 				uint c = c0 + i * WG;
-				if (c < pc.C) {
-					uint b = NB;
-					float l = NEG;
-					if (zv[i] > 0) {
-						l = KIND == 0 ? lv[i] : clusterScore(h, g, c, zv[i]);  // KIND 1 again: Scores is write-only
-						b = min(NB - 1, uint(floor((m - l) * u)));
-						uint add = 1;
-						if (TOPP != 0) add = uint(min(exp(l - (m - float(b) / u)), 1.0) * pc.quant);
-						atomicAdd(scratch[b], add);
+				[[unroll]] for (uint j = 0; j < HC; j++) {
+					if (c < pc.C && j < hc) {
+						uint h = h0 + c0h + j;
+						uint b = NB;
+						float l = NEG;
+						if (zv[i] > 0) {
+							l = KIND == 0 ? lv[j][i] : clusterScore(h, g, c, zv[i]);  // KIND 1 again: Scores is write-only
+							b = min(NB - 1, uint(floor((m[j] - l) * u[j])));
+							uint add = 1;
+							if (TOPP != 0) add = uint(min(exp(l - (m[j] - float(b) / u[j])), 1.0) * pc.quant);
+							atomicAdd(scratch[j * NB + b], add);
+						}
+						if (KIND == 0) score[h * pc.C + c] = l;
+						binOf[h * pc.C + c] = b;
 					}
-					if (KIND == 0) score[h * pc.C + c] = l;
-					binOf[h * pc.C + c] = b;
 				}
 			}
 		}
 		barrier();
+
+		// From here each head of the chunk has T threads: this one is slot
+		// j of head hl.
+		uint hl = tid / T, j = tid % T;
+		uint h = h0 + c0h + hl;
+		float mh = m[0], uh = u[0];
+		[[unroll]] for (uint i = 1; i < 4; i++) {
+			if (i == hl) {
+				mh = m[i];
+				uh = u[i];
+			}
+		}
 
 		// The mass of the slots outside the index, relative to m.
 		float fixedMass = 0.0;
 		if (TOPP != 0) {
 			float mine = 0.0;
-			for (uint t = tid; t < pc.n; t += WG) {
-				if (t < pc.first || t >= pc.first + pc.clustered) mine += exp(row[h * pc.R + t] - m);
+			if (hl < hc) {
+				for (uint t = j; t < pc.n; t += T) {
+					if (t < pc.first || t >= pc.first + pc.clustered) mine += exp(row[h * pc.R + t] - mh);
+				}
 			}
 			part[tid] = mine;
 			barrier();
-			for (uint s = WG / 2; s > 0; s >>= 1) {
-				if (tid < s) part[tid] += part[tid + s];
+			for (uint s = T / 2; s > 0; s >>= 1) {
+				if (j < s) part[tid] += part[tid + s];
 				barrier();
 			}
-			fixedMass = part[0];
+			fixedMass = part[hl * T];
 			barrier();
 		}
 
-		// Inclusive scan of the bins over the threads: thread tid sums bins
-		// [tid·PER, (tid+1)·PER).
+		// Inclusive scan of each head's bins over its threads: slot j sums
+		// bins [j·P, (j+1)·P).
 		float mine = 0.0;
-		for (uint i = 0; i < PER; i++) mine += weight(tid * PER + i, u);
+		for (uint i = 0; i < P; i++) mine += weight(hl * NB + j * P + i, j * P + i, uh);
 		part[tid] = mine;
 		barrier();
-		for (uint s = 1; s < WG; s <<= 1) {
-			float y = tid >= s ? part[tid - s] : 0.0;
+		for (uint s = 1; s < T; s <<= 1) {
+			float y = j >= s ? part[tid - s] : 0.0;
 			barrier();
 			part[tid] += y;
 			barrier();
 		}
-		float total = part[WG - 1];
+		float total = part[hl * T + T - 1];
 		float target = TOPP == 0 ? float(pc.k) : pc.p * total - (pc.p < 1.0 ? (1.0 - pc.p) * fixedMass : 0.0);
 		float run = part[tid] - mine;
-		for (uint i = 0; i < PER; i++) {
-			uint b = tid * PER + i;
-			run += weight(b, u);
+		for (uint i = 0; i < P && hl < hc; i++) {
+			uint b = j * P + i;
+			run += weight(hl * NB + b, b, uh);
 			if (run >= target) {
-				atomicMin(found, b);
+				atomicMin(found[hl], b);
 				break;
 			}
 		}
 		barrier();
-		if (tid == 0) cut[h] = total > 0.0 && target > 0.0 ? (found == NB ? NB : found + 1) : 0;
-		barrier();  // the next head clears the bins
+		if (j == 0 && hl < hc) cut[h] = total > 0.0 && target > 0.0 ? (found[hl] == NB ? NB : found[hl] + 1) : 0;
+		barrier();  // the next chunk clears the bins
 	}
 }

@@ -9,9 +9,18 @@ import (
 )
 
 // TestTokenOracleStepMatchesReference runs the token oracle (single-token
-// index over the middle) and checks each stage against float64.
+// index over the middle) and checks each stage against float64, with
+// groups of 4, 3 (its heads cut two and one) and 8 (in two chunks).
 func TestTokenOracleStepMatchesReference(t *testing.T) {
-	f := newBaselineFixture(t, 3000)
+	for _, h := range []Heads{{8, 2, 64}, {6, 2, 64}, {16, 2, 32}} {
+		t.Run(fmt.Sprintf("%d-%d-%d", h.Query, h.KV, h.Dim), func(t *testing.T) {
+			checkTokenOracle(t, newBaselineFixtureOf(t, h, 3000))
+		})
+	}
+}
+
+// checkTokenOracle is TestTokenOracleStepMatchesReference on f.
+func checkTokenOracle(t *testing.T, f *baselineFixture) {
 	for _, p := range []float64{0.5, 0.9, 1} {
 		step, err := NewTokenOracleStep(f.dense, f.layer, p)
 		require.NoError(t, err)

@@ -29,8 +29,12 @@ type baselineFixture struct {
 }
 
 func newBaselineFixture(t *testing.T, n int) *baselineFixture {
+	return newBaselineFixtureOf(t, Heads{Query: 8, KV: 2, Dim: 64}, n)
+}
+
+// newBaselineFixtureOf is newBaselineFixture for heads h.
+func newBaselineFixtureOf(t *testing.T, h Heads, n int) *baselineFixture {
 	dev := vktest.Open(t)
-	h := Heads{Query: 8, KV: 2, Dim: 64}
 	tr := generated(t, h, n, 2)
 	layer, err := kvcache.NewLayer(dev, h.KV, h.Dim, n)
 	require.NoError(t, err)
@@ -86,7 +90,17 @@ func (f *baselineFixture) run(t *testing.T, step *Step, poison ...*vk.Buffer) []
 // (QuestSelectRef) up to near-ties; a budget covering the middle attends
 // every token. The output is the conformance suite's to check.
 func TestQuestStepMatchesReference(t *testing.T) {
-	f := newBaselineFixture(t, 3000)
+	// Groups of 4 (one block, its heads cut together), 1, 3 (cut two and
+	// one), 8 (a block cut in two chunks) and 16 (two blocks).
+	for _, h := range []Heads{{8, 2, 64}, {8, 8, 32}, {6, 2, 64}, {16, 2, 64}, {32, 2, 16}} {
+		t.Run(fmt.Sprintf("%d-%d-%d", h.Query, h.KV, h.Dim), func(t *testing.T) {
+			checkQuestStep(t, newBaselineFixtureOf(t, h, 3000))
+		})
+	}
+}
+
+// checkQuestStep is TestQuestStepMatchesReference on f.
+func checkQuestStep(t *testing.T, f *baselineFixture) {
 	h, d := f.h, f.h.Dim
 	for _, budget := range []int{15, 100, 512, f.hi - f.lo} { // 15: less than a page, none taken
 		step, err := NewQuestStep(f.dense, f.layer, budget)
