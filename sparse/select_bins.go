@@ -73,16 +73,10 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 		return nil, fmt.Errorf("%w: selection over keys of dimension %d in %d bytes", vk.ErrUnsupported, h.Dim, layer.HeadBytes()*uint64(h.KV))
 	}
 	s := &binSelector{dense: dense, layer: layer, clusters: clusters, kind: kind, topP: topP, p: p, k: k}
-	// Blocks of up to 8 query heads; the workgroup as large as the scratch
-	// allows (workgroup × heads ≤ 4096 words), a power of two of at most
-	// ScoreBins threads.
-	s.heads = min(h.Group(), 8)
-	wg := min(perHeadWorkgroup(dev.Info()), uint32(4096/s.heads), ScoreBins)
-	for wg&(wg-1) != 0 {
-		wg &= wg - 1
-	}
-	s.rows = int(wg) / 8
 	b := &builder{dev: dev, bufs: &s.bufs, cache: &dense.kernels}
+	var wg uint32
+	s.pipe, s.heads, wg = selectBinsKernel(b, h, kind, topP)
+	s.rows = int(wg) / 8
 	alloc := b.words
 	hq, c := h.Query, clusters.C
 	s.row, s.score = alloc(hq*s.rowStride()), alloc(hq*c)
@@ -91,7 +85,6 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 	if kind == scoreBounds {
 		s.lo, s.hi = alloc(h.KV*c*h.Dim/2), alloc(h.KV*c*h.Dim/2)
 	}
-	s.pipe = b.kernel("select_bins", 12, 11, wg, uint32(h.Dim), uint32(s.heads), ScoreBins, 10, uint32(kind), boolWord(topP))
 	err := b.err
 	if err == nil && kind == scoreBounds {
 		err = s.computeBounds()
@@ -106,6 +99,21 @@ func newBinSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cluste
 		return nil, errors.Join(err, s.release())
 	}
 	return s, nil
+}
+
+// selectBinsKernel builds select_bins for heads h, scoring kind, top-p
+// where topP (else top-k): blocks of up to 8 query heads, the workgroup as
+// large as the scratch allows (workgroup × heads ≤ 4096 words), a power of
+// two of at most ScoreBins threads. It returns the kernel, the heads of a
+// block and the workgroup's threads.
+func selectBinsKernel(b *builder, h Heads, kind binScore, topP bool) (pipe *vk.Pipeline, heads int, wg uint32) {
+	heads = min(h.Group(), 8)
+	wg = min(perHeadWorkgroup(b.dev.Info()), uint32(4096/heads), ScoreBins)
+	for wg&(wg-1) != 0 {
+		wg &= wg - 1
+	}
+	pipe = b.kernel("select_bins", 12, 11, wg, uint32(h.Dim), uint32(heads), ScoreBins, 10, uint32(kind), boolWord(topP))
+	return pipe, heads, wg
 }
 
 // rowStride is the rows the kernel keeps per query head: the clusters

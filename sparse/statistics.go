@@ -17,8 +17,8 @@ type KernelStatistics struct {
 // StepKernelStatistics compiles the kernels of the decode steps for
 // dense's heads, as the steps build them (dense attention, attention over
 // token lists, over clusters and over clusters with pseudo-tokens; the
-// centroid scores of Tactic and of Double-P, Tactic's selection and
-// Double-P's cuts; attention with pseudo-tokens stays built in dense, as a
+// centroid scores of Tactic and of Double-P, Tactic's selection,
+// Double-P's cuts and Quest's selection; attention with pseudo-tokens stays built in dense, as a
 // Double-P plan leaves it), and returns their compiler statistics. The
 // device must be opened with vk.Options.Statistics on a driver that
 // reports them (vk.Info.ExecutableStatistics); elsewhere it returns
@@ -41,7 +41,8 @@ func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
 	b := &builder{dev: dense.dev}
 	doublePScore := centroidScores(b, dense, true).pipe
 	cut := doublePCut(b)
-	defer releaseAll(doublePScore, cut)
+	quest, _, _ := selectBinsKernel(b, dense.heads, scoreBounds, false)
+	defer releaseAll(doublePScore, cut, quest)
 	if b.err != nil {
 		return nil, b.err
 	}
@@ -57,6 +58,7 @@ func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
 		{"tactic_select", tactic.selection},
 		{"centroid_score (Double-P)", doublePScore},
 		{"doublep_cut", cut},
+		{"select_bins (Quest)", quest},
 	}
 	var out []KernelStatistics
 	for _, k := range kernels {
