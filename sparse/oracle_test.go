@@ -10,7 +10,7 @@ import (
 
 // TestTokenOracleStepMatchesReference runs the token oracle (single-token
 // index over the middle) and checks each stage against float64, with
-// groups of 4, 3 (its heads cut two and one) and 8 (in two chunks).
+// groups of 4, 3 and 8 (a block's heads cut one after another).
 func TestTokenOracleStepMatchesReference(t *testing.T) {
 	for _, h := range []Heads{{8, 2, 64}, {6, 2, 64}, {16, 2, 32}} {
 		t.Run(fmt.Sprintf("%d-%d-%d", h.Query, h.KV, h.Dim), func(t *testing.T) {
