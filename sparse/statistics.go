@@ -18,8 +18,9 @@ type KernelStatistics struct {
 // dense's heads, as the steps build them (dense attention, attention over
 // token lists, over clusters and over clusters with pseudo-tokens; the
 // centroid scores of Tactic and of Double-P, Tactic's selection,
-// Double-P's cuts and Quest's selection; attention with pseudo-tokens stays built in dense, as a
-// Double-P plan leaves it), and returns their compiler statistics. The
+// Double-P's cuts and Quest's selection; attention with pseudo-tokens
+// stays built in dense, as a Double-P plan leaves it), and returns their
+// compiler statistics. The
 // device must be opened with vk.Options.Statistics on a driver that
 // reports them (vk.Info.ExecutableStatistics); elsewhere it returns
 // vk.ErrUnsupported.
