@@ -75,10 +75,12 @@ func checkClusterSize(n int) error {
 
 // checkFit refuses the fit flags of tactic and fidelity that
 // sparse.TacticFit would refuse.
-func checkFit(initial float64, maxWindow, windowStride int) error {
+func checkFit(initial float64, maxInitial, maxWindow, windowStride int) error {
 	switch {
 	case !(initial >= 0 && initial <= 1):
 		return fmt.Errorf("-initial %v: want a share in [0, 1]", initial)
+	case maxInitial < 0:
+		return fmt.Errorf("-max-initial %d: must not be negative", maxInitial)
 	case maxWindow < 0:
 		return fmt.Errorf("-max-window %d: must not be negative", maxWindow)
 	case windowStride < 0 || windowStride > sparse.MaxWindowStride:

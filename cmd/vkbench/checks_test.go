@@ -142,24 +142,25 @@ func TestCommandsRefuseClusterSize(t *testing.T) {
 }
 
 func TestCheckFit(t *testing.T) {
-	if err := checkFit(0.02, 0, 64); err != nil {
-		t.Errorf("checkFit(0.02, 0, 64) = %v", err)
+	if err := checkFit(0.02, 0, 0, 64); err != nil {
+		t.Errorf("checkFit(0.02, 0, 0, 64) = %v", err)
 	}
 	for _, c := range []struct {
-		initial           float64
-		maxWindow, stride int
-		flag              string
+		initial                       float64
+		maxInitial, maxWindow, stride int
+		flag                          string
 	}{
-		{math.NaN(), 0, 0, "-initial"},
-		{1.5, 0, 0, "-initial"},
-		{-0.1, 0, 0, "-initial"},
-		{0.02, -1, 0, "-max-window"},
-		{0.02, 0, -1, "-window-stride"},
-		{0.02, 0, 65, "-window-stride"},
+		{math.NaN(), 0, 0, 0, "-initial"},
+		{1.5, 0, 0, 0, "-initial"},
+		{-0.1, 0, 0, 0, "-initial"},
+		{0.02, -1, 0, 0, "-max-initial"},
+		{0.02, 0, -1, 0, "-max-window"},
+		{0.02, 0, 0, -1, "-window-stride"},
+		{0.02, 0, 0, 65, "-window-stride"},
 	} {
-		err := checkFit(c.initial, c.maxWindow, c.stride)
+		err := checkFit(c.initial, c.maxInitial, c.maxWindow, c.stride)
 		if err == nil || !strings.HasPrefix(err.Error(), c.flag+" ") || strings.Contains(err.Error(), "{") {
-			t.Errorf("checkFit(%v, %d, %d) = %v; want a one-line %s error", c.initial, c.maxWindow, c.stride, err, c.flag)
+			t.Errorf("checkFit(%v, %d, %d, %d) = %v; want a one-line %s error", c.initial, c.maxInitial, c.maxWindow, c.stride, err, c.flag)
 		}
 	}
 }

@@ -111,11 +111,8 @@ func fidelity(args []string) error {
 	if err := checkClusterSize(*clusterSize); err != nil {
 		return err
 	}
-	if err := checkFit(*initial, *maxWindow, *windowStride); err != nil {
+	if err := checkFit(*initial, *maxInitial, *maxWindow, *windowStride); err != nil {
 		return err
-	}
-	if *maxInitial < 0 {
-		return fmt.Errorf("-max-initial %d: must not be negative", *maxInitial)
 	}
 	pList, err := floats(*ps)
 	if err != nil {

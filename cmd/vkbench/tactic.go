@@ -57,11 +57,8 @@ func tactic(args []string) error {
 	if *span < 0 {
 		return fmt.Errorf("-span %d: must not be negative", *span)
 	}
-	if err := checkFit(*initial, *maxWindow, *windowStride); err != nil {
+	if err := checkFit(*initial, *maxInitial, *maxWindow, *windowStride); err != nil {
 		return err
-	}
-	if *maxInitial < 0 {
-		return fmt.Errorf("-max-initial %d: must not be negative", *maxInitial)
 	}
 	pList, err := floats(*ps)
 	if err != nil {
