@@ -224,7 +224,7 @@ func timeBatchStep(p Policy, ls []*Layers, prev, q, ref []float32, reps int) (St
 			r.RelErr += math.Sqrt(num/math.Max(den, 1e-300)) / float64(h.Query*len(seqs))
 		}
 	}
-	if err := timeStages(&r, b, reps); err != nil {
+	if err := timeStages(ls[0].dev, &r, b, reps); err != nil {
 		return r, err
 	}
 	if !p.Adaptive {

@@ -256,7 +256,7 @@ func timeStep(dev *vk.Device, l *Layers, p Policy, prev, q []float32, ref []floa
 		}
 		r.RelErr += math.Sqrt(num/math.Max(den, 1e-300)) / float64(len(q)/d)
 	}
-	if err := timeStages(&r, step, reps); err != nil {
+	if err := timeStages(dev, &r, step, reps); err != nil {
 		return r, err
 	}
 	if !p.Adaptive {

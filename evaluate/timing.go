@@ -1,6 +1,11 @@
 package evaluate
 
-import "time"
+import (
+	"time"
+
+	"github.com/vksparse/vksparse/sparse"
+	"github.com/vksparse/vksparse/vk"
+)
 
 // timed is what GPU timestamps time: a step, a batch of steps, a dense plan.
 type timed interface {
@@ -50,13 +55,19 @@ func stageMicros(step stagesTimed, reps int) (map[string]float64, error) {
 
 func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
-// timeStages warms a step (or batch) up and fills r's per-stage medians, its
+// timeStages warms a step (or batch) up, then the GPU's clocks
+// (sparse.WarmUp: a step whose runs leave the GPU mostly idle between
+// submissions does not raise them, and one timed after a long host gap ran
+// at a third of their speed), and fills r's per-stage medians, its
 // dependent dispatches and its whole median, each over reps timed runs.
 func timeStages[T interface {
 	timed
 	stagesTimed
-}](r *StepRun, step T, reps int) error {
+}](dev *vk.Device, r *StepRun, step T, reps int) error {
 	if err := warmUp(step, 300*time.Millisecond); err != nil {
+		return err
+	}
+	if err := sparse.WarmUp(dev, 300*time.Millisecond); err != nil {
 		return err
 	}
 	var err error
