@@ -7,32 +7,42 @@
 // signed bytes packed four to a 32-bit word (byte i mod 4 of word i/4
 // holds element i, lowest first), r_c the row's float32 scale, m the KV
 // head's dimension scales, so that l = r_c · Σ_i (scale · q_h[i] · m[i]) ·
-// k_c[i], m folded into the queries as they are loaded. A workgroup
-// scores pc.iters groups of ROWS consecutive centroids of KV head
-// gl_WorkGroupID.y for the up to HB query heads of block gl_WorkGroupID.z
-// (HB ≤ LANES), LANES lanes sharing a row so that each row is read once for
-// all the block's heads, the next group's rows loaded while it scores the
-// current one; it folds its finite scores into the heads' best and worst
-// (atomic maxima of order-preserving keys, once per workgroup, which the
-// next kernel reads and resets: doublep_cut, tactic_select).
+// k_c[i].
+//
+// A workgroup scores pc.iters groups of ROWS consecutive centroids of KV
+// head gl_WorkGroupID.y for the up to HB query heads of block
+// gl_WorkGroupID.z. LANES lanes share a row, each reading the same 8-byte
+// parts of every row (so each row is read once for all the block's heads),
+// and each lane holds its parts of the block's queries, m and scale folded
+// in, in registers from the start: the products need no other memory than
+// the codes. A lane takes U rows of a group, and the next group's rows are
+// loaded while it scores the current one. The lanes of a row meet by
+// subgroup shuffles that halve the heads each round (SHUFFLE = 1), or in
+// shared memory. The workgroup folds its finite scores into the heads'
+// best and worst (atomic maxima of order-preserving keys, once per
+// workgroup, which the next kernel reads and resets: doublep_cut,
+// tactic_select).
 #extension GL_EXT_control_flow_attributes : enable
 #extension GL_KHR_shader_subgroup_basic : enable
 #extension GL_KHR_shader_subgroup_shuffle : enable
 
 layout(local_size_x_id = 0) in;
-layout(constant_id = 0) const uint WG = 256;   // threads, a power of two; WG·HB ≤ 4096
+layout(constant_id = 0) const uint WG = 256;   // threads, a power of two; WG·HB·U ≤ 4096
 layout(constant_id = 1) const uint D = 128;
-layout(constant_id = 2) const uint HB = 4;     // query heads per block, 1 to 8
+layout(constant_id = 2) const uint HB = 4;     // query heads per block: 1, 2, 4 or 8
 layout(constant_id = 3) const uint LOG_SIZE = 1;
 // SHUFFLE = 1 sums a row's lanes with subgroup shuffles (the host sets it
 // only where shuffles work and LANES divides the subgroup size); 0 meets
 // in shared memory.
 layout(constant_id = 4) const uint SHUFFLE = 0;
-layout(constant_id = 5) const uint LANES = 8;  // threads per centroid, a power of two, HB ≤ LANES
+layout(constant_id = 5) const uint LANES = 8;  // threads per centroid, a power of two, HB ≤ LANES ≤ WG
+layout(constant_id = 6) const uint U = 2;      // rows a lane takes per group
 
 const uint D4 = D / 4;
-const uint D8 = D / 8;         // uvec2 (8 codes) per centroid
-const uint ROWS = WG / LANES;  // centroids per group
+const uint D8 = D / 8;             // uvec2 (8 codes) per centroid
+const uint SLOTS = WG / LANES;     // rows a group's threads take at once
+const uint ROWS = SLOTS * U;       // centroids per group
+const uint PER = (D8 + LANES - 1) / LANES;  // uvec2 a lane loads per row
 const float NEG = -1.0 / 0.0;
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };       // [Hq][D/4]
@@ -52,11 +62,8 @@ layout(push_constant) uniform Push {
 	uint iters;  // groups of ROWS centroids per workgroup
 } pc;
 
-shared vec4 qs[HB][D4];
 shared float lanes[(1 - SHUFFLE) * (HB * ROWS * LANES - 1) + 1];  // the lanes' partial sums
 shared uint keyMax[HB], keyMin[HB];
-
-const uint PER = (D8 + LANES - 1) / LANES;  // uvec2 a lane loads per row
 
 // key maps a float to a uint of the same order.
 uint key(float x) {
@@ -64,18 +71,25 @@ uint key(float x) {
 	return (b & 0x80000000u) != 0 ? ~b : b | 0x80000000u;
 }
 
-// codes returns the four signed bytes of w, lowest first.
+// codes returns the four signed bytes of w, lowest first, exactly and
+// without integer-to-float conversions: a byte with its sign bit flipped
+// is the unsigned k + 128, which as the low mantissa bits of 2^23 makes
+// the float 2^23 + 128 + k.
 vec4 codes(uint w) {
-	return vec4((ivec4(w) << ivec4(24, 16, 8, 0)) >> 24);
+	uint u = w ^ 0x80808080u;
+	return uintBitsToFloat(uvec4(u & 0xFFu, (u >> 8) & 0xFFu, (u >> 16) & 0xFFu, u >> 24) | 0x4B000000u) - 8388736.0;
 }
 
-// loadRow loads this lane's part of centroid c of KV head g (the last
-// one past the end), its scale and its cluster's size.
-void loadRow(uint g, uint c, uint lane, out uvec2 x[PER], out float r, out uint size) {
-	uint cc = g * pc.C + min(c, pc.C - 1);
-	[[unroll]] for (uint i = 0; i < PER; i++) x[i] = lane + i * LANES < D8 ? cent[cc * D8 + lane + i * LANES] : uvec2(0);
-	r = rowScale[cc];
-	size = sizes[cc];
+// loadGroup loads this lane's parts of the U rows of slot `slot` of the
+// group starting at centroid c0 of KV head g (rows past the end read the
+// last one), their scales and their clusters' sizes.
+void loadGroup(uint g, uint c0, uint slot, uint lane, out uvec2 x[U][PER], out float r[U], out uint size[U]) {
+	[[unroll]] for (uint u = 0; u < U; u++) {
+		uint cc = g * pc.C + min(c0 + slot + u * SLOTS, pc.C - 1);
+		[[unroll]] for (uint i = 0; i < PER; i++) x[u][i] = lane + i * LANES < D8 ? cent[cc * D8 + lane + i * LANES] : uvec2(0);
+		r[u] = rowScale[cc];
+		size[u] = sizes[cc];
+	}
 }
 
 void main() {
@@ -83,79 +97,113 @@ void main() {
 	uint g = gl_WorkGroupID.y;
 	uint h0 = g * pc.groupSize + gl_WorkGroupID.z * HB;
 	uint heads = min(HB, g * pc.groupSize + pc.groupSize - h0);
-	uint r = tid / LANES, lane = tid % LANES;
+	uint slot = tid / LANES, lane = tid % LANES;
 	uint first = gl_WorkGroupID.x * pc.iters * ROWS;  // the workgroup's first centroid
+	// The head whose sums this lane ends with, and whether it writes them:
+	// each shuffle round keeps half the heads on either side of a lane bit,
+	// from the highest, so a lane's top bits name its head.
+	uint mine = SHUFFLE != 0 ? lane / (LANES / HB) : lane;
+	bool writer = (SHUFFLE != 0 ? lane % (LANES / HB) == 0 : lane < HB) && mine < heads;
 
 	// The first group's loads in flight with the queries'.
-	uvec2 x[PER];
-	float rs;
-	uint size;
-	loadRow(g, first + r, lane, x, rs, size);
-	for (uint i = tid; i < heads * D4; i += WG) qs[i / D4][i % D4] = q[h0 * D4 + i] * (pc.scale * dimScale[g * D4 + i % D4]);
+	uvec2 x[U][PER];
+	float rs[U];
+	uint size[U];
+	loadGroup(g, first, slot, lane, x, rs, size);
+	vec4 ql[PER][HB], qh[PER][HB];  // this lane's parts of the queries, scaled
+	[[unroll]] for (uint i = 0; i < PER; i++) {
+		uint j = lane + i * LANES;
+		vec4 m0 = vec4(0.0), m1 = vec4(0.0);
+		if (j < D8) {
+			m0 = pc.scale * dimScale[g * D4 + 2 * j];
+			m1 = pc.scale * dimScale[g * D4 + 2 * j + 1];
+		}
+		[[unroll]] for (uint k = 0; k < HB; k++) {
+			bool ok = j < D8 && k < heads;
+			ql[i][k] = ok ? q[(h0 + k) * D4 + 2 * j] * m0 : vec4(0.0);
+			qh[i][k] = ok ? q[(h0 + k) * D4 + 2 * j + 1] * m1 : vec4(0.0);
+		}
+	}
 	if (tid < HB) {
 		keyMax[tid] = 0;
 		keyMin[tid] = 0;
 	}
 	barrier();
 
-	// Lane k of a row folds head k's keys (0: none yet).
-	uint kMax = 0, kMin = 0;
+	uint kMax = 0, kMin = 0;  // this lane's head's keys (0: none yet)
 	for (uint it = 0; it < pc.iters; it++) {
 		uint c0 = first + it * ROWS;  // the same on every thread
 		if (c0 >= pc.C) break;
-		uint c = c0 + r;
-		uvec2 y[PER];
-		float yScale = 0.0;
-		uint ySize = 0;
+		uvec2 y[U][PER];
+		float yScale[U];
+		uint ySize[U];
 		bool more = it + 1 < pc.iters && c0 + ROWS < pc.C;
-		if (more) loadRow(g, c + ROWS, lane, y, yScale, ySize);
+		if (more) loadGroup(g, c0 + ROWS, slot, lane, y, yScale, ySize);
 
-		float acc[HB];
-		[[unroll]] for (uint k = 0; k < HB; k++) acc[k] = 0.0;
-		[[unroll]] for (uint i = 0; i < PER; i++) {
-			uint j = lane + i * LANES;
-			if (j < D8) {
-				vec4 lo = codes(x[i].x), hi = codes(x[i].y);
-				[[unroll]] for (uint k = 0; k < HB; k++) {
-					if (k < heads) acc[k] += dot(lo, qs[k][2 * j]) + dot(hi, qs[k][2 * j + 1]);
-				}
+		float acc[U][HB];
+		[[unroll]] for (uint u = 0; u < U; u++) {
+			[[unroll]] for (uint k = 0; k < HB; k++) acc[u][k] = 0.0;
+			[[unroll]] for (uint i = 0; i < PER; i++) {
+				vec4 lo = codes(x[u][i].x), hi = codes(x[u][i].y);
+				[[unroll]] for (uint k = 0; k < HB; k++) acc[u][k] += dot(lo, ql[i][k]) + dot(hi, qh[i][k]);
 			}
 		}
-		// Lane k of the row ends with head k's sum of q·k_c.
-		float sum = 0.0;
+		// sum[u] ends with head `mine`'s q·k of row u, on the writers.
+		float sum[U];
 		if (SHUFFLE != 0) {
-			[[unroll]] for (uint o = LANES / 2; o > 0; o >>= 1) {
-				[[unroll]] for (uint k = 0; k < HB; k++) acc[k] += subgroupShuffleXor(acc[k], o);
-			}
-			[[unroll]] for (uint k = 0; k < HB; k++) {
-				if (k == lane) sum = acc[k];
+			[[unroll]] for (uint u = 0; u < U; u++) {
+				// Round r halves the heads: a lane keeps the lower half
+				// where its bit LANES >> (r + 1) is clear, the upper half
+				// where set, and adds its partner's sums of them; once one
+				// head is left, the remaining rounds add.
+				[[unroll]] for (uint r = 0; (HB >> r) > 1; r++) {
+					uint m = HB >> (r + 1), o = LANES >> (r + 1);
+					bool low = (lane & o) == 0;
+					[[unroll]] for (uint k = 0; k < m; k++) {
+						float keep = low ? acc[u][k] : acc[u][k + m];
+						float give = low ? acc[u][k + m] : acc[u][k];
+						acc[u][k] = keep + subgroupShuffleXor(give, o);
+					}
+				}
+				[[unroll]] for (uint o = LANES / (2 * HB); o > 0; o >>= 1) acc[u][0] += subgroupShuffleXor(acc[u][0], o);
+				sum[u] = acc[u][0];
 			}
 		} else {
-			[[unroll]] for (uint k = 0; k < HB; k++) lanes[(k * ROWS + r) * LANES + lane] = acc[k];
+			[[unroll]] for (uint u = 0; u < U; u++) {
+				[[unroll]] for (uint k = 0; k < HB; k++) lanes[(k * ROWS + slot + u * SLOTS) * LANES + lane] = acc[u][k];
+			}
 			barrier();
-			if (lane < HB) {
-				[[unroll]] for (uint j = 0; j < LANES; j++) sum += lanes[(lane * ROWS + r) * LANES + j];
+			[[unroll]] for (uint u = 0; u < U; u++) {
+				sum[u] = 0.0;
+				if (lane < HB) {
+					[[unroll]] for (uint j = 0; j < LANES; j++) sum[u] += lanes[(lane * ROWS + slot + u * SLOTS) * LANES + j];
+				}
 			}
 			barrier();  // the next group rewrites lanes
 		}
-		if (c < pc.C && lane < heads) {
-			sum *= rs;
-			float l = LOG_SIZE == 0 ? sum : (size == 0 ? NEG : sum + log(float(size)));
-			s[(h0 + lane) * pc.C + c] = l;
-			if (LOG_SIZE == 0 || size != 0) {
-				kMax = max(kMax, key(l));
-				kMin = max(kMin, ~key(l));
+		[[unroll]] for (uint u = 0; u < U; u++) {
+			uint c = c0 + slot + u * SLOTS;
+			if (writer && c < pc.C) {
+				float l = sum[u] * rs[u];
+				l = LOG_SIZE == 0 ? l : (size[u] == 0 ? NEG : l + log(float(size[u])));
+				s[(h0 + mine) * pc.C + c] = l;
+				if (LOG_SIZE == 0 || size[u] != 0) {
+					kMax = max(kMax, key(l));
+					kMin = max(kMin, ~key(l));
+				}
 			}
 		}
 		if (more) {
-			[[unroll]] for (uint i = 0; i < PER; i++) x[i] = y[i];
-			rs = yScale;
-			size = ySize;
+			[[unroll]] for (uint u = 0; u < U; u++) {
+				[[unroll]] for (uint i = 0; i < PER; i++) x[u][i] = y[u][i];
+				rs[u] = yScale[u];
+				size[u] = ySize[u];
+			}
 		}
 	}
-	if (lane < heads) {
-		atomicMax(keyMax[lane], kMax);
-		atomicMax(keyMin[lane], kMin);
+	if (writer) {
+		atomicMax(keyMax[mine], kMax);
+		atomicMax(keyMin[mine], kMin);
 	}
 	barrier();
 	if (tid < heads) {

@@ -311,11 +311,21 @@ const scoreWorkgroup = 256
 // its atomic extremes) is paid once for several groups.
 const scoreWorkgroups = 512
 
-// scoreLanes is the fewest threads that share a centroid row in
-// centroid_score (more where a block has more query heads): each sums its
-// part for every head of the block, and the row's lanes then meet by
-// shuffles, fewer with fewer lanes.
-const scoreLanes = 4
+// scoreLanes is the threads that share a centroid row in centroid_score
+// where the row allows: at 128 dimensions, each then loads 2 parts of 8
+// codes a row and holds 64 query words (4 heads). At batch 8 and 131 072
+// tokens 8 lanes scored in 42 µs, 16 in 50 and 32 in 95 (NVIDIA H200,
+// bench/README.md, "The centroid scores' queries in registers").
+const scoreLanes = 8
+
+// scoreRowsPerLane is the rows of a group each lane of centroid_score
+// takes (the kernel's U): their loads in flight at once, beside the next
+// group's.
+const scoreRowsPerLane = 2
+
+// scoreQueryWords is the most query words a lane of centroid_score holds
+// in registers: its parts of the block's queries.
+const scoreQueryWords = 64
 
 // centroidScorer is centroid_score built for a Dense's heads, with the
 // shape of its dispatches.
@@ -329,24 +339,36 @@ type centroidScorer struct {
 }
 
 // centroidScores builds centroid_score for dense's heads (with ln s_c
-// added where logSize): blocks of up to 8 query heads, workgroups of
-// scoreWorkgroup threads or fewer (workgroup × heads ≤ 4096 words, a power
-// of two), a row's lanes (scoreLanes, or the block's heads rounded up to a
-// power of two) summed by shuffles where they work.
+// added where logSize): blocks of 1, 2, 4 or 8 query heads (the group's,
+// rounded up to a power of two), a row's lanes scoreLanes where the row
+// has that many parts of 8 codes (fewer for fewer, never fewer than the
+// block's heads, more while a lane's parts of the queries exceed
+// scoreQueryWords), summed by shuffles where they work, workgroups of
+// scoreWorkgroup threads or fewer (workgroup × heads × rows a lane ≤ 4096
+// words, a power of two).
 func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
 	h, info := dense.heads, dense.dev.Info()
-	heads := min(h.Group(), 8)
-	lanes := uint32(max(heads, scoreLanes)) // threads per centroid (the kernel's LANES)
-	for lanes&(lanes-1) != 0 {
-		lanes++
+	heads := 1
+	for heads < min(h.Group(), 8) {
+		heads *= 2
 	}
-	wg := min(scoreWorkgroup, perHeadWorkgroup(info), uint32(4096/heads))
+	parts := h.Dim / 8 // 8 codes a part
+	lanes := 1
+	for lanes*2 <= min(parts, scoreLanes) {
+		lanes *= 2
+	}
+	lanes = max(lanes, heads)
+	for ceilDiv(parts, lanes)*heads*8 > scoreQueryWords && lanes < 32 {
+		lanes *= 2
+	}
+	wg := min(scoreWorkgroup, perHeadWorkgroup(info), uint32(4096/(heads*scoreRowsPerLane)))
 	for wg&(wg-1) != 0 {
 		wg &= wg - 1
 	}
-	shuffle := !dense.tree && info.SubgroupShuffle && info.SubgroupSize%lanes == 0
-	pipe := b.kernel("centroid_score", 7, 4, wg, uint32(h.Dim), uint32(heads), boolWord(logSize), boolWord(shuffle), lanes)
-	return centroidScorer{pipe: pipe, rows: int(wg / lanes), heads: heads, kv: h.KV, group: h.Group(), scale: h.scaleBits()}
+	wg = max(wg, uint32(lanes))
+	shuffle := !dense.tree && info.SubgroupShuffle && info.SubgroupSize%uint32(lanes) == 0
+	pipe := b.kernel("centroid_score", 7, 4, wg, uint32(h.Dim), uint32(heads), boolWord(logSize), boolWord(shuffle), uint32(lanes), scoreRowsPerLane)
+	return centroidScorer{pipe: pipe, rows: int(wg) / lanes * scoreRowsPerLane, heads: heads, kv: h.KV, group: h.Group(), scale: h.scaleBits()}
 }
 
 // record appends the dispatch scoring c centroids per KV head with the
