@@ -327,6 +327,14 @@ const scoreRowsPerLane = 2
 // in registers: its parts of the block's queries.
 const scoreQueryWords = 64
 
+// scoreWorkgroupWithSizes is the most threads of a centroid_score
+// workgroup that adds ln s_c (Double-P). Its sizes in flight take it to
+// about 128 registers at 8 lanes, where an H200's SM holds one workgroup
+// of 256 threads but three of 128: at batch 8 its scores took 26.1 µs at
+// 32 768 tokens and 50.3 at 131 072 with 128 threads, against 27.9 and
+// 63.3 with 256 (32.5 and 55.1 with 16 lanes and 74 registers).
+const scoreWorkgroupWithSizes = 128
+
 // centroidScorer is centroid_score built for a Dense's heads, with the
 // shape of its dispatches.
 type centroidScorer struct {
@@ -344,8 +352,8 @@ type centroidScorer struct {
 // has that many parts of 8 codes (fewer for fewer, never fewer than the
 // block's heads, more while a lane's parts of the queries exceed
 // scoreQueryWords), summed by shuffles where they work, workgroups of
-// scoreWorkgroup threads or fewer (workgroup × heads × rows a lane ≤ 4096
-// words, a power of two).
+// scoreWorkgroup threads or fewer (scoreWorkgroupWithSizes with ln s_c;
+// workgroup × heads × rows a lane ≤ 4096 words, a power of two).
 func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
 	h, info := dense.heads, dense.dev.Info()
 	heads := 1
@@ -362,6 +370,9 @@ func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
 		lanes *= 2
 	}
 	wg := min(scoreWorkgroup, perHeadWorkgroup(info), uint32(4096/(heads*scoreRowsPerLane)))
+	if logSize {
+		wg = min(wg, scoreWorkgroupWithSizes)
+	}
 	for wg&(wg-1) != 0 {
 		wg &= wg - 1
 	}
