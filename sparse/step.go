@@ -315,7 +315,7 @@ const scoreWorkgroups = 512
 // where the row allows: at 128 dimensions, each then loads 2 parts of 8
 // codes a row and holds 64 query words (4 heads). At batch 8 and 131 072
 // tokens 8 lanes scored in 42 µs, 16 in 50 and 32 in 95 (NVIDIA H200,
-// bench/README.md, "The centroid scores' queries in registers").
+// bench/README.md, 2026-11-28 (evening, late)).
 const scoreLanes = 8
 
 // scoreRowsPerLane is the rows of a group each lane of centroid_score
@@ -328,11 +328,11 @@ const scoreRowsPerLane = 2
 const scoreQueryWords = 64
 
 // scoreWorkgroupWithSizes is the most threads of a centroid_score
-// workgroup that adds ln s_c (Double-P). Its sizes in flight take it to
-// about 128 registers at 8 lanes, where an H200's SM holds one workgroup
-// of 256 threads but three of 128: at batch 8 its scores took 26.1 µs at
-// 32 768 tokens and 50.3 at 131 072 with 128 threads, against 27.9 and
-// 63.3 with 256 (32.5 and 55.1 with 16 lanes and 74 registers).
+// workgroup that adds ln s_c (Double-P), whose sizes in flight hold more
+// registers: on an H200 at 8 lanes its scores took 26.1 µs at batch 8 and
+// 32 768 tokens and 50.3 at 131 072 in workgroups of 128 threads (128
+// registers, four workgroups an SM), against 27.9 and 63.3 with 256, and
+// 32.5 and 55.1 at 16 lanes (74 registers).
 const scoreWorkgroupWithSizes = 128
 
 // centroidScorer is centroid_score built for a Dense's heads, with the
