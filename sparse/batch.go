@@ -52,7 +52,21 @@ func NewBatch(dense *Dense, steps []*Step) (*Batch, error) {
 	if err != nil {
 		return nil, errors.Join(err, b.Release())
 	}
+	for _, s := range steps {
+		if x, ok := s.sel.(stageSharer); ok {
+			x.shareStages(len(steps))
+		}
+	}
 	return b, nil
+}
+
+// stageSharer is a Selector whose dispatches take their shape from how
+// many sequences' selections share each stage (a batch's): about a wave of
+// workgroups for all of them, rather than for each.
+type stageSharer interface {
+	// shareStages tells the selector that sequences selections, its own
+	// among them, share each of its stages from now on.
+	shareStages(sequences int)
 }
 
 // Len returns the number of sequences B.

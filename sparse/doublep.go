@@ -36,15 +36,18 @@ type DoublePSelector struct {
 	// scoreWorkgroups, where positive, replaces scoreWorkgroups (tests use
 	// it to score several groups of centroids per workgroup).
 	scoreWorkgroups int
-	cut             *vk.Pipeline
-	binds           struct{ score, cut *vk.Binding }
-	bufs            []*vk.Buffer
-	logits          *vk.Buffer     // float32 [Hq][C]
-	binOf           *vk.Buffer     // uint32 [Hq][C]
-	exact, keep     *vk.Buffer     // uint32 [Hq]
-	means           *vk.Buffer     // fp16 [Hkv][C][D], each cluster's mean value row rounded
-	centroids       codedCentroids // the index's centroids in 8 bits
-	extremes        *vk.Buffer     // uint32 [Hq][2], 0 between steps
+	// sequences is how many sequences' selections share the score stage's
+	// dispatches (a batch's, stageSharer): they take scoreWorkgroups in all.
+	sequences   int
+	cut         *vk.Pipeline
+	binds       struct{ score, cut *vk.Binding }
+	bufs        []*vk.Buffer
+	logits      *vk.Buffer     // float32 [Hq][C]
+	binOf       *vk.Buffer     // uint32 [Hq][C]
+	exact, keep *vk.Buffer     // uint32 [Hq]
+	means       *vk.Buffer     // fp16 [Hkv][C][D], each cluster's mean value row rounded
+	centroids   codedCentroids // the index's centroids in 8 bits
+	extremes    *vk.Buffer     // uint32 [Hq][2], 0 between steps
 }
 
 // NewDoublePStep prepares Double-P decode steps with targets opts over
@@ -71,7 +74,7 @@ func NewDoublePSelector(dense *Dense, layer *kvcache.Layer, clusters *kvcache.Cl
 	case !clusters.Contiguous:
 		return nil, fmt.Errorf("sparse: Double-P reads clusters as runs of slots: put the layer in cluster order first (kvcache.Layer.Reorder)")
 	}
-	s := &DoublePSelector{dense: dense, clusters: clusters, opts: opts}
+	s := &DoublePSelector{dense: dense, clusters: clusters, opts: opts, sequences: 1}
 	b := &builder{dev: dev, bufs: &s.bufs, cache: &dense.kernels}
 	hq, c := h.Query, clusters.C
 	s.logits, s.binOf, s.exact, s.keep = b.words(hq*c), b.words(hq*c), b.words(hq), b.words(hq)
@@ -150,7 +153,7 @@ func (s *DoublePSelector) RecordStage(c *vk.Commands, stage int) error {
 	h, x := s.dense.heads, s.clusters
 	switch stage {
 	case 0:
-		s.score.record(c, s.binds.score, x.C, 1, s.scoreWorkgroups)
+		s.score.record(c, s.binds.score, x.C, s.sequences, s.scoreWorkgroups)
 	case 1:
 		quant := massScale(x.C)
 		c.Dispatch(s.cut, s.binds.cut, []uint32{uint32(x.C), math.Float32bits(float32(s.opts.P1)), math.Float32bits(float32(s.opts.P2)), math.Float32bits(float32(quant))},
@@ -160,6 +163,10 @@ func (s *DoublePSelector) RecordStage(c *vk.Commands, stage int) error {
 	}
 	return nil
 }
+
+// shareStages sizes the score stage's dispatches for sequences
+// selections recorded together (stageSharer).
+func (s *DoublePSelector) shareStages(sequences int) { s.sequences = sequences }
 
 // Logits returns the last step's pseudo-token logits, [Hq][C].
 func (s *DoublePSelector) Logits() ([]float32, error) {

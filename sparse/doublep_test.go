@@ -251,3 +251,30 @@ func mustHalves(t *testing.T, x []float64) []uint16 {
 	require.NoError(t, err)
 	return h
 }
+
+// TestDoublePBatchSharesScoreStage checks that a batch sizes its Double-P
+// selections' score dispatches for all its sequences (stageSharer), and
+// that a step outside a batch sizes them for itself.
+func TestDoublePBatchSharesScoreStage(t *testing.T) {
+	dev := vktest.Open(t)
+	h := Heads{Query: 8, KV: 2, Dim: 64}
+	const n = 700
+	dense, err := NewDense(dev, h)
+	require.NoError(t, err)
+	defer dense.Release()
+	var steps []*Step
+	for range 3 {
+		tr := generated(t, h, n, 1)
+		layer, clusters := orderedLayer(t, dev, h, tr, 4, n-68, KMeansOptions{Seed: 11})
+		step, err := NewDoublePStep(dense, layer, clusters, DefaultDoubleP())
+		require.NoError(t, err)
+		require.Equal(t, 1, step.Selector().(*DoublePSelector).sequences, "a step on its own")
+		steps = append(steps, step)
+	}
+	b, err := NewBatch(dense, steps)
+	require.NoError(t, err)
+	defer b.Release()
+	for i, s := range steps {
+		require.Equal(t, len(steps), s.Selector().(*DoublePSelector).sequences, "step %d of the batch", i)
+	}
+}

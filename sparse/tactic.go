@@ -385,6 +385,10 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	return nil
 }
 
+// shareStages sizes the selection's dispatches for sequences selections
+// recorded together (stageSharer).
+func (s *tacticSelector) shareStages(sequences int) { s.sequences = sequences }
+
 // Scores returns the centroid scores of the last step, [Hq][C].
 func (t *TacticStep) Scores() ([]float32, error) {
 	s := make([]float32, t.dense.heads.Query*t.tactic.clusters.C)

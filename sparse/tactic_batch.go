@@ -44,7 +44,7 @@ func NewTacticBatch(dense *Dense, layers []*kvcache.Layer, clusters []*kvcache.C
 		sel, err := newTacticSelector(dense, k, layers[i], clusters[i], p, fit)
 		var t *TacticStep
 		if err == nil {
-			sel.sequences = len(layers)
+			sel.shareStages(len(layers))
 			t, err = newTacticStep(dense, layers[i], sel)
 		}
 		if err != nil {
