@@ -69,6 +69,14 @@ const uint PASS = SLOTS * RPT;   // rows a team scores at once
 const uint TEAMS = WG / TEAM;
 const uint BATCH = 8;            // clusters a thread loads at once
 const uint PER = NB / WG;        // bins per thread in the scans
+// A segment of a workgroup's share of the clusters: LIST of them, SEGS
+// rounds of a cluster a thread; its sampled ones are listed (at most LIST),
+// then sampled by all the teams at once. Two keep the kernel within 24 KB
+// of shared memory, where NVIDIA's compiler still fits two workgroups of
+// 512 threads an SM (at four, 27 KB, it took 94 registers and the fit
+// slowed by 12 µs; bench/README.md).
+const uint SEGS = 2u;
+const uint LIST = SEGS * WG;
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };      // [Hq][D/4]
 layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };        // [Hkv][headStride]
@@ -105,8 +113,9 @@ shared uint start[NB + 1];   // bins' token counts, then their token offsets
 // The fit: the bins' sums, then S at the boundaries, as float bits (the
 // sums are added with compare-and-swap).
 shared uint pre[NB + 1];
-shared uint lst[WG];         // sampled clusters of a round; scanU's slots
-shared uint lstBin[WG];      // their bins
+shared uint lst[WG];         // scanU's slots
+// The sampled clusters of a segment of this workgroup's share, c·NB + b.
+shared uint seg[LIST];
 shared uint nList;
 shared uint found[5];
 shared uint winCount[2];     // tokens sampled in each window
@@ -376,59 +385,55 @@ void main() {
 	bool windows = exact < pc.n;
 	uint r1 = found[1], r2 = found[2], r3 = found[3], r4 = found[4];
 
-	// This workgroup's share of the sampled clusters, a round of up to WG
-	// listed at a time, a team per cluster.
+	// This workgroup's share of the clusters, w, w + W, ..., a segment of
+	// LIST at a time: the sampled ones listed, SEGS rounds of a cluster a
+	// thread, then sampled, a team per cluster.
 	uint team = tid / TEAM, tslot = (tid % TEAM) / TPR, sub = tid % TPR;
 	uint share = w < pc.C ? (pc.C - w + W - 1) / W : 0;
 	uint hb = h * (pc.C + pc.maxW);  // this head's lists
 	uint cap = (pc.C + W - 1) / W;   // entries a workgroup's list may take
 	uint mine = hb + w * cap;        // this workgroup's list
 	uint listed = 0;                 // entries in it so far
-	for (uint i0 = 0; i0 < share; i0 += WG) {
+	for (uint i0 = 0; i0 < share; i0 += LIST) {
 		if (tid == 0) nList = 0;
 		barrier();
-		uint cl = w + (i0 + tid) * W;
-		if (i0 + tid < share) {
+		[[dont_unroll]] for (uint i = i0 + tid; i < min(share, i0 + LIST); i += WG) {
+			uint cl = w + i * W;
 			uint b = binOfScore(m, u, s[sb + cl]);
-			if (sampled(cl, b, j0, windows, r1, r2, r3, r4)) {
-				uint k = atomicAdd(nList, 1);
-				lst[k] = cl;
-				lstBin[k] = b;
-			}
+			if (sampled(cl, b, j0, windows, r1, r2, r3, r4)) seg[atomicAdd(nList, 1)] = cl * NB + b;
 		}
 		barrier();
 		uint count = nList;
 		if (TEAM_SHUFFLE != 0) {
 			// Teams go on independently; a team's threads sum by shuffles.
 			for (uint i = team; i < count; i += TEAMS) {
-				uint c = lst[i], size;
-				float acc = sampleCluster(g, c, tslot, sub, m, size);
+				uint e = seg[i], size;
+				float acc = sampleCluster(g, e / NB, tslot, sub, m, size);
 				[[unroll]] for (uint o = TEAM / 2; o >= TPR; o >>= 1) acc += subgroupShuffleXor(acc, o);
 				if (tid % TEAM == 0) {
-					uint b = lstBin[i];
-					smp[mine + listed + i] = uvec2(c * NB + b, floatBitsToUint(acc));
-					countWindows(b, size, windows, r1, r2, r3, r4);
+					smp[mine + listed + i] = uvec2(e, floatBitsToUint(acc));
+					countWindows(e % NB, size, windows, r1, r2, r3, r4);
 				}
 			}
 		} else {
 			// Rounds of TEAMS clusters; a team's threads meet in part.
 			for (uint t0 = 0; t0 < count; t0 += TEAMS) {
 				uint i = t0 + team, size = 0;
-				float acc = i < count ? sampleCluster(g, lst[i], tslot, sub, m, size) : 0.0;
+				uint e = i < count ? seg[i] : 0;
+				float acc = i < count ? sampleCluster(g, e / NB, tslot, sub, m, size) : 0.0;
 				part[tid].x = acc;
 				barrier();
 				if (i < count && tid % TEAM == 0) {
 					float t = 0.0;
 					for (uint j = 0; j < TEAM; j += TPR) t += part[tid + j].x;
-					uint b = lstBin[i];
-					smp[mine + listed + i] = uvec2(lst[i] * NB + b, floatBitsToUint(t));
-					countWindows(b, size, windows, r1, r2, r3, r4);
+					smp[mine + listed + i] = uvec2(e, floatBitsToUint(t));
+					countWindows(e % NB, size, windows, r1, r2, r3, r4);
 				}
 				barrier();
 			}
 		}
 		listed += count;
-		barrier();  // the next round rewrites the list
+		barrier();  // the next segment rewrites the list
 	}
 
 	// This workgroup's share of the fixed tokens, (WG / TPR)·RPT rows a pass.

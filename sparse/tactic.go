@@ -122,12 +122,17 @@ func selectionWidth(sampled, teams, sequences, heads, rounds int) int {
 // share of the clusters, where a wave allows (selectionWidth).
 const selectRounds = 2
 
+// selectSegment is the clusters of its share a selection workgroup lists
+// at once, per thread (tactic_select's SEGS), before every team samples
+// the segment's listed clusters.
+const selectSegment = 2
+
 // selectShared returns the shared memory tactic_select takes with wg
 // threads for heads of dim dimensions: the query, the bins' offsets and
-// sums, the list of a round with its bins and a vec4 per thread, and a
-// few words.
+// sums, a word and a vec4 per thread, the list of a segment
+// (selectSegment words a thread), and a few words.
 func selectShared(wg, dim int) int {
-	return 4*dim + 2*4*(ScoreBins+1) + 8*wg + 16*wg + 48
+	return 4*dim + 2*4*(ScoreBins+1) + 4*wg + 16*wg + 4*selectSegment*wg + 48
 }
 
 // tacticKernels are the selection kernels of Tactic steps, shared by the

@@ -36,9 +36,10 @@ func generated(t *testing.T, h Heads, n, queries int) *trace.Trace {
 func TestTacticStepMatchesReference(t *testing.T) { testTacticStep(t, 4000, 0, true, false) }
 
 // TestTacticStepManyClusters runs the step over more clusters than a
-// selection workgroup has threads, so that it lists its clusters in several
-// rounds, and (on 256-thread workgroups) more than its threads load at once
-// (2 048), so that it also bins them in several rounds.
+// selection workgroup has threads, and (on 256-thread workgroups) more than
+// its threads load at once (2 048), so that it bins them in several rounds;
+// with one workgroup a head its share spans several segments, each listed
+// and then sampled.
 func TestTacticStepManyClusters(t *testing.T) { testTacticStep(t, 9000, 4, false, true) }
 
 // TestTacticStepLargeClusters runs the step over clusters of 32 tokens on
@@ -59,6 +60,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	layer, clusters := orderedLayer(t, dev, h, tr, sinks, n-tail-sinks, KMeansOptions{Seed: 7, AvgClusterSize: avgCluster})
 	if many {
 		require.Greater(t, clusters.C, int(perHeadWorkgroup(dev.Info())), "clusters for several per thread")
+		require.Greater(t, clusters.C, selectSegment*min(int(perHeadWorkgroup(dev.Info())), selectWorkgroup), "clusters for several segments of one workgroup's share")
 	}
 	dense, err := NewDense(dev, h)
 	require.NoError(t, err)
