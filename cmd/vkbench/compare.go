@@ -31,6 +31,11 @@ type compareRow struct {
 	// device's, sparse.Calibrate).
 	DenseChoice string `json:"dense_choice"`
 	PricedBy    string `json:"priced_by,omitempty"`
+	// StepModelUs is each sequence's step priced by the policy's cost
+	// model, DenseModelUs dense attention priced by its own: what the
+	// choice weighed.
+	StepModelUs  []float64 `json:"step_model_us,omitempty"`
+	DenseModelUs float64   `json:"dense_model_us,omitempty"`
 }
 
 // fallbackPolicies maps the names of compare's policies that fall back
@@ -97,8 +102,11 @@ func denseChoices(dev *vk.Device, rows []compareRow, heads map[string]sparse.Hea
 			policyModel, denseModel, r.PricedBy = sc.Policy, sc.Dense, "measured"
 		}
 		dense := 0
+		r.DenseModelUs = denseModel.Us(r.DenseCost)
 		for _, c := range r.Costs {
-			if policyModel.Us(c) > denseModel.Us(r.DenseCost) {
+			us := policyModel.Us(c)
+			r.StepModelUs = append(r.StepModelUs, us)
+			if us > r.DenseModelUs {
 				dense++
 			}
 		}

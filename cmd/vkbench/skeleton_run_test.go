@@ -127,6 +127,18 @@ func TestCompareTimesEverySkeleton(t *testing.T) {
 			t.Errorf("%s never falls back, yet its choice is %q", r.Policy, r.DenseChoice)
 		case falls && len(r.Costs) != r.Batch:
 			t.Errorf("%s, batch %d: %d costs", r.Policy, r.Batch, len(r.Costs))
+		case falls && (len(r.StepModelUs) != r.Batch || r.DenseModelUs <= 0):
+			t.Errorf("%s, batch %d: priced steps %v against dense %v, want one a sequence", r.Policy, r.Batch, r.StepModelUs, r.DenseModelUs)
+		case falls:
+			dense := 0
+			for _, us := range r.StepModelUs {
+				if us > r.DenseModelUs {
+					dense++
+				}
+			}
+			if want := map[int]string{0: "policy", r.Batch: "dense"}[dense]; want != "" && r.DenseChoice != want {
+				t.Errorf("%s, batch %d: chose %q with steps priced %v against dense %v", r.Policy, r.Batch, r.DenseChoice, r.StepModelUs, r.DenseModelUs)
+			}
 		}
 	}
 	if report.CostModel == nil || report.CostModel.Validate() != nil {
