@@ -217,8 +217,9 @@ func normalHalves(rng *rand.Rand, count int) []uint16 {
 // (Model.TimeFallbacks, after a warm-up of the clocks) and fits each a
 // cost model through its two runs. A policy of a budget of middle tokens
 // (Quest, StreamingLLM, H2O) is measured from twice its budget at least,
-// the longer run four times that at least. fallback prices what the runs
-// cannot tell apart (sparse.FitCostModel).
+// the longer run four times that at least. fallback's bandwidth (the
+// device's) prices the bytes; the fit gives what they leave to a floor per
+// dispatch and a cost per token of context (sparse.FitCostModel).
 func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fallback sparse.CostModel) (StepCosts, error) {
 	if !p.FallsBack() {
 		return StepCosts{}, fmt.Errorf("decode: %s never falls back to dense attention: nothing to measure", p)

@@ -35,17 +35,11 @@ func TestMeasureSteps(t *testing.T) {
 			require.Positive(t, pt.PolicyCost.Bytes, "%s", p)
 		}
 		require.Equal(t, sc.Points[0].PolicyCost.Dispatches, sc.Points[1].PolicyCost.Dispatches)
-		larger := func(a, b sparse.Cost, aUs, bUs float64) (sparse.Cost, float64) {
-			if a.Bytes > b.Bytes {
-				return a, aUs
-			}
-			return b, bUs
-		}
 		a, b := sc.Points[0], sc.Points[1]
-		c, us := larger(a.PolicyCost, b.PolicyCost, a.PolicyUs, b.PolicyUs)
-		require.InEpsilon(t, us, sc.Policy.Us(c), 1e-9, "%s: the policy's model prices its larger read at its time", p)
-		c, us = larger(a.DenseCost, b.DenseCost, a.DenseUs, b.DenseUs)
-		require.InEpsilon(t, us, sc.Dense.Us(c), 1e-9, "dense attention's model prices its larger read at its time")
+		require.Equal(t, a.Tokens, a.PolicyCost.Tokens)
+		require.Equal(t, b.Tokens, b.PolicyCost.Tokens)
+		require.InEpsilon(t, b.PolicyUs, sc.Policy.Us(b.PolicyCost), 1e-9, "%s: the policy's model prices its longer run at its time", p)
+		require.InEpsilon(t, b.DenseUs, sc.Dense.Us(b.DenseCost), 1e-9, "dense attention's model prices its longer run at its time")
 		again, err := MeasureSteps(dev, h, p, lengths, cheapFloor)
 		require.NoError(t, err)
 		require.Equal(t, sc, again, "%s: measured once per process", p)

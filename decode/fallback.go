@@ -117,21 +117,23 @@ func (p Policy) Cost(h sparse.Heads, tokens, indexed, clusters int, share float6
 			k = pages
 		}
 		bounds := 2*float64(pages*h.KV)*row + float64(4*h.Query*pages)
-		return sparse.Cost{Dispatches: len(sparse.SelectStages) + 1, Bytes: bounds + h.AttentionBytes(outside+taken(middle, k*sparse.QuestPageSize))}, nil
+		return sparse.Cost{Dispatches: len(sparse.SelectStages) + 1, Bytes: bounds + h.AttentionBytes(outside+taken(middle, k*sparse.QuestPageSize)), Tokens: tokens}, nil
 	case kindStreaming:
-		return sparse.Cost{Dispatches: 1, Bytes: h.AttentionBytes(outside + taken(middle, p.budget))}, nil
+		return sparse.Cost{Dispatches: 1, Bytes: h.AttentionBytes(outside + taken(middle, p.budget)), Tokens: tokens}, nil
 	case kindH2O:
 		logits := float64(2 * 4 * h.Query * middle)
-		return sparse.Cost{Dispatches: len(sparse.H2OStages) + 1, Bytes: logits + h.AttentionBytes(outside+taken(middle, p.budget))}, nil
+		return sparse.Cost{Dispatches: len(sparse.H2OStages) + 1, Bytes: logits + h.AttentionBytes(outside+taken(middle, p.budget)), Tokens: tokens}, nil
 	case kindTactic, kindDoubleP:
 		if indexed < 0 || indexed > tokens || clusters < 0 || clusters > indexed {
 			return sparse.Cost{}, fmt.Errorf("decode: %s's cost over %d tokens, %d of them in %d clusters", p, tokens, indexed, clusters)
 		}
 		rows := float64(tokens-indexed) + taken(indexed, 0)
 		if p.kind == kindTactic {
-			return h.TacticCost(p.opts.Fit, indexed, clusters, rows), nil
+			c := h.TacticCost(p.opts.Fit, indexed, clusters, rows)
+			c.Tokens = tokens
+			return c, nil
 		}
-		return sparse.Cost{Dispatches: len(sparse.DoublePStages) + 1, Bytes: sparse.CentroidBytes(h, clusters) + h.AttentionBytes(rows)}, nil
+		return sparse.Cost{Dispatches: len(sparse.DoublePStages) + 1, Bytes: sparse.CentroidBytes(h, clusters) + h.AttentionBytes(rows), Tokens: tokens}, nil
 	}
 	return sparse.Cost{}, fmt.Errorf("decode: %s never falls back to dense attention: no cost to weigh", p)
 }

@@ -13,33 +13,40 @@ import (
 )
 
 // Cost is what one sequence's step of a layer costs the device: the
-// dependent dispatches it runs (each waits for the one before) and the
-// bytes it reads from memory.
+// dependent dispatches it runs (each waits for the one before), the bytes
+// it reads from memory, and the tokens stored in the layer it attends
+// over (its context).
 type Cost struct {
 	Dispatches int     `json:"dispatches"`
 	Bytes      float64 `json:"bytes"`
+	Tokens     int     `json:"tokens,omitempty"`
 }
 
 // CostModel prices a Cost on a device: every dependent dispatch pays
-// FloorUs before any work, and the bytes stream at ReadGBps (10⁹ bytes a
-// second). The step costs Dispatches·FloorUs + Bytes/(ReadGBps·10³) µs.
+// FloorUs before any work, every token of the context TokenNs (the
+// selection's and attention's chains that grow with the context, not with
+// what is read: scores, binning, runs), and the bytes stream at ReadGBps
+// (10⁹ bytes a second). The step costs Dispatches·FloorUs +
+// Tokens·TokenNs/10³ + Bytes/(ReadGBps·10³) µs. A device's model
+// (Calibrate) has TokenNs 0.
 type CostModel struct {
 	FloorUs  float64 `json:"floor_us"`
 	ReadGBps float64 `json:"read_gb_per_s"`
+	TokenNs  float64 `json:"token_ns,omitempty"`
 }
 
-// Validate refuses a floor that is negative or not finite and a bandwidth
-// that is not positive and finite.
+// Validate refuses a floor or a cost per token that is negative or not
+// finite and a bandwidth that is not positive and finite.
 func (m CostModel) Validate() error {
-	if !(m.FloorUs >= 0) || math.IsInf(m.FloorUs, 0) || !(m.ReadGBps > 0) || math.IsInf(m.ReadGBps, 0) {
-		return fmt.Errorf("sparse: a cost model of %v µs a dispatch and %v GB/s: the floor must be ≥ 0 and the bandwidth > 0, both finite", m.FloorUs, m.ReadGBps)
+	if !(m.FloorUs >= 0) || math.IsInf(m.FloorUs, 0) || !(m.ReadGBps > 0) || math.IsInf(m.ReadGBps, 0) || !(m.TokenNs >= 0) || math.IsInf(m.TokenNs, 0) {
+		return fmt.Errorf("sparse: a cost model of %v µs a dispatch, %v ns a token and %v GB/s: the floor and the cost per token must be ≥ 0 and the bandwidth > 0, all finite", m.FloorUs, m.TokenNs, m.ReadGBps)
 	}
 	return nil
 }
 
 // Us returns what c costs under the model, in µs.
 func (m CostModel) Us(c Cost) float64 {
-	return float64(c.Dispatches)*m.FloorUs + c.Bytes/(m.ReadGBps*1e3)
+	return float64(c.Dispatches)*m.FloorUs + float64(c.Tokens)*m.TokenNs/1e3 + c.Bytes/(m.ReadGBps*1e3)
 }
 
 // rowBytes is the bytes of one fp16 row of keys (or values) of a KV head.
@@ -54,7 +61,7 @@ func (h Heads) AttentionBytes(rows float64) float64 {
 // DenseCost returns dense attention's cost over tokens tokens: one
 // dispatch (DensePlan.Record) reading every key and value row.
 func (h Heads) DenseCost(tokens int) Cost {
-	return Cost{Dispatches: 1, Bytes: h.AttentionBytes(float64(tokens))}
+	return Cost{Dispatches: 1, Bytes: h.AttentionBytes(float64(tokens)), Tokens: tokens}
 }
 
 // selectionReader is a selector that counts the bytes its stages read in
@@ -94,7 +101,7 @@ func (s *Step) Cost() (Cost, error) {
 		return Cost{}, err
 	}
 	h := s.dense.heads
-	return Cost{Dispatches: len(s.Stages()), Bytes: selectionBytes(s.sel, h) + h.AttentionBytes(rows)}, nil
+	return Cost{Dispatches: len(s.Stages()), Bytes: selectionBytes(s.sel, h) + h.AttentionBytes(rows), Tokens: s.layer.Len()}, nil
 }
 
 // IndexedShare returns the share of its index's tokens that the last
@@ -150,18 +157,24 @@ func (s *DoublePSelector) selectionBytes() float64 {
 
 // FitCostModel returns the cost model through two measurements of one
 // kind of step, a step of cost a taking aUs µs and one of cost b taking
-// bUs (same dispatches, b the larger read): the bandwidth is
-// (b.Bytes − a.Bytes) / (bUs − aUs), the floor what is left of aUs over
-// its dispatches. Where the reads differ by less than a tenth, or the
-// larger one took no longer, the bytes cannot be told from the floor:
-// the bandwidth is then fallback's, and the floor what is left of bUs.
-// A floor that would come out negative is 0, with the bandwidth that
-// prices b at bUs.
+// bUs (same dispatches), with fallback's bandwidth (the device's): what
+// the bytes do not explain, r = us − Bytes/bandwidth, is a floor per
+// dispatch and a cost per token through both points, TokenNs = (r_b −
+// r_a)/(Tokens_b − Tokens_a) with b the longer context. Measured at two
+// lengths of a workload whose share of selected tokens changes with the
+// length, a line through the bytes alone would charge the bytes what the
+// chains cost (Double-P priced at 1.33× dense attention where it took
+// 0.92×, bench/README.md). Where the contexts are equal or the longer one
+// is left with less, TokenNs is 0 and the floor what is left of b; where
+// the floor would come out negative it is 0, and TokenNs what is left of
+// b per token; where b took less than its bytes at that bandwidth, the
+// bandwidth is the one that prices b at bUs. The model prices b at bUs
+// in every case.
 func FitCostModel(a Cost, aUs float64, b Cost, bUs float64, fallback CostModel) (CostModel, error) {
-	if a.Bytes > b.Bytes {
+	if a.Tokens > b.Tokens {
 		a, aUs, b, bUs = b, bUs, a, aUs
 	}
-	if a.Dispatches != b.Dispatches || a.Dispatches <= 0 || !(aUs > 0) || !(bUs > 0) || math.IsInf(aUs, 0) || math.IsInf(bUs, 0) || !(a.Bytes >= 0) {
+	if a.Dispatches != b.Dispatches || a.Dispatches <= 0 || !(aUs > 0) || !(bUs > 0) || math.IsInf(aUs, 0) || math.IsInf(bUs, 0) || !(a.Bytes >= 0) || !(b.Bytes >= 0) || a.Tokens < 0 {
 		return CostModel{}, fmt.Errorf("sparse: fitting a cost model to %v in %v µs and %v in %v µs: the dispatches must match and the times be positive", a, aUs, b, bUs)
 	}
 	if err := fallback.Validate(); err != nil {
@@ -169,14 +182,18 @@ func FitCostModel(a Cost, aUs float64, b Cost, bUs float64, fallback CostModel) 
 	}
 	d := float64(b.Dispatches)
 	m := CostModel{ReadGBps: fallback.ReadGBps}
-	if b.Bytes >= 1.1*a.Bytes && bUs > aUs {
-		m.ReadGBps = (b.Bytes - a.Bytes) / ((bUs - aUs) * 1e3)
-		m.FloorUs = (aUs - a.Bytes/(m.ReadGBps*1e3)) / d
-	} else {
-		m.FloorUs = (bUs - b.Bytes/(m.ReadGBps*1e3)) / d
-	}
-	if m.FloorUs < 0 {
-		m.FloorUs, m.ReadGBps = 0, b.Bytes/(bUs*1e3)
+	ra, rb := aUs-a.Bytes/(m.ReadGBps*1e3), bUs-b.Bytes/(m.ReadGBps*1e3)
+	switch {
+	case rb <= 0:
+		m.ReadGBps = b.Bytes / (bUs * 1e3)
+	case b.Tokens > a.Tokens && rb > ra:
+		m.TokenNs = (rb - ra) / float64(b.Tokens-a.Tokens) * 1e3
+		m.FloorUs = (ra - float64(a.Tokens)*m.TokenNs/1e3) / d
+		if m.FloorUs < 0 {
+			m.FloorUs, m.TokenNs = 0, rb/float64(b.Tokens)*1e3
+		}
+	default:
+		m.FloorUs = rb / d
 	}
 	if err := m.Validate(); err != nil {
 		return CostModel{}, fmt.Errorf("sparse: fitting a cost model: %w", err)
@@ -338,7 +355,8 @@ func (f TacticFit) SampledRows(n, c int) float64 {
 // clusters holding n tokens costs, when each KV head attends rows rows
 // (the sinks, the tail and its union): its stages (TacticStages, then
 // attention), the 8-bit centroids and their scores, the fit's key rows of
-// every query head, and attention's keys and values.
+// every query head, and attention's keys and values (Tokens left 0 for
+// the caller, who knows the context).
 func (h Heads) TacticCost(fit TacticFit, n, c int, rows float64) Cost {
 	sampled := float64(h.Query) * fit.SampledRows(n, c) * h.rowBytes()
 	return Cost{Dispatches: len(TacticStages) + 1, Bytes: CentroidBytes(h, c) + sampled + h.AttentionBytes(rows)}

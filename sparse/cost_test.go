@@ -25,57 +25,79 @@ func TestCostModelArithmetic(t *testing.T) {
 	// Centroids: C rows of 8-bit codes and a float32 scale, and a float32
 	// scale per dimension, per KV head, and a float32 score per query head.
 	require.InDelta(t, 2*(50*(64+4)+4*64)+4*8*50, CentroidBytes(h, 50), 0)
-	for _, bad := range []CostModel{{-1, 1}, {1, 0}, {1, -3}, {math.NaN(), 1}, {1, math.NaN()}, {math.Inf(1), 1}, {1, math.Inf(1)}} {
+	for _, bad := range []CostModel{{-1, 1, 0}, {1, 0, 0}, {1, -3, 0}, {math.NaN(), 1, 0}, {1, math.NaN(), 0}, {math.Inf(1), 1, 0}, {1, math.Inf(1), 0},
+		{1, 1, -1}, {1, 1, math.NaN()}, {1, 1, math.Inf(1)}} {
 		require.Error(t, bad.Validate(), "%+v", bad)
 	}
-	require.NoError(t, CostModel{0, 1}.Validate())
+	require.NoError(t, CostModel{0, 1, 0}.Validate())
+	// A cost per token: 2 000 tokens at 5 ns add 10 µs.
+	withTokens := CostModel{FloorUs: 4, ReadGBps: 2000, TokenNs: 5}
+	require.InDelta(t, 3*4+10+1e6/2e6, withTokens.Us(Cost{Dispatches: 3, Bytes: 1e6, Tokens: 2000}), 1e-12)
+	require.Equal(t, 1000, h.DenseCost(1000).Tokens)
 }
 
 // TestFitCostModel checks the fit through two timed steps on random
-// costs: it prices both exactly where the reads differ, the larger one
-// exactly where they do not (with the fallback's bandwidth) or where the
-// floor would come out negative (floor 0), in either order of the
-// points, and refuses what no model fits.
+// costs, the bandwidth the fallback's: it recovers the floor and the cost
+// per token and prices both points where the longer context is left with
+// more than the bytes explain, whatever the two reads (a share that
+// shrinks with the length reads less at the longer one); where it cannot,
+// it prices the longer one exactly (equal contexts, the longer left with
+// less, a floor that would be negative, a time shorter than its bytes);
+// the points' order does not matter; and it refuses what no model fits.
 func TestFitCostModel(t *testing.T) {
 	rng := rand.New(rand.NewPCG(7, 11))
 	fallback := CostModel{FloorUs: 2, ReadGBps: 3000}
 	for range 200 {
 		d := 1 + rng.IntN(4)
-		truth := CostModel{FloorUs: 0.5 + 10*rng.Float64(), ReadGBps: 100 + 4000*rng.Float64()}
-		a := Cost{Dispatches: d, Bytes: 1e5 + 1e8*rng.Float64()}
-		b := Cost{Dispatches: d, Bytes: a.Bytes * (1.2 + 10*rng.Float64())}
+		truth := CostModel{FloorUs: 0.5 + 10*rng.Float64(), ReadGBps: fallback.ReadGBps, TokenNs: 2 * rng.Float64()}
+		a := Cost{Dispatches: d, Bytes: 1e5 + 1e8*rng.Float64(), Tokens: 512 + rng.IntN(8192)}
+		b := Cost{Dispatches: d, Bytes: 1e5 + 1e8*rng.Float64(), Tokens: a.Tokens * (2 + rng.IntN(8))}
 		m, err := FitCostModel(b, truth.Us(b), a, truth.Us(a), fallback)
 		require.NoError(t, err)
 		require.InDelta(t, truth.FloorUs, m.FloorUs, 1e-6*truth.Us(b))
-		require.InEpsilon(t, truth.ReadGBps, m.ReadGBps, 1e-6)
-		// Equal reads: the fallback's bandwidth, the larger time kept.
-		c := Cost{Dispatches: d, Bytes: a.Bytes * (1 + 0.05*rng.Float64())}
-		slow := truth.Us(c) + 100
-		m, err = FitCostModel(a, truth.Us(a), c, slow, fallback)
-		require.NoError(t, err)
+		require.InDelta(t, truth.TokenNs, m.TokenNs, 1e-6*(1+truth.TokenNs))
 		require.Equal(t, fallback.ReadGBps, m.ReadGBps)
-		require.InEpsilon(t, slow, m.Us(c), 1e-9)
-		require.GreaterOrEqual(t, m.FloorUs, 0.0)
-		// A time too short for its bytes at the fallback's bandwidth, and
-		// a line through the points that crosses zero time: floor 0.
-		for _, pair := range [][4]float64{{a.Bytes, 1e-3, c.Bytes, 2e-3}, {a.Bytes, 1e-3, b.Bytes, 1e3}} {
-			x, y := Cost{Dispatches: d, Bytes: pair[0]}, Cost{Dispatches: d, Bytes: pair[2]}
-			m, err = FitCostModel(x, pair[1], y, pair[3], fallback)
-			require.NoError(t, err)
-			require.Zero(t, m.FloorUs)
-			require.InEpsilon(t, pair[3], m.Us(y), 1e-9)
+		require.InEpsilon(t, truth.Us(a), m.Us(a), 1e-9)
+		require.InEpsilon(t, truth.Us(b), m.Us(b), 1e-9)
+		swapped, err := FitCostModel(a, truth.Us(a), b, truth.Us(b), fallback)
+		require.NoError(t, err)
+		require.Equal(t, m, swapped, "the points' order")
+		// Cases where only the longer context is priced exactly.
+		same := Cost{Dispatches: d, Bytes: a.Bytes * 2, Tokens: a.Tokens}
+		less := truth.Us(a) - 0.5*(truth.Us(a)-a.Bytes/(fallback.ReadGBps*1e3))
+		for _, c := range []struct {
+			what   string
+			x, y   Cost
+			xUs    float64
+			yUs    float64
+			tokens bool // TokenNs may be positive
+		}{
+			{"equal contexts", a, same, truth.Us(a), truth.Us(same) + 50, false},
+			{"the longer left with less", Cost{Dispatches: d, Bytes: a.Bytes, Tokens: a.Tokens}, Cost{Dispatches: d, Bytes: a.Bytes, Tokens: b.Tokens}, truth.Us(a), less, false},
+			{"a negative floor", Cost{Dispatches: d, Bytes: a.Bytes, Tokens: b.Tokens / 2}, Cost{Dispatches: d, Bytes: a.Bytes, Tokens: b.Tokens}, a.Bytes/(fallback.ReadGBps*1e3) + 1e-3, a.Bytes/(fallback.ReadGBps*1e3) + 100, true},
+			{"faster than its bytes", a, b, truth.Us(a), 0.5 * b.Bytes / (fallback.ReadGBps * 1e3), false},
+		} {
+			m, err := FitCostModel(c.x, c.xUs, c.y, c.yUs, fallback)
+			require.NoError(t, err, c.what)
+			require.InEpsilon(t, c.yUs, m.Us(c.y), 1e-9, c.what)
+			require.GreaterOrEqual(t, m.FloorUs, 0.0, c.what)
+			if !c.tokens {
+				require.Zero(t, m.TokenNs, c.what)
+			} else {
+				require.Zero(t, m.FloorUs, c.what)
+			}
 		}
 	}
-	one := Cost{Dispatches: 1, Bytes: 1e6}
-	for _, bad := range [][2]Cost{{one, {Dispatches: 2, Bytes: 2e6}}, {{}, {}}} {
+	one := Cost{Dispatches: 1, Bytes: 1e6, Tokens: 1000}
+	for _, bad := range [][2]Cost{{one, {Dispatches: 2, Bytes: 2e6, Tokens: 2000}}, {{}, {}}, {{Dispatches: 1, Tokens: -1}, one}, {{Dispatches: 1, Bytes: math.NaN()}, one}} {
 		_, err := FitCostModel(bad[0], 1, bad[1], 2, fallback)
 		require.Error(t, err, "%v", bad)
 	}
 	for _, us := range []float64{0, -1, math.NaN(), math.Inf(1)} {
-		_, err := FitCostModel(one, us, Cost{Dispatches: 1, Bytes: 2e6}, 2, fallback)
+		_, err := FitCostModel(one, us, Cost{Dispatches: 1, Bytes: 2e6, Tokens: 2000}, 2, fallback)
 		require.Error(t, err, "%v µs", us)
 	}
-	_, err := FitCostModel(one, 1, Cost{Dispatches: 1, Bytes: 2e6}, 2, CostModel{})
+	_, err := FitCostModel(one, 1, Cost{Dispatches: 1, Bytes: 2e6, Tokens: 2000}, 2, CostModel{})
 	require.Error(t, err, "an invalid fallback")
 }
 
