@@ -188,6 +188,8 @@ func TestFallbackCostMatchesSteps(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, len(step.Stages()), want.Dispatches, "%s", pol)
 		require.Equal(t, got.Dispatches, want.Dispatches, "%s", pol)
+		require.Equal(t, 900, got.Tokens, "%s: the step's context", pol)
+		require.Equal(t, got.Tokens, want.Tokens, "%s", pol)
 		switch {
 		case pol.IsTactic():
 			// The step counts its centroids, not its fit's rows.
