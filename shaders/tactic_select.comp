@@ -71,11 +71,8 @@ const uint BATCH = 8;            // clusters a thread loads at once
 const uint PER = NB / WG;        // bins per thread in the scans
 // A segment of a workgroup's share of the clusters: LIST of them, SEGS
 // rounds of a cluster a thread; its sampled ones are listed (at most LIST),
-// then sampled by all the teams at once. Two keep the kernel within 24 KB
-// of shared memory, where NVIDIA's compiler still fits two workgroups of
-// 512 threads an SM (at four, 27 KB, it took 94 registers and the fit
-// slowed by 12 µs; bench/README.md).
-const uint SEGS = 2u;
+// then sampled by all the teams at once (the host's selectSegment).
+layout(constant_id = 9) const uint SEGS = 2;
 const uint LIST = SEGS * WG;
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };      // [Hq][D/4]

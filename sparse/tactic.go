@@ -124,7 +124,10 @@ const selectRounds = 2
 
 // selectSegment is the clusters of its share a selection workgroup lists
 // at once, per thread (tactic_select's SEGS), before every team samples
-// the segment's listed clusters.
+// the segment's listed clusters. Two keep the kernel within 24 KB of
+// shared memory, where NVIDIA's compiler still fits two workgroups of 512
+// threads an SM (at four, 27 KB, it took 94 registers and the fit slowed
+// by 12 µs; bench/README.md).
 const selectSegment = 2
 
 // selectShared returns the shared memory tactic_select takes with wg
@@ -219,7 +222,7 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	}
 	k.sampleTeams = int(selectWG) / team
 	k.threads = int(selectWG)
-	k.selection = build("tactic_select", 12, 16, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), ScoreBins, 10, subgroups(selectWG), boolWord(shuffle))
+	k.selection = build("tactic_select", 12, 16, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), ScoreBins, 10, subgroups(selectWG), boolWord(shuffle), selectSegment)
 	if b.err != nil {
 		return nil, errors.Join(b.err, k.release())
 	}
