@@ -62,16 +62,22 @@ func MeasureLengths(capacity int) (lengths [2]int, ok bool) {
 
 // StepCosts prices one layer's choice: the policy's step and dense
 // attention over one sequence, each by its own cost model, fitted
-// (sparse.FitCostModel) to the two runs in Points.
+// (sparse.FitCostModel) to two runs: the policy's to Points, dense
+// attention's to DensePoints where present (runs at the model's own
+// lengths, where the policy's budget moved Points beyond them), else to
+// Points.
 type StepCosts struct {
-	Policy sparse.CostModel `json:"policy"`
-	Dense  sparse.CostModel `json:"dense"`
-	Points []StepPoint      `json:"points"`
+	Policy      sparse.CostModel `json:"policy"`
+	Dense       sparse.CostModel `json:"dense"`
+	Points      []StepPoint      `json:"points"`
+	DensePoints []StepPoint      `json:"dense_points,omitempty"`
 }
 
 // StepPoint is one measured run of MeasureSteps: the costs of the
 // policy's step and of dense attention over Tokens tokens as the library
-// counts them (Choice), and their GPU times, medians of timed runs.
+// counts them (Choice), and their GPU times, medians of timed runs (a run
+// of dense attention alone, in StepCosts.DensePoints, leaves the policy's
+// fields zero).
 type StepPoint struct {
 	Tokens     int         `json:"tokens"`
 	Share      float64     `json:"share"`
@@ -123,15 +129,40 @@ func (m *Model) TimeFallbacks(layer int, q []float32, modes []Fallback, reps int
 			if err := m.SetFallback(layer, f); err != nil {
 				return nil, err
 			}
-			if err := m.SetQuery(layer, q); err != nil {
-				return nil, err
-			}
-			t, err := m.timeWarm(layer, measureWarm, reps)
+			us, err := m.timeMedian(layer, q, reps)
 			if err != nil {
 				return nil, err
 			}
-			out[i] = min(out[i], float64(t[len(t)/2])/float64(time.Microsecond))
+			out[i] = min(out[i], us)
 		}
+	}
+	return out, nil
+}
+
+// timeMedian returns the median time in µs of reps timed runs of the
+// layer's attention for q as it stands (SetQuery, then measureWarm of
+// untimed runs first).
+func (m *Model) timeMedian(layer int, q []float32, reps int) (float64, error) {
+	if err := m.SetQuery(layer, q); err != nil {
+		return 0, err
+	}
+	t, err := m.timeWarm(layer, measureWarm, reps)
+	if err != nil {
+		return 0, err
+	}
+	return float64(t[len(t)/2]) / float64(time.Microsecond), nil
+}
+
+// timeFastest returns the fastest of measureRounds timeMedian rounds (see
+// TimeFallbacks).
+func (m *Model) timeFastest(layer int, q []float32, reps int) (float64, error) {
+	out := math.Inf(1)
+	for range measureRounds {
+		us, err := m.timeMedian(layer, q, reps)
+		if err != nil {
+			return 0, err
+		}
+		out = min(out, us)
 	}
 	return out, nil
 }
@@ -217,9 +248,15 @@ func normalHalves(rng *rand.Rand, count int) []uint16 {
 // (Model.TimeFallbacks, after a warm-up of the clocks) and fits each a
 // cost model through its two runs. A policy of a budget of middle tokens
 // (Quest, StreamingLLM, H2O) is measured from twice its budget at least,
-// the longer run four times that at least. fallback's bandwidth (the
-// device's) prices the bytes; the fit gives what they leave to a floor per
-// dispatch and a cost per token of context (sparse.FitCostModel).
+// the longer run at lengths[1] or twice the shorter, whichever is longer;
+// dense attention is then timed again at lengths, alone, and fitted to
+// those runs. Choices are made up to the model's capacity, and a line
+// through runs beyond it misprices them: on an H200, through runs at
+// 11 870 and 47 480 tokens (four times), dense attention at 32 768 was
+// priced 1.2× its time, and Quest's step, flat at 41 µs from 11 870 to
+// 32 768 tokens and 65 µs at 47 480, 1.3× its. fallback's bandwidth (the
+// device's) prices the bytes; the fit gives what they leave to a floor
+// per dispatch and a cost per token of context (sparse.FitCostModel).
 func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fallback sparse.CostModel) (StepCosts, error) {
 	if !p.FallsBack() {
 		return StepCosts{}, fmt.Errorf("decode: %s never falls back to dense attention: nothing to measure", p)
@@ -230,26 +267,39 @@ func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fall
 	if err := errors.Join(h.Validate(), fallback.Validate()); err != nil {
 		return StepCosts{}, err
 	}
+	own := lengths
 	if p.budget > 0 && lengths[0] < 2*p.budget {
 		lengths[0] = 2 * p.budget
-		lengths[1] = max(lengths[1], 4*lengths[0])
+		lengths[1] = max(lengths[1], 2*lengths[0])
 	}
-	key := stepKey(dev.Info(), h, p, lengths)
+	key := stepKey(dev.Info(), h, p, own)
 	if c, ok := stepCosts.Load(key); ok {
 		return c.(StepCosts), nil
 	}
 	var out StepCosts
 	for i, n := range lengths {
-		pt, err := measureStep(dev, h, p, n, uint64(i+1))
+		pt, err := measureStep(dev, h, p, n, uint64(i+1), true)
 		if err != nil {
 			return StepCosts{}, fmt.Errorf("decode: measuring %s over %d tokens: %w", p, n, err)
 		}
 		out.Points = append(out.Points, pt)
 	}
+	if lengths != own {
+		for i, n := range own {
+			pt, err := measureStep(dev, h, p, n, uint64(i+1), false)
+			if err != nil {
+				return StepCosts{}, fmt.Errorf("decode: measuring dense attention over %d tokens: %w", n, err)
+			}
+			out.DensePoints = append(out.DensePoints, pt)
+		}
+	}
 	a, b := out.Points[0], out.Points[1]
 	var err error
 	if out.Policy, err = sparse.FitCostModel(a.PolicyCost, a.PolicyUs, b.PolicyCost, b.PolicyUs, fallback); err != nil {
 		return StepCosts{}, fmt.Errorf("decode: %s's step: %w", p, err)
+	}
+	if out.DensePoints != nil {
+		a, b = out.DensePoints[0], out.DensePoints[1]
 	}
 	if out.Dense, err = sparse.FitCostModel(a.DenseCost, a.DenseUs, b.DenseCost, b.DenseUs, fallback); err != nil {
 		return StepCosts{}, fmt.Errorf("decode: dense attention: %w", err)
@@ -258,9 +308,15 @@ func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fall
 	return out, nil
 }
 
-// measureStep runs MeasureSteps' measurement at one length.
-func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64) (_ StepPoint, err error) {
-	m, err := New(dev, Config{Heads: h, Layers: 1, Slots: 1, Capacity: n, Policy: p.WithFallback(FallbackNever), Measure: MeasureNever})
+// measureStep runs MeasureSteps' measurement at one length: the policy's
+// step and dense attention, or with policy false dense attention alone.
+func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64, policy bool) (_ StepPoint, err error) {
+	if !policy {
+		p = Dense() // a budget may not fit n
+	} else {
+		p = p.WithFallback(FallbackNever)
+	}
+	m, err := New(dev, Config{Heads: h, Layers: 1, Slots: 1, Capacity: n, Policy: p, Measure: MeasureNever})
 	if err != nil {
 		return StepPoint{}, err
 	}
@@ -270,28 +326,34 @@ func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64) (
 	if err := m.Prefill(0, 0, k, normalHalves(rng, h.KV*n*h.Dim), n); err != nil {
 		return StepPoint{}, err
 	}
-	for range 2 {
-		if _, err := m.Attend(0, q); err != nil {
+	pt := StepPoint{Tokens: n, DenseCost: h.DenseCost(n)}
+	if policy {
+		for range 2 {
+			if _, err := m.Attend(0, q); err != nil {
+				return StepPoint{}, err
+			}
+		}
+		choices, err := m.Choices(0)
+		if err != nil {
 			return StepPoint{}, err
 		}
+		pt.Share, pt.PolicyCost, pt.DenseCost = choices[0].Share, choices[0].PolicyCost, choices[0].DenseCost
 	}
-	choices, err := m.Choices(0)
-	if err != nil {
-		return StepPoint{}, err
-	}
-	pt := StepPoint{Tokens: n}
-	pt.Share, pt.PolicyCost, pt.DenseCost = choices[0].Share, choices[0].PolicyCost, choices[0].DenseCost
 	// The clocks up first: they follow the load with a lag of about a
 	// second.
 	if err := sparse.WarmUp(dev, measureClocks); err != nil {
 		return StepPoint{}, err
 	}
-	us, err := m.TimeFallbacks(0, q, []Fallback{FallbackNever, FallbackAlways}, measureReps)
-	if err != nil {
+	if policy {
+		us, err := m.TimeFallbacks(0, q, []Fallback{FallbackNever, FallbackAlways}, measureReps)
+		if err != nil {
+			return StepPoint{}, err
+		}
+		pt.PolicyUs, pt.DenseUs = us[0], us[1]
+	} else if pt.DenseUs, err = m.timeFastest(0, q, measureReps); err != nil {
 		return StepPoint{}, err
 	}
-	pt.PolicyUs, pt.DenseUs = us[0], us[1]
-	if math.IsNaN(pt.PolicyUs+pt.DenseUs) || pt.PolicyUs <= 0 || pt.DenseUs <= 0 {
+	if math.IsNaN(pt.PolicyUs+pt.DenseUs) || (policy && pt.PolicyUs <= 0) || pt.DenseUs <= 0 {
 		return StepPoint{}, fmt.Errorf("timed %v µs for the step and %v µs for dense attention", pt.PolicyUs, pt.DenseUs)
 	}
 	return pt, nil

@@ -17,7 +17,9 @@ import (
 // beside dense attention at two short lengths and checks what comes
 // back: one point per length with the costs the library counts and
 // positive times, models that price each run's larger read at its time,
-// the same result from the cache, and refused input.
+// the same result from the cache, dense attention timed at the model's
+// own lengths where a budget moves the policy's runs beyond them, and
+// refused input.
 func TestMeasureSteps(t *testing.T) {
 	dev := vktest.Open(t)
 	h := testHeads
@@ -40,11 +42,30 @@ func TestMeasureSteps(t *testing.T) {
 		require.Equal(t, b.Tokens, b.PolicyCost.Tokens)
 		require.InEpsilon(t, b.PolicyUs, sc.Policy.Us(b.PolicyCost), 1e-9, "%s: the policy's model prices its longer run at its time", p)
 		require.InEpsilon(t, b.DenseUs, sc.Dense.Us(b.DenseCost), 1e-9, "dense attention's model prices its longer run at its time")
+		require.Nil(t, sc.DensePoints, "%s: dense attention timed beside the step at the same lengths", p)
 		again, err := MeasureSteps(dev, h, p, lengths, cheapFloor)
 		require.NoError(t, err)
 		require.Equal(t, sc, again, "%s: measured once per process", p)
 	}
-	_, err := MeasureSteps(dev, h, Dense(), lengths, cheapFloor)
+
+	// A budget of 1 024 tokens (more than the shorter length holds) moves
+	// the policy's runs to 2 048 and 4 096 tokens; dense attention is
+	// timed again at 512 and 2 048 and priced by those runs.
+	sc, err := MeasureSteps(dev, h, StreamingLLM(1024), lengths, cheapFloor)
+	require.NoError(t, err)
+	require.Equal(t, []int{2048, 4096}, []int{sc.Points[0].Tokens, sc.Points[1].Tokens})
+	require.Len(t, sc.DensePoints, 2)
+	for i, pt := range sc.DensePoints {
+		require.Equal(t, lengths[i], pt.Tokens)
+		require.Equal(t, h.DenseCost(pt.Tokens), pt.DenseCost)
+		require.Positive(t, pt.DenseUs)
+		require.Zero(t, pt.PolicyUs, "dense attention alone")
+		require.Zero(t, pt.PolicyCost, "dense attention alone")
+	}
+	b := sc.DensePoints[1]
+	require.InEpsilon(t, b.DenseUs, sc.Dense.Us(b.DenseCost), 1e-9, "dense attention priced by its run at the model's capacity")
+	require.InEpsilon(t, sc.Points[1].PolicyUs, sc.Policy.Us(sc.Points[1].PolicyCost), 1e-9, "the policy priced by its own runs")
+	_, err = MeasureSteps(dev, h, Dense(), lengths, cheapFloor)
 	require.Error(t, err, "dense attention never falls back")
 	_, err = MeasureSteps(dev, h, StreamingLLM(64), [2]int{2048, 512}, cheapFloor)
 	require.Error(t, err, "decreasing lengths")

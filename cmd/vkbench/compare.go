@@ -36,6 +36,9 @@ type compareRow struct {
 	// choice weighed.
 	StepModelUs  []float64 `json:"step_model_us,omitempty"`
 	DenseModelUs float64   `json:"dense_model_us,omitempty"`
+	// StepCosts are the measured runs and models that priced them, where
+	// PricedBy is "measured".
+	StepCosts *decode.StepCosts `json:"step_costs,omitempty"`
 }
 
 // fallbackPolicies maps the names of compare's policies that fall back
@@ -99,7 +102,7 @@ func denseChoices(dev *vk.Device, rows []compareRow, heads map[string]sparse.Hea
 			if err != nil {
 				return nil, err
 			}
-			policyModel, denseModel, r.PricedBy = sc.Policy, sc.Dense, "measured"
+			policyModel, denseModel, r.PricedBy, r.StepCosts = sc.Policy, sc.Dense, "measured", &sc
 		}
 		dense := 0
 		r.DenseModelUs = denseModel.Us(r.DenseCost)
