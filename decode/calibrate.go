@@ -92,9 +92,9 @@ type StepPoint struct {
 var stepCosts sync.Map
 
 // stepKey names what MeasureSteps measured.
-func stepKey(info vk.Info, h sparse.Heads, p Policy, lengths [2]int) string {
+func stepKey(info vk.Info, h sparse.Heads, p Policy, lengths [2]int, batch int) string {
 	p.fallback, p.fallbackSet = 0, false
-	return fmt.Sprintf("%s|%+v|%+v|%v", info.Identity(), h, p, lengths)
+	return fmt.Sprintf("%s|%+v|%+v|%v|%d", info.Identity(), h, p, lengths, batch)
 }
 
 // Timed runs of each measured step, after untimed ones that keep the
@@ -129,40 +129,15 @@ func (m *Model) TimeFallbacks(layer int, q []float32, modes []Fallback, reps int
 			if err := m.SetFallback(layer, f); err != nil {
 				return nil, err
 			}
-			us, err := m.timeMedian(layer, q, reps)
+			if err := m.SetQuery(layer, q); err != nil {
+				return nil, err
+			}
+			t, err := m.timeWarm(layer, measureWarm, reps)
 			if err != nil {
 				return nil, err
 			}
-			out[i] = min(out[i], us)
+			out[i] = min(out[i], float64(t[len(t)/2])/float64(time.Microsecond))
 		}
-	}
-	return out, nil
-}
-
-// timeMedian returns the median time in µs of reps timed runs of the
-// layer's attention for q as it stands (SetQuery, then measureWarm of
-// untimed runs first).
-func (m *Model) timeMedian(layer int, q []float32, reps int) (float64, error) {
-	if err := m.SetQuery(layer, q); err != nil {
-		return 0, err
-	}
-	t, err := m.timeWarm(layer, measureWarm, reps)
-	if err != nil {
-		return 0, err
-	}
-	return float64(t[len(t)/2]) / float64(time.Microsecond), nil
-}
-
-// timeFastest returns the fastest of measureRounds timeMedian rounds (see
-// TimeFallbacks).
-func (m *Model) timeFastest(layer int, q []float32, reps int) (float64, error) {
-	out := math.Inf(1)
-	for range measureRounds {
-		us, err := m.timeMedian(layer, q, reps)
-		if err != nil {
-			return 0, err
-		}
-		out = min(out, us)
 	}
 	return out, nil
 }
@@ -237,16 +212,18 @@ func normalHalves(rng *rand.Rand, count int) []uint16 {
 	return out
 }
 
-// MeasureSteps returns the policy's step costs on dev for heads h,
-// measured on its first call for that device, driver, geometry, policy
-// and lengths and cached for the process. At each length it fills one
-// sequence of a one-layer model with keys in topics (topicKeys: a few
-// percent of the tokens hold most of a query's attention, as in text) and
+// MeasureSteps returns the policy's step costs on dev for heads h, a
+// sequence's part in a batch of batch sequences, measured on its first
+// call for that device, driver, geometry, policy, lengths and batch and
+// cached for the process. At each length it fills batch sequences of a
+// one-layer model with the same keys in topics (topicKeys: a few percent
+// of the tokens hold most of a query's attention, as in text) and
 // standard normal values, and attends queries that point at a few topics
 // twice, so that the policy's cost counts the share of its index its step
-// takes; then it times the policy's step and dense attention in turn
-// (Model.TimeFallbacks, after a warm-up of the clocks) and fits each a
-// cost model through its two runs. A policy of a budget of middle tokens
+// takes; then it times the policy's step and dense attention (a dense
+// plan a sequence, as the fallback attends them) in turn
+// (Model.TimeFallbacks, after a warm-up of the clocks), divides each
+// time by batch and fits each a cost model through its two runs. A policy of a budget of middle tokens
 // (Quest, StreamingLLM, H2O) is measured from twice its budget at least,
 // the longer run at lengths[1] or twice the shorter, whichever is longer;
 // dense attention is then timed again at lengths, alone, and fitted to
@@ -257,12 +234,15 @@ func normalHalves(rng *rand.Rand, count int) []uint16 {
 // 32 768 tokens and 65 µs at 47 480, 1.3× its. fallback's bandwidth (the
 // device's) prices the bytes; the fit gives what they leave to a floor
 // per dispatch and a cost per token of context (sparse.FitCostModel).
-func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fallback sparse.CostModel) (StepCosts, error) {
+func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, batch int, fallback sparse.CostModel) (StepCosts, error) {
 	if !p.FallsBack() {
 		return StepCosts{}, fmt.Errorf("decode: %s never falls back to dense attention: nothing to measure", p)
 	}
 	if lengths[0] <= 0 || lengths[1] <= lengths[0] {
 		return StepCosts{}, fmt.Errorf("decode: measuring %s at %v tokens: two increasing positive lengths", p, lengths)
+	}
+	if batch < 1 {
+		return StepCosts{}, fmt.Errorf("decode: measuring %s in a batch of %d sequences", p, batch)
 	}
 	if err := errors.Join(h.Validate(), fallback.Validate()); err != nil {
 		return StepCosts{}, err
@@ -272,13 +252,13 @@ func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fall
 		lengths[0] = 2 * p.budget
 		lengths[1] = max(lengths[1], 2*lengths[0])
 	}
-	key := stepKey(dev.Info(), h, p, own)
+	key := stepKey(dev.Info(), h, p, own, batch)
 	if c, ok := stepCosts.Load(key); ok {
 		return c.(StepCosts), nil
 	}
 	var out StepCosts
 	for i, n := range lengths {
-		pt, err := measureStep(dev, h, p, n, uint64(i+1), true)
+		pt, err := measureStep(dev, h, p, n, batch, uint64(i+1), true)
 		if err != nil {
 			return StepCosts{}, fmt.Errorf("decode: measuring %s over %d tokens: %w", p, n, err)
 		}
@@ -286,7 +266,7 @@ func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fall
 	}
 	if lengths != own {
 		for i, n := range own {
-			pt, err := measureStep(dev, h, p, n, uint64(i+1), false)
+			pt, err := measureStep(dev, h, p, n, batch, uint64(i+1), false)
 			if err != nil {
 				return StepCosts{}, fmt.Errorf("decode: measuring dense attention over %d tokens: %w", n, err)
 			}
@@ -310,21 +290,26 @@ func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, fall
 
 // measureStep runs MeasureSteps' measurement at one length: the policy's
 // step and dense attention, or with policy false dense attention alone.
-func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64, policy bool) (_ StepPoint, err error) {
+func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n, batch int, seed uint64, policy bool) (_ StepPoint, err error) {
+	modes := []Fallback{FallbackNever, FallbackAlways}
 	if !policy {
-		p = Dense() // a budget may not fit n
-	} else {
-		p = p.WithFallback(FallbackNever)
+		modes = modes[1:]
+		p.budget = min(p.budget, n) // never attended: only checked
 	}
-	m, err := New(dev, Config{Heads: h, Layers: 1, Slots: 1, Capacity: n, Policy: p, Measure: MeasureNever})
+	m, err := New(dev, Config{Heads: h, Layers: 1, Slots: batch, Capacity: n, Policy: p.WithFallback(modes[0]), Measure: MeasureNever})
 	if err != nil {
 		return StepPoint{}, err
 	}
 	defer func() { err = errors.Join(err, m.Release()) }()
 	rng := rand.New(rand.NewPCG(seed, 0x5eed))
-	k, q := topicKeys(rng, h, n)
-	if err := m.Prefill(0, 0, k, normalHalves(rng, h.KV*n*h.Dim), n); err != nil {
-		return StepPoint{}, err
+	k, q1 := topicKeys(rng, h, n)
+	v := normalHalves(rng, h.KV*n*h.Dim)
+	var q []float32
+	for s := range batch {
+		if err := m.Prefill(s, 0, k, v, n); err != nil {
+			return StepPoint{}, err
+		}
+		q = append(q, q1...)
 	}
 	pt := StepPoint{Tokens: n, DenseCost: h.DenseCost(n)}
 	if policy {
@@ -344,14 +329,16 @@ func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n int, seed uint64, p
 	if err := sparse.WarmUp(dev, measureClocks); err != nil {
 		return StepPoint{}, err
 	}
-	if policy {
-		us, err := m.TimeFallbacks(0, q, []Fallback{FallbackNever, FallbackAlways}, measureReps)
-		if err != nil {
-			return StepPoint{}, err
-		}
-		pt.PolicyUs, pt.DenseUs = us[0], us[1]
-	} else if pt.DenseUs, err = m.timeFastest(0, q, measureReps); err != nil {
+	us, err := m.TimeFallbacks(0, q, modes, measureReps)
+	if err != nil {
 		return StepPoint{}, err
+	}
+	for i := range us {
+		us[i] /= float64(batch)
+	}
+	pt.DenseUs = us[len(us)-1]
+	if policy {
+		pt.PolicyUs = us[0]
 	}
 	if math.IsNaN(pt.PolicyUs+pt.DenseUs) || (policy && pt.PolicyUs <= 0) || pt.DenseUs <= 0 {
 		return StepPoint{}, fmt.Errorf("timed %v µs for the step and %v µs for dense attention", pt.PolicyUs, pt.DenseUs)

@@ -26,7 +26,7 @@ func TestMeasureSteps(t *testing.T) {
 	lengths := [2]int{512, 2048}
 	opts := sparse.TacticDecoderOptions{Sinks: 4, KMeans: sparse.KMeansOptions{Seed: 5}}
 	for _, p := range []Policy{Tactic(0.9, opts), StreamingLLM(64)} {
-		sc, err := MeasureSteps(dev, h, p, lengths, cheapFloor)
+		sc, err := MeasureSteps(dev, h, p, lengths, 1, cheapFloor)
 		require.NoError(t, err, "%s", p)
 		require.Len(t, sc.Points, 2)
 		for i, pt := range sc.Points {
@@ -43,7 +43,7 @@ func TestMeasureSteps(t *testing.T) {
 		require.InEpsilon(t, b.PolicyUs, sc.Policy.Us(b.PolicyCost), 1e-9, "%s: the policy's model prices its longer run at its time", p)
 		require.InEpsilon(t, b.DenseUs, sc.Dense.Us(b.DenseCost), 1e-9, "dense attention's model prices its longer run at its time")
 		require.Nil(t, sc.DensePoints, "%s: dense attention timed beside the step at the same lengths", p)
-		again, err := MeasureSteps(dev, h, p, lengths, cheapFloor)
+		again, err := MeasureSteps(dev, h, p, lengths, 1, cheapFloor)
 		require.NoError(t, err)
 		require.Equal(t, sc, again, "%s: measured once per process", p)
 	}
@@ -51,7 +51,7 @@ func TestMeasureSteps(t *testing.T) {
 	// A budget of 1 024 tokens (more than the shorter length holds) moves
 	// the policy's runs to 2 048 and 4 096 tokens; dense attention is
 	// timed again at 512 and 2 048 and priced by those runs.
-	sc, err := MeasureSteps(dev, h, StreamingLLM(1024), lengths, cheapFloor)
+	sc, err := MeasureSteps(dev, h, StreamingLLM(1024), lengths, 1, cheapFloor)
 	require.NoError(t, err)
 	require.Equal(t, []int{2048, 4096}, []int{sc.Points[0].Tokens, sc.Points[1].Tokens})
 	require.Len(t, sc.DensePoints, 2)
@@ -65,11 +65,25 @@ func TestMeasureSteps(t *testing.T) {
 	b := sc.DensePoints[1]
 	require.InEpsilon(t, b.DenseUs, sc.Dense.Us(b.DenseCost), 1e-9, "dense attention priced by its run at the model's capacity")
 	require.InEpsilon(t, sc.Points[1].PolicyUs, sc.Policy.Us(sc.Points[1].PolicyCost), 1e-9, "the policy priced by its own runs")
-	_, err = MeasureSteps(dev, h, Dense(), lengths, cheapFloor)
+	// A batch of 3: each time is the batch's over 3, measured apart from
+	// one sequence's.
+	alone, err := MeasureSteps(dev, h, StreamingLLM(64), lengths, 1, cheapFloor)
+	require.NoError(t, err)
+	three, err := MeasureSteps(dev, h, StreamingLLM(64), lengths, 3, cheapFloor)
+	require.NoError(t, err)
+	require.NotEqual(t, alone, three, "cached per batch")
+	for i, pt := range three.Points {
+		require.Equal(t, alone.Points[i].PolicyCost, pt.PolicyCost, "the costs are a sequence's")
+		require.Less(t, pt.PolicyUs, 2*alone.Points[i].PolicyUs, "a sequence's part of the batch's time, not the batch's")
+		require.Less(t, pt.DenseUs, 2*alone.Points[i].DenseUs, "a sequence's part of the batch's time, not the batch's")
+	}
+	_, err = MeasureSteps(dev, h, StreamingLLM(64), lengths, 0, cheapFloor)
+	require.Error(t, err, "a batch of none")
+	_, err = MeasureSteps(dev, h, Dense(), lengths, 1, cheapFloor)
 	require.Error(t, err, "dense attention never falls back")
-	_, err = MeasureSteps(dev, h, StreamingLLM(64), [2]int{2048, 512}, cheapFloor)
+	_, err = MeasureSteps(dev, h, StreamingLLM(64), [2]int{2048, 512}, 1, cheapFloor)
 	require.Error(t, err, "decreasing lengths")
-	_, err = MeasureSteps(dev, h, StreamingLLM(64), lengths, sparse.CostModel{})
+	_, err = MeasureSteps(dev, h, StreamingLLM(64), lengths, 1, sparse.CostModel{})
 	require.Error(t, err, "an invalid fallback model")
 }
 
@@ -132,6 +146,48 @@ func TestModelMeasuresSteps(t *testing.T) {
 
 	_, err := New(dev, Config{Heads: testHeads, Layers: 1, Slots: 1, Capacity: 2048, Policy: Quest(64), Measure: Measure(7)})
 	require.Error(t, err, "an unknown measure")
+}
+
+// TestPriceBatch checks that Config.PriceBatch prices a sequence's
+// choice as its part of a batch's step: with a floor that makes a Quest
+// layer's extra dispatches cost more than the bytes they save for one
+// sequence, the sequence is attended densely alone and by the policy when
+// priced for a batch of 4, whose sequences share each dispatch; and that
+// a batch beyond the slots is refused.
+func TestPriceBatch(t *testing.T) {
+	dev := vktest.Open(t)
+	f := newFixture(t, testHeads, 1, []int{2048})
+	cheap := cheapFloor
+	cfg := Config{Heads: testHeads, Layers: 1, Slots: 4, Capacity: 2048, Policy: Quest(64), Costs: &cheap, Measure: MeasureNever}
+	m := f.prefilledModel(t, dev, cfg, []int{1500})
+	attendAll(t, f, m, 0) // chosen at its SetQuery, by the budget (no share yet)
+	choices, err := m.Choices(0)
+	require.NoError(t, err)
+	c := choices[0]
+	saved := c.DenseCost.Bytes - c.PolicyCost.Bytes
+	extra := c.PolicyCost.Dispatches - c.DenseCost.Dispatches
+	require.Positive(t, saved)
+	require.Positive(t, extra)
+	// extra floors cost 1.5 times the saved bytes alone, 0.375 times in 4.
+	costs := sparse.CostModel{ReadGBps: 1, FloorUs: 1.5 * saved / 1e3 / float64(extra)}
+	for _, batch := range []int{0, 1, 4} {
+		cfg.Costs, cfg.PriceBatch = &costs, batch
+		m := f.prefilledModel(t, dev, cfg, []int{1500})
+		attendAll(t, f, m, 0)
+		choices, err := m.Choices(0)
+		require.NoError(t, err)
+		c := choices[0]
+		per := costs.PerSequence(batch)
+		require.InEpsilon(t, per.Us(c.PolicyCost), c.PolicyUs, 1e-12)
+		require.InEpsilon(t, per.Us(c.DenseCost), c.DenseUs, 1e-12)
+		require.Equal(t, batch < 4, c.Dense, "a batch of %d", batch)
+	}
+	cfg.PriceBatch = 5
+	_, err = New(dev, cfg)
+	require.Error(t, err, "a batch beyond the slots")
+	cfg.PriceBatch = -1
+	_, err = New(dev, cfg)
+	require.Error(t, err)
 }
 
 // TestTopicKeys checks the keys MeasureSteps times over: 90 % of a query

@@ -62,7 +62,10 @@
 // MinMeasureTokens) both are priced by one model of the device
 // (Config.Costs, else sparse.Calibrate's). A clustered policy's cost
 // counts the share of its index its last step took (0 before its first
-// step, so it runs once and is then weighed by what it read). The choice
+// step, so it runs once and is then weighed by what it read). Both are
+// priced for one sequence alone, or with Config.PriceBatch for its part
+// of a batch of that many, whose sequences share each dispatch (measured
+// in such a batch, or the device's floor divided among them). The choice
 // is made per sequence, from that sequence's own tokens, index and last
 // step, when the layer's batch is built and again at every SetQuery; a
 // change of any sequence's choice builds the layer's batch again, as a

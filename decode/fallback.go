@@ -192,15 +192,18 @@ func (m *Model) choose(layer int) ([]Choice, error) {
 	return out, nil
 }
 
-// pricing returns the cost models the layer's choices are priced by: its
-// measured step costs where it has them, else the device's model for
-// both; ok is false where the model has neither.
+// pricing returns the cost models the layer's choices are priced by, a
+// sequence's part in a batch of Config.PriceBatch: its measured step
+// costs where it has them (measured at that batch), else the device's
+// model for both, its floor shared by the batch; ok is false where the
+// model has neither.
 func (m *Model) pricing(layer int) (policy, dense sparse.CostModel, measured, ok bool) {
 	if sc := m.steps[layer]; sc != nil {
 		return sc.Policy, sc.Dense, true, true
 	}
 	if m.costs != nil {
-		return *m.costs, *m.costs, false, true
+		c := m.costs.PerSequence(m.cfg.priceBatch())
+		return c, c, false, true
 	}
 	return sparse.CostModel{}, sparse.CostModel{}, false, false
 }
@@ -289,7 +292,7 @@ func (m *Model) measureLayer(layer int) error {
 	if !ok {
 		return nil
 	}
-	sc, err := MeasureSteps(m.dev, m.cfg.Heads, pol, lengths, *m.costs)
+	sc, err := MeasureSteps(m.dev, m.cfg.Heads, pol, lengths, m.cfg.priceBatch(), *m.costs)
 	if err != nil {
 		return fmt.Errorf("decode: layer %d's dense fallback: %w", layer, err)
 	}

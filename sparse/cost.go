@@ -49,6 +49,13 @@ func (m CostModel) Us(c Cost) float64 {
 	return float64(c.Dispatches)*m.FloorUs + float64(c.Tokens)*m.TokenNs/1e3 + c.Bytes/(m.ReadGBps*1e3)
 }
 
+// PerSequence returns the model of one sequence's part when sequences
+// sequences share each dispatch of a step: the floor divided among them.
+func (m CostModel) PerSequence(sequences int) CostModel {
+	m.FloorUs /= float64(max(1, sequences))
+	return m
+}
+
 // rowBytes is the bytes of one fp16 row of keys (or values) of a KV head.
 func (h Heads) rowBytes() float64 { return float64(2 * h.Dim) }
 

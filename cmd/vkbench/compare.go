@@ -70,13 +70,15 @@ func compareFallbacks(ps []float64, opts sparse.TacticDecoderOptions) fallbackPo
 }
 
 // denseChoices fills each row's DenseChoice the way decode.Model chooses
-// under FallbackAuto by default: a sequence is attended densely where its
+// under FallbackAuto with its choices priced for the row's batch
+// (decode.Config.PriceBatch): a sequence is attended densely where its
 // step's cost (evaluate.StepRun.Costs, the library's count) exceeds dense
 // attention's, priced on a GPU by the policy's and dense attention's
-// measured cost models at the layer's geometry (decode.MeasureSteps, as
-// a model of the row's tokens measures them), and elsewhere, or for a
-// policy decode does not know, by the device's calibrated cost model
-// (sparse.Calibrate). It returns the device's cost model.
+// measured cost models at the layer's geometry and batch
+// (decode.MeasureSteps, as a model of the row's tokens measures them),
+// and elsewhere, or for a policy decode does not know, by the device's
+// calibrated cost model (sparse.Calibrate), its floor shared by the
+// batch. It returns the device's cost model.
 func denseChoices(dev *vk.Device, rows []compareRow, heads map[string]sparse.Heads, policies fallbackPolicies) (*sparse.CostModel, error) {
 	var model *sparse.CostModel
 	for i := range rows {
@@ -92,13 +94,14 @@ func denseChoices(dev *vk.Device, rows []compareRow, heads map[string]sparse.Hea
 			}
 			model = &m
 		}
-		policyModel, denseModel := *model, *model
+		policyModel := model.PerSequence(r.Batch)
+		denseModel := policyModel
 		r.PricedBy = "device"
 		lengths, ok := decode.MeasureLengths(r.Tokens)
 		pol, known := policies(r.Policy, r.Budget)
 		h, shaped := heads[r.Source]
 		if ok && known && shaped && dev.Info().Type != "cpu" {
-			sc, err := decode.MeasureSteps(dev, h, pol, lengths, *model)
+			sc, err := decode.MeasureSteps(dev, h, pol, lengths, r.Batch, *model)
 			if err != nil {
 				return nil, err
 			}
