@@ -21,16 +21,19 @@ import (
 // layer's cost models and as timed, and the shortest length at which the
 // policy's step costs less than dense attention by those models (where
 // decode's dense fallback hands the layer to the policy); -1 where it
-// never does up to the longest length searched.
+// never does up to the longest length searched. With a batch, the layer
+// holds Batch copies of the sequence, its choices priced for a sequence's
+// part of the batch (decode.Config.PriceBatch).
 type crossoverRow struct {
 	Layer  string  `json:"layer"`
 	Heads  string  `json:"heads"` // Hq/Hkv/D
 	Policy string  `json:"policy"`
 	Tokens int     `json:"probe_tokens"`
+	Batch  int     `json:"batch"`
 	Share  float64 `json:"share"` // of its index the step took at the probe
 	// PolicyCost and DenseCost are counted at the probe length, and priced
-	// by the layer's cost models (Measured: the policy's and dense
-	// attention's own, decode.MeasureSteps; else the device's).
+	// per sequence by the layer's cost models (Measured: the policy's and
+	// dense attention's own, decode.MeasureSteps; else the device's).
 	PolicyCost sparse.Cost       `json:"policy_cost"`
 	DenseCost  sparse.Cost       `json:"dense_cost"`
 	PolicyUs   float64           `json:"policy_us"`
@@ -42,9 +45,10 @@ type crossoverRow struct {
 	// models (≤ 1).
 	Chosen         string  `json:"chosen"`
 	LayerOverDense float64 `json:"layer_over_dense"`
-	// Timed at the probe (decode.Model.TimeFallbacks: the fastest of three
-	// rounds of medians): the policy's step, dense attention, and the layer under
-	// FallbackAuto as it chose; and the last over dense attention's.
+	// Timed at the probe for the whole batch (decode.Model.TimeFallbacks:
+	// the fastest of three rounds of medians): the policy's step, dense
+	// attention, and the layer under FallbackAuto as it chose; and the
+	// last over dense attention's.
 	TimedPolicyUs       float64 `json:"timed_policy_us"`
 	TimedDenseUs        float64 `json:"timed_dense_us"`
 	TimedLayerUs        float64 `json:"timed_layer_us"`
@@ -82,6 +86,7 @@ func crossover(args []string) error {
 	gbps := fs.Float64("gbps", 0, "the cost model's read bandwidth in GB/s (with -floor-us)")
 	measure := fs.Bool("measure", true, "price each policy's step and dense attention by cost models measured on their own kernels at the layer's geometry (decode.MeasureSteps; needs a probe of at least 2048 tokens); false: by the device's cost model")
 	reps := fs.Int("reps", 21, "timed runs of each step at the probe")
+	batch := fs.Int("batch", 1, "sequences the layer attends at once (copies of the probe), its choices priced for them (decode.Config.PriceBatch)")
 	seed := fs.Int64("seed", 1, "workload and K-means seed")
 	jsonPath := fs.String("json", "", "write results as JSON to this file")
 	fs.Parse(args)
@@ -97,6 +102,8 @@ func crossover(args []string) error {
 		return fmt.Errorf("-budget: %d outside [1, -n]", *budget)
 	case *reps < 1:
 		return fmt.Errorf("-reps: %d timed runs", *reps)
+	case *batch < 1:
+		return fmt.Errorf("-batch: %d sequences", *batch)
 	case (*floor == 0) != (*gbps == 0):
 		return fmt.Errorf("-floor-us and -gbps go together")
 	}
@@ -133,7 +140,7 @@ func crossover(args []string) error {
 	for _, l := range layers {
 		for _, pol := range policies {
 			prog.step(fmt.Sprintf("%s %s", l.name, pol))
-			row, err := crossoverOf(dev, l, pol, report.CostModel, *measure, *n, *maxTokens, *clusterSize, *reps)
+			row, err := crossoverOf(dev, l, pol, report.CostModel, *measure, *n, *batch, *maxTokens, *clusterSize, *reps)
 			if err != nil {
 				return fmt.Errorf("%s, %s: %w", l.name, pol, err)
 			}
@@ -151,11 +158,11 @@ func crossover(args []string) error {
 		if r.Measured {
 			priced = "measured"
 		}
-		rows = append(rows, []string{r.Layer, r.Heads, r.Policy, strconv.Itoa(r.Tokens), fmt.Sprintf("%.3f", r.Share), priced,
+		rows = append(rows, []string{r.Layer, r.Heads, r.Policy, strconv.Itoa(r.Tokens), strconv.Itoa(r.Batch), fmt.Sprintf("%.3f", r.Share), priced,
 			fmt.Sprintf("%.2f", r.PolicyUs), fmt.Sprintf("%.2f", r.DenseUs), r.Chosen, fmt.Sprintf("%.2f", r.LayerOverDense),
 			fmt.Sprintf("%.2f", r.TimedPolicyUs), fmt.Sprintf("%.2f", r.TimedDenseUs), fmt.Sprintf("%.2f", r.TimedLayerUs), fmt.Sprintf("%.2f", r.TimedLayerOverDense), cross})
 	}
-	table(os.Stdout, []string{"layer", "Hq/Hkv/D", "policy", "tokens", "share", "priced by", "policy µs", "dense µs", "chosen", "layer/dense", "timed policy µs", "timed dense µs", "timed layer µs", "timed layer/dense", "crossover"}, rows)
+	table(os.Stdout, []string{"layer", "Hq/Hkv/D", "policy", "tokens", "batch", "share", "priced by", "policy µs", "dense µs", "chosen", "layer/dense", "timed policy µs", "timed dense µs", "timed layer µs", "timed layer/dense", "crossover"}, rows)
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "crossover "+strings.Join(args, " "), dev.Info(), report)
 	}
@@ -195,24 +202,25 @@ func crossoverLayers(traces, shapes, kinds string, n int, seed int64) ([]crossov
 }
 
 // crossoverOf runs pol's step on the layer's first n tokens (at most the
-// layer's), twice, so that the second is weighed by the share of its
-// index the first took, and times it, dense attention, and the layer
-// under FallbackAuto (priced by measured step costs where measure);
+// layer's), in batch copies, twice, so that the second is weighed by the
+// share of its index the first took, and times it, dense attention, and
+// the layer under FallbackAuto (priced for a sequence's part of the
+// batch, by measured step costs where measure);
 // then it finds the crossover by Policy.Cost at longer and shorter
 // lengths, priced by the same models: a clustered policy keeps that
 // share of an index growing with the tokens (every token past the sinks
 // clustered, clusters of clusterSize), a positional one the rows it took
 // of the middle (its budget is a number of tokens).
-func crossoverOf(dev *vk.Device, l crossoverLayer, pol decode.Policy, costs sparse.CostModel, measure bool, n, maxTokens, clusterSize, reps int) (crossoverRow, error) {
+func crossoverOf(dev *vk.Device, l crossoverLayer, pol decode.Policy, costs sparse.CostModel, measure bool, n, batch, maxTokens, clusterSize, reps int) (crossoverRow, error) {
 	t := l.t
 	n = min(n, t.Tokens)
 	h := sparse.Heads{Query: t.QHeads, KV: t.KVHeads, Dim: t.HeadDim}
-	row := crossoverRow{Layer: l.name, Heads: fmt.Sprintf("%d/%d/%d", h.Query, h.KV, h.Dim), Policy: pol.String(), Tokens: n}
+	row := crossoverRow{Layer: l.name, Heads: fmt.Sprintf("%d/%d/%d", h.Query, h.KV, h.Dim), Policy: pol.String(), Tokens: n, Batch: batch}
 	how := decode.MeasureNever
 	if measure {
 		how = decode.MeasureAlways
 	}
-	m, err := decode.New(dev, decode.Config{Heads: h, Layers: 1, Slots: 1, Capacity: n, Policy: pol, Fallback: decode.FallbackNever, Costs: &costs, Measure: how})
+	m, err := decode.New(dev, decode.Config{Heads: h, Layers: 1, Slots: batch, Capacity: n, Policy: pol, Fallback: decode.FallbackNever, Costs: &costs, Measure: how, PriceBatch: batch})
 	if err != nil {
 		return row, err
 	}
@@ -222,8 +230,10 @@ func crossoverOf(dev *vk.Device, l crossoverLayer, pol decode.Policy, costs spar
 		k = append(k, t.K[g*t.Tokens*h.Dim:(g*t.Tokens+n)*h.Dim]...)
 		v = append(v, t.V[g*t.Tokens*h.Dim:(g*t.Tokens+n)*h.Dim]...)
 	}
-	if err := m.Prefill(0, 0, k, v, n); err != nil {
-		return row, err
+	for s := range batch {
+		if err := m.Prefill(s, 0, k, v, n); err != nil {
+			return row, err
+		}
 	}
 	// The query nearest the end of the prefill that sees all of it.
 	q := t.Queries() - 1
@@ -232,12 +242,16 @@ func crossoverOf(dev *vk.Device, l crossoverLayer, pol decode.Policy, costs spar
 			q = i
 		}
 	}
+	var queries []float32
+	for range batch {
+		queries = append(queries, t.Query(q)...)
+	}
 	for range 2 {
-		if _, err := m.Attend(0, t.Query(q)); err != nil {
+		if _, err := m.Attend(0, queries); err != nil {
 			return row, err
 		}
 	}
-	timed, err := m.TimeFallbacks(0, t.Query(q), []decode.Fallback{decode.FallbackNever, decode.FallbackAlways, decode.FallbackAuto}, reps)
+	timed, err := m.TimeFallbacks(0, queries, []decode.Fallback{decode.FallbackNever, decode.FallbackAlways, decode.FallbackAuto}, reps)
 	if err != nil {
 		return row, err
 	}
@@ -250,7 +264,8 @@ func crossoverOf(dev *vk.Device, l crossoverLayer, pol decode.Policy, costs spar
 	c := choices[0]
 	row.Share, row.PolicyCost, row.DenseCost = c.Share, c.PolicyCost, c.DenseCost
 	row.PolicyUs, row.DenseUs, row.Measured = c.PolicyUs, c.DenseUs, c.Measured
-	policyModel, denseModel := costs, costs
+	policyModel := costs.PerSequence(batch)
+	denseModel := policyModel
 	if sc, ok := m.StepCosts(0); ok {
 		row.StepCosts = &sc
 		policyModel, denseModel = sc.Policy, sc.Dense

@@ -27,16 +27,17 @@ func TestFirstTrue(t *testing.T) {
 
 // TestCrossoverRun runs `vkbench crossover` at a small size under two
 // given cost models, and checks its JSON: a row per policy, the layer
-// never dearer than dense attention, and a dearer floor moving every
-// crossover of a policy with more dispatches than dense attention later.
+// never dearer than dense attention, a dearer floor moving every
+// crossover of a policy with more dispatches than dense attention later,
+// and a batch of 2, whose sequences share that floor, moving it no later.
 func TestCrossoverRun(t *testing.T) {
 	dir := t.TempDir()
-	run := func(floor string) crossoverReport {
+	run := func(floor, batch string) crossoverReport {
 		t.Helper()
-		path := filepath.Join(dir, "crossover-"+floor+".json")
+		path := filepath.Join(dir, "crossover-"+floor+"-"+batch+".json")
 		stdout := os.Stdout
 		os.Stdout, _ = os.Open(os.DevNull)
-		err := crossover([]string{"-n", "512", "-max", "1048576", "-budget", "64", "-floor-us", floor, "-gbps", "100", "-json", path})
+		err := crossover([]string{"-n", "512", "-max", "1048576", "-budget", "64", "-floor-us", floor, "-gbps", "100", "-batch", batch, "-json", path})
 		os.Stdout = stdout
 		if err != nil {
 			if os.Getenv("VKSPARSE_REQUIRE_DEVICE") == "" && (errors.Is(err, vk.ErrNoLoader) || errors.Is(err, vk.ErrNoDevice)) {
@@ -54,9 +55,21 @@ func TestCrossoverRun(t *testing.T) {
 		}
 		return rep.Results
 	}
-	cheap, dear := run("1"), run("20")
-	if len(cheap.Rows) != 5 || len(dear.Rows) != 5 {
-		t.Fatalf("%d and %d rows, want one per policy (5)", len(cheap.Rows), len(dear.Rows))
+	cheap, dear, shared := run("1", "1"), run("20", "1"), run("20", "2")
+	if len(cheap.Rows) != 5 || len(dear.Rows) != 5 || len(shared.Rows) != 5 {
+		t.Fatalf("%d, %d and %d rows, want one per policy (5)", len(cheap.Rows), len(dear.Rows), len(shared.Rows))
+	}
+	for i, r := range shared.Rows {
+		d := dear.Rows[i]
+		if r.Batch != 2 || d.Batch != 1 {
+			t.Errorf("%s: batches %d and %d, want 2 and 1", r.Policy, r.Batch, d.Batch)
+		}
+		if d.PolicyCost.Dispatches > 1 && d.Crossover >= 0 && (r.Crossover < 0 || r.Crossover > d.Crossover) {
+			t.Errorf("%s: crossover %d alone, %d in a batch of 2 under the same floor: want it no later", r.Policy, d.Crossover, r.Crossover)
+		}
+		if (r.Chosen == "dense") != (r.PolicyUs > r.DenseUs) {
+			t.Errorf("%s, batch 2: chose %s at %.2f µs against dense %.2f µs", r.Policy, r.Chosen, r.PolicyUs, r.DenseUs)
+		}
 	}
 	for i, r := range dear.Rows {
 		c := cheap.Rows[i]
