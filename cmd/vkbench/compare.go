@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 	"slices"
 	"sort"
 	"strconv"
@@ -196,9 +195,6 @@ func compare(args []string) error {
 	traces, names, err := layers(*tracePath, *ns, *kindsName, *qHeads, *kvHeads, *dim, *seed)
 	if err != nil {
 		return err
-	}
-	if *tracePath != "" {
-		names[0] = filepath.Base(*tracePath)
 	}
 	dev, err := openDevice()
 	if err != nil {

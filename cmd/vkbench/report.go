@@ -59,15 +59,16 @@ func writeJSON(path, command string, info vk.Info, results any) error {
 	return os.WriteFile(path, append(b, '\n'), 0o644)
 }
 
-// layers returns the trace at tracePath, or else one generated layer of
-// the named kinds per context length in ns, with their names.
+// layers returns the trace at tracePath (named by its file's name), or
+// else one generated layer of the named kinds per context length in ns,
+// with their names.
 func layers(tracePath, ns, kinds string, qHeads, kvHeads, dim int, seed int64) ([]*trace.Trace, []string, error) {
 	if tracePath != "" {
 		t, err := trace.Read(tracePath)
 		if err != nil {
 			return nil, nil, err
 		}
-		return []*trace.Trace{t}, []string{tracePath}, nil
+		return []*trace.Trace{t}, []string{filepath.Base(tracePath)}, nil
 	}
 	nList, err := ints(ns)
 	if err != nil {
