@@ -222,18 +222,19 @@ func normalHalves(rng *rand.Rand, count int) []uint16 {
 // twice, so that the policy's cost counts the share of its index its step
 // takes; then it times the policy's step and dense attention (a dense
 // plan a sequence, as the fallback attends them) in turn
-// (Model.TimeFallbacks, after a warm-up of the clocks), divides each
-// time by batch and fits each a cost model through its two runs. A policy of a budget of middle tokens
-// (Quest, StreamingLLM, H2O) is measured from twice its budget at least,
-// the longer run at lengths[1] or twice the shorter, whichever is longer;
-// dense attention is then timed again at lengths, alone, and fitted to
-// those runs. Choices are made up to the model's capacity, and a line
-// through runs beyond it misprices them: on an H200, through runs at
-// 11 870 and 47 480 tokens (four times), dense attention at 32 768 was
-// priced 1.2× its time, and Quest's step, flat at 41 µs from 11 870 to
-// 32 768 tokens and 65 µs at 47 480, 1.3× its. fallback's bandwidth (the
-// device's) prices the bytes; the fit gives what they leave to a floor
-// per dispatch and a cost per token of context (sparse.FitCostModel).
+// (Model.TimeFallbacks, after a warm-up of the clocks), divides each time
+// by batch and fits each a cost model through its two runs. A policy of a
+// budget of middle tokens (Quest, StreamingLLM, H2O) is measured from
+// twice its budget at least, the longer run at lengths[1] or twice the
+// shorter, whichever is longer; dense attention is then timed again at
+// lengths, alone, and fitted to those runs. Choices are made up to the
+// model's capacity, and a line through runs beyond it misprices them: on
+// an H200, through runs at 11 870 and 47 480 tokens (four times apart),
+// dense attention at 32 768 was priced at 1.2× its time, and Quest's step
+// (40.9 µs at 11 870 tokens, 48.5 at 32 768, 65.5 at 47 480) at 1.1×.
+// fallback's bandwidth (the device's) prices the bytes; the fit gives what
+// they leave to a floor per dispatch and a cost per token of context
+// (sparse.FitCostModel).
 func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, batch int, fallback sparse.CostModel) (StepCosts, error) {
 	if !p.FallsBack() {
 		return StepCosts{}, fmt.Errorf("decode: %s never falls back to dense attention: nothing to measure", p)

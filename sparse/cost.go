@@ -49,10 +49,11 @@ func (m CostModel) Us(c Cost) float64 {
 	return float64(c.Dispatches)*m.FloorUs + float64(c.Tokens)*m.TokenNs/1e3 + c.Bytes/(m.ReadGBps*1e3)
 }
 
-// PerSequence returns the model of one sequence's part when sequences
-// sequences share each dispatch of a step: the floor divided among them.
-func (m CostModel) PerSequence(sequences int) CostModel {
-	m.FloorUs /= float64(max(1, sequences))
+// PerSequence returns the model of one sequence's part of a step whose
+// dispatches n sequences share: the floor per dispatch divided among
+// them (n below 1 counts as 1).
+func (m CostModel) PerSequence(n int) CostModel {
+	m.FloorUs /= float64(max(1, n))
 	return m
 }
 
