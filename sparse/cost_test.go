@@ -167,3 +167,19 @@ func TestWarmUp(t *testing.T) {
 	_, err := Calibrate(dev)
 	require.NoError(t, err, "the device works after the warm-up")
 }
+
+// TestCostModelPerSequence checks a sequence's part of a step shared by n
+// sequences: its dispatches' floor divided by n, its bytes and tokens
+// priced in full, and n below 2 changing nothing.
+func TestCostModelPerSequence(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 5))
+	for range 100 {
+		m := CostModel{FloorUs: 10 * rng.Float64(), ReadGBps: 100 + 4000*rng.Float64(), TokenNs: rng.Float64()}
+		c := Cost{Dispatches: 1 + rng.IntN(4), Bytes: 1e8 * rng.Float64(), Tokens: rng.IntN(1 << 17)}
+		n := 1 + rng.IntN(16)
+		shared := float64(c.Dispatches) * m.FloorUs
+		require.InDelta(t, m.Us(c)-shared+shared/float64(n), m.PerSequence(n).Us(c), 1e-9*m.Us(c))
+		require.Equal(t, m, m.PerSequence(1))
+		require.Equal(t, m, m.PerSequence(0))
+	}
+}
