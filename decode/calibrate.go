@@ -75,9 +75,9 @@ type StepCosts struct {
 
 // StepPoint is one measured run of MeasureSteps: the costs of the
 // policy's step and of dense attention over Tokens tokens as the library
-// counts them (Choice), and their GPU times, medians of timed runs (a run
-// of dense attention alone, in StepCosts.DensePoints, leaves the policy's
-// fields zero).
+// counts them (Choice), and their GPU times, medians of timed runs. Where
+// StepCosts.DensePoints holds dense attention's own runs, Points leave
+// DenseUs zero and DensePoints the policy's fields.
 type StepPoint struct {
 	Tokens     int         `json:"tokens"`
 	Share      float64     `json:"share"`
@@ -226,8 +226,8 @@ func normalHalves(rng *rand.Rand, count int) []uint16 {
 // by batch and fits each a cost model through its two runs. A policy of a
 // budget of middle tokens (Quest, StreamingLLM, H2O) is measured from
 // twice its budget at least, the longer run at lengths[1] or twice the
-// shorter, whichever is longer; dense attention is then timed again at
-// lengths, alone, and fitted to those runs. Choices are made up to the
+// shorter, whichever is longer; dense attention is then timed alone at
+// lengths instead, and fitted to those runs. Choices are made up to the
 // model's capacity, and a line through runs beyond it misprices them: on
 // an H200, through runs at 11 870 and 47 480 tokens (four times apart),
 // dense attention at 32 768 was priced at 1.2× its time, and Quest's step
@@ -257,17 +257,20 @@ func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, batc
 	if c, ok := stepCosts.Load(key); ok {
 		return c.(StepCosts), nil
 	}
+	// Dense attention is timed beside the policy's step where the same
+	// runs price both, else alone at the model's own lengths.
+	moved := lengths != own
 	var out StepCosts
 	for i, n := range lengths {
-		pt, err := measureStep(dev, h, p, n, batch, uint64(i+1), true)
+		pt, err := measureStep(dev, h, p, n, batch, uint64(i+1), true, !moved)
 		if err != nil {
 			return StepCosts{}, fmt.Errorf("decode: measuring %s over %d tokens: %w", p, n, err)
 		}
 		out.Points = append(out.Points, pt)
 	}
-	if lengths != own {
+	if moved {
 		for i, n := range own {
-			pt, err := measureStep(dev, h, p, n, batch, uint64(i+1), false)
+			pt, err := measureStep(dev, h, p, n, batch, uint64(i+1), false, true)
 			if err != nil {
 				return StepCosts{}, fmt.Errorf("decode: measuring dense attention over %d tokens: %w", n, err)
 			}
@@ -290,12 +293,16 @@ func MeasureSteps(dev *vk.Device, h sparse.Heads, p Policy, lengths [2]int, batc
 }
 
 // measureStep runs MeasureSteps' measurement at one length: the policy's
-// step and dense attention, or with policy false dense attention alone.
-func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n, batch int, seed uint64, policy bool) (_ StepPoint, err error) {
-	modes := []Fallback{FallbackNever, FallbackAlways}
-	if !policy {
-		modes = modes[1:]
+// step where policy, dense attention where dense.
+func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n, batch int, seed uint64, policy, dense bool) (_ StepPoint, err error) {
+	var modes []Fallback
+	if policy {
+		modes = append(modes, FallbackNever)
+	} else {
 		p.budget = min(p.budget, n) // never attended: only checked
+	}
+	if dense {
+		modes = append(modes, FallbackAlways)
 	}
 	m, err := New(dev, Config{Heads: h, Layers: 1, Slots: batch, Capacity: n, Policy: p.WithFallback(modes[0]), Measure: MeasureNever})
 	if err != nil {
@@ -337,11 +344,13 @@ func measureStep(dev *vk.Device, h sparse.Heads, p Policy, n, batch int, seed ui
 	for i := range us {
 		us[i] /= float64(batch)
 	}
-	pt.DenseUs = us[len(us)-1]
 	if policy {
 		pt.PolicyUs = us[0]
 	}
-	if math.IsNaN(pt.PolicyUs+pt.DenseUs) || (policy && pt.PolicyUs <= 0) || pt.DenseUs <= 0 {
+	if dense {
+		pt.DenseUs = us[len(us)-1]
+	}
+	if math.IsNaN(pt.PolicyUs+pt.DenseUs) || (policy && pt.PolicyUs <= 0) || (dense && pt.DenseUs <= 0) {
 		return StepPoint{}, fmt.Errorf("timed %v µs for the step and %v µs for dense attention", pt.PolicyUs, pt.DenseUs)
 	}
 	return pt, nil
