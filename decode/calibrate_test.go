@@ -50,7 +50,7 @@ func TestMeasureSteps(t *testing.T) {
 
 	// A budget of 1 024 tokens (more than the shorter length holds) moves
 	// the policy's runs to 2 048 and 4 096 tokens; dense attention is
-	// timed again at 512 and 2 048 and priced by those runs.
+	// timed alone at 512 and 2 048 and priced by those runs.
 	sc, err := MeasureSteps(dev, h, StreamingLLM(1024), lengths, 1, cheapFloor)
 	require.NoError(t, err)
 	require.Equal(t, []int{2048, 4096}, []int{sc.Points[0].Tokens, sc.Points[1].Tokens})
