@@ -143,6 +143,9 @@ func (s *Setup) clusterHeads(t *trace.Trace, rows, prefill int, step func()) ([]
 		var err error
 		h.idx, err = sparse.BuildSpanClusterIndexRef(h.keys, d, s.Sinks, prefill-s.Sinks, s.KMeansSpan, s.AvgClusterSize, s.KMeansIters, s.Seed+uint64(g))
 		if err == nil {
+			err = h.idx.SetSpreadsRef(h.keys)
+		}
+		if err == nil {
 			h.idx.Centroids, err = sparse.QuantizedCentroidsRef(h.idx.Centroids, d)
 		}
 		step()

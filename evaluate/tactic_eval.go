@@ -235,7 +235,7 @@ func Tactic(t *trace.Trace, opts TacticOptions) (*TacticEvaluation, error) {
 			r.Heads = append(r.Heads, head)
 		}
 		r.TacticStats = tacticStats(all, p)
-		r.Traffic = stepTraffic(cases[pi], heads, t.HeadDim)
+		r.Traffic = stepTraffic(cases[pi], heads, t.HeadDim, opts.Fit.Moments)
 		ev.Results = append(ev.Results, r)
 	}
 	return ev, nil

@@ -55,8 +55,10 @@ func (s StepTraffic) BoundSpeedup(bw, floor float64, dispatches, b int) float64 
 }
 
 // stepTraffic returns the mean traffic over the evaluated queries of
-// cases[a][h] (query a, query head h), d the head dimension.
-func stepTraffic(cases [][]tacticCase, heads []kvHead, d int) StepTraffic {
+// cases[a][h] (query a, query head h), d the head dimension; moments adds
+// the clusters' spreads and the head's dimension weights (float32) that
+// the moment estimate reads beside the centroids.
+func stepTraffic(cases [][]tacticCase, heads []kvHead, d int, moments bool) StepTraffic {
 	var s StepTraffic
 	if len(cases) == 0 || len(heads) == 0 {
 		return s
@@ -66,6 +68,9 @@ func stepTraffic(cases [][]tacticCase, heads []kvHead, d int) StepTraffic {
 	for _, byHead := range cases {
 		for g, h := range heads {
 			s.Centroids += float64(kvcache.CodedHeadBytes(h.idx.Clusters(), d))
+			if moments {
+				s.Centroids += float64(4 * (h.idx.Clusters() + d))
+			}
 			// The union is the same for every query head of the group.
 			s.Attended += 2 * float64(byHead[g*group].union.Selected) * row
 			s.Dense += 2 * float64(byHead[g*group].attended) * row

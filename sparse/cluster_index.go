@@ -13,6 +13,77 @@ type ClusterIndex struct {
 	Sizes []int
 	// Members[c] lists the token ids of cluster c in ascending order.
 	Members [][]int32
+	// Spreads and DimWeights describe how the keys spread about their
+	// cluster's mean (SetSpreadsRef; nil until then): Spreads[c] = σ²_c,
+	// the mean squared deviation of cluster c's keys from their mean per
+	// dimension, and DimWeights[i] = w_i, dimension i's pooled deviation
+	// over that of the mean dimension. Tactic's moment estimate
+	// (TacticFit.Moments) reads them.
+	Spreads    []float64
+	DimWeights []float64
+}
+
+// SetSpreadsRef sets Spreads and DimWeights from keys (rows of D values
+// holding every member): with μ_c the mean of cluster c's member keys,
+// n_c its size and N = Σ n_c,
+//
+//	σ²_c = (1/(n_c·D)) Σ_{t∈c} ‖k_t − μ_c‖²   (0 for an empty cluster)
+//	v_i  = (1/N) Σ_c Σ_{t∈c} (k_ti − μ_ci)²,  v̄ = (1/D) Σ_i v_i
+//	w_i  = v_i / v̄                            (1 where v̄ = 0)
+//
+// all in float64.
+func (x *ClusterIndex) SetSpreadsRef(keys []float64) error {
+	d := x.D
+	if d <= 0 || len(keys)%d != 0 {
+		return fmt.Errorf("sparse: SetSpreadsRef: %d key values are not rows of %d", len(keys), d)
+	}
+	rows := int32(len(keys) / d)
+	spreads := make([]float64, len(x.Sizes))
+	pooled := make([]float64, d)
+	mean := make([]float64, d)
+	n := 0
+	for c, mem := range x.Members {
+		if len(mem) == 0 {
+			continue
+		}
+		clear(mean)
+		for _, t := range mem {
+			if t < 0 || t >= rows {
+				return fmt.Errorf("sparse: SetSpreadsRef: cluster %d member %d outside the %d key rows", c, t, rows)
+			}
+			for i, v := range keys[int(t)*d : int(t+1)*d] {
+				mean[i] += v
+			}
+		}
+		for i := range mean {
+			mean[i] /= float64(len(mem))
+		}
+		for _, t := range mem {
+			for i, v := range keys[int(t)*d : int(t+1)*d] {
+				dv := (v - mean[i]) * (v - mean[i])
+				spreads[c] += dv
+				pooled[i] += dv
+			}
+		}
+		spreads[c] /= float64(len(mem) * d)
+		n += len(mem)
+	}
+	total := 0.0
+	for i := range pooled {
+		if n > 0 {
+			pooled[i] /= float64(n)
+		}
+		total += pooled[i]
+	}
+	for i := range pooled {
+		if total > 0 {
+			pooled[i] /= total / float64(d)
+		} else {
+			pooled[i] = 1
+		}
+	}
+	x.Spreads, x.DimWeights = spreads, pooled
+	return nil
 }
 
 // Clusters returns the number of clusters C.

@@ -44,6 +44,33 @@ type TacticFit struct {
 	// scored. 0 and 1 score every cluster. The index is the cluster's, not
 	// its rank, so that a GPU ordering clusters by bins picks the same ones.
 	WindowStride int `json:"window_stride,omitempty"`
+	// Moments, when set, estimates each cluster's exp sum from its
+	// centroid score and the spread of its keys instead of scoring an
+	// exact part and two windows and fitting a/x + b (the fields above are
+	// then unused): cluster c of n_c tokens contributes
+	//   ê_c = n_c·exp(min(s_c + κ_c − m, MomentExpCap)),
+	//   κ_c = ½·σ²_c·Σ_i (scale·q_i)²·w_i,
+	// s_c its centroid score, m the best one, σ²_c and w_i the index's
+	// Spreads and DimWeights (ClusterIndex.SetSpreadsRef): the mean of
+	// exp(scale·q·k) over keys spread normally about the centroid, with
+	// each dimension's share of the spread pooled over the head. The fit
+	// then reads no key rows but the fixed tokens'.
+	Moments bool `json:"moments,omitempty"`
+}
+
+// MomentExpCap bounds the exponent of a cluster's moment estimate
+// (TacticFit.Moments), so that float32 sums of up to millions of tokens
+// stay finite.
+const MomentExpCap = 60
+
+// MomentShift returns κ's factor for query q: Σ_i (scale·q_i)²·w_i, so
+// that κ_c = ½·σ²_c·MomentShift (TacticFit.Moments).
+func MomentShift(q []float64, scale float64, weights []float64) float64 {
+	s := 0.0
+	for i, v := range q {
+		s += (scale * v) * (scale * v) * weights[i]
+	}
+	return s
 }
 
 // windowStride returns the stride of the windows over n clustered tokens
@@ -344,6 +371,14 @@ func tacticBudget(q []float64, scale float64, keys []float64, idx *ClusterIndex,
 			return nil
 		}
 	}
+	if fit.Moments {
+		b.momentPart(q, scale, idx, fixed, score)
+		b.Total = b.Estimate(n)
+		b.Budget = budgetFor(b.Estimate, b.Total, p, n)
+		b.Selected = sort.SearchInts(b.Offsets, b.Budget)
+		b.SelectedTokens = b.Offsets[b.Selected]
+		return b, nil
+	}
 	// 2. Exact part and shift.
 	b.exactPart(idx, fixed, fit.initialTokens(n), score)
 	// 3–4. Windows and fit.
@@ -374,6 +409,9 @@ func checkBudgetInputs(q, keys []float64, idx *ClusterIndex, fixed []int32, p fl
 	d := len(q)
 	if idx == nil || idx.D != d || len(idx.Centroids) != d*len(idx.Sizes) || len(idx.Members) != len(idx.Sizes) {
 		return fmt.Errorf("sparse: TacticBudgetRef: cluster index does not match head dimension %d", d)
+	}
+	if fit.Moments && (len(idx.Spreads) != len(idx.Sizes) || len(idx.DimWeights) != d) {
+		return fmt.Errorf("sparse: TacticBudgetRef: the moment estimate needs the index's spreads (ClusterIndex.SetSpreadsRef)")
 	}
 	nk, err := checkKV(q, keys, nil)
 	if err != nil {
@@ -422,6 +460,41 @@ func orderClusters(q []float64, scale float64, idx *ClusterIndex, order []int32)
 	}
 	b.N = b.Offsets[C]
 	return b, nil
+}
+
+// momentPart does the moment estimate's steps (TacticFit.Moments): the
+// shift m, the best centroid score (0 without clusters); F = Σ_{t∈F}
+// exp(s_t − m) exactly; each cluster's ê_c, spread evenly over its
+// positions in the order, as the exact part's running sums, so that S at a
+// cluster boundary j is F + Σ_{r<j} ê_{Order[r]}. Every clustered position
+// counts as exact (ExactClusters = C) and no key row is sampled.
+func (b *TacticBudget) momentPart(q []float64, scale float64, idx *ClusterIndex, fixed []int32, score func(int32) float64) {
+	m := 0.0
+	for c, s := range b.Scores {
+		if c == 0 || s > m {
+			m = s
+		}
+	}
+	b.Shift = m
+	for _, t := range fixed {
+		b.FixedSum += math.Exp(score(t) - m)
+	}
+	shift := MomentShift(q, scale, idx.DimWeights)
+	b.ExactClusters, b.ExactTokens = len(b.Order), b.N
+	b.exactCum = make([]float64, b.N+1)
+	x := 0
+	for _, c := range b.Order {
+		n := idx.Sizes[c]
+		if n == 0 {
+			continue
+		}
+		e := float64(n) * math.Exp(math.Min(b.Scores[c]+0.5*idx.Spreads[c]*shift-m, MomentExpCap))
+		for i := 1; i <= n; i++ {
+			b.exactCum[x+i] = b.exactCum[x] + e*float64(i)/float64(n)
+		}
+		x += n
+	}
+	b.ExactSum = b.exactCum[b.N]
 }
 
 // exactPart does step 2: the leading clusters holding at least need
