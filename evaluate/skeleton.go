@@ -110,7 +110,8 @@ func attendOnly(s Stepper, l *Layers) ([]float64, error) {
 
 // TacticReads counts a Tactic step over x: the centroids; the fit's key
 // rows (sparse.TacticStep.FitRows, every query head's), the scores and
-// the clusters' starts and sizes; attention over the union.
+// the clusters' starts and sizes, or with the moment estimate the scores,
+// sizes, spreads and dimension weights; attention over the union.
 func TacticReads(t *sparse.TacticStep, h sparse.Heads, x *kvcache.Clusters) ([]float64, error) {
 	fit, err := t.FitRows()
 	if err != nil {
@@ -124,11 +125,11 @@ func TacticReads(t *sparse.TacticStep, h sparse.Heads, x *kvcache.Clusters) ([]f
 	if err != nil {
 		return nil, err
 	}
-	return []float64{
-		centroidBytes(h, x),
-		float64(sampled)*rowBytes(h) + float64(h.Query*x.C*4+2*h.KV*x.C*4),
-		attendBytes(h, rows),
-	}, nil
+	index := float64(h.Query*x.C*4 + 2*h.KV*x.C*4)
+	if t.Fit().Moments {
+		index = float64(2*h.Query*x.C*4 + h.KV*x.C*4 + h.Query*h.Dim*4)
+	}
+	return []float64{centroidBytes(h, x), float64(sampled)*rowBytes(h) + index, attendBytes(h, rows)}, nil
 }
 
 // tacticReads is TacticReads for a policy's step.

@@ -324,7 +324,8 @@ func exactTokens(l *Layers, ranks, cuts []int) (float64, error) {
 
 // DefaultPolicies returns the policies `vkbench compare` runs on the GPU:
 // Double-P with its default targets (whose exactly attended tokens set the
-// fixed budgets), Tactic at each P (default fit), the oracles of the
+// fixed budgets), Tactic at each P (with the default fit's curve, and with its moment
+// estimate, TacticFit.Moments), the oracles of the
 // Tactic paper's Table 3 at each P (clusters by true mass, exact top-p over
 // tokens), Quest, StreamingLLM and H2O at Double-P's budget, a DELTA layer
 // reusing its Δ-layer's pick of about that budget (deltaPolicy), and
@@ -333,20 +334,11 @@ func exactTokens(l *Layers, ranks, cuts []int) (float64, error) {
 func DefaultPolicies(ps []float64) []Policy {
 	var out []Policy
 	out = append(out, doubleP("double-p", sparse.DefaultDoubleP()))
+	moments := sparse.DefaultTacticFit()
+	moments.Moments = true
 	for _, p := range ps {
-		out = append(out, Policy{Name: fmt.Sprintf("tactic P=%v", p), Adaptive: true, FallsBack: true, Make: func(l *Layers) (Stepper, error) {
-			return sparse.NewTacticStep(l.Dense, l.Ordered, l.Clusters, p, sparse.DefaultTacticFit())
-		}, Reads: tacticReads, Batch: func(ls []*Layers) (Batched, []Stepper, error) {
-			return tacticBatch(ls, p)
-		}, Ranks: func(s Stepper) ([]int, []int, error) {
-			t := s.(*sparse.TacticStep)
-			ranks, err := t.BinsOf()
-			if err != nil {
-				return nil, nil, err
-			}
-			cuts, err := t.Cuts()
-			return ranks, cuts, err
-		}})
+		out = append(out, tacticPolicy(fmt.Sprintf("tactic P=%v", p), p, sparse.DefaultTacticFit()),
+			tacticPolicy(fmt.Sprintf("tactic moments P=%v", p), p, moments))
 	}
 	for _, p := range ps {
 		out = append(out, Policy{Name: fmt.Sprintf("cluster oracle P=%v", p), Adaptive: true, Make: func(l *Layers) (Stepper, error) {
@@ -493,15 +485,32 @@ func DoublePVariants(targets []sparse.DoubleP) []Policy {
 	return out
 }
 
-// tacticBatch is Tactic's batch at P over ls (sparse.TacticBatch, the
-// default fit) with each sequence's step.
-func tacticBatch(ls []*Layers, p float64) (Batched, []Stepper, error) {
+// tacticPolicy is Tactic at P with fit, named name.
+func tacticPolicy(name string, p float64, fit sparse.TacticFit) Policy {
+	return Policy{Name: name, Adaptive: true, FallsBack: true, Make: func(l *Layers) (Stepper, error) {
+		return sparse.NewTacticStep(l.Dense, l.Ordered, l.Clusters, p, fit)
+	}, Reads: tacticReads, Batch: func(ls []*Layers) (Batched, []Stepper, error) {
+		return tacticBatch(ls, p, fit)
+	}, Ranks: func(s Stepper) ([]int, []int, error) {
+		t := s.(*sparse.TacticStep)
+		ranks, err := t.BinsOf()
+		if err != nil {
+			return nil, nil, err
+		}
+		cuts, err := t.Cuts()
+		return ranks, cuts, err
+	}}
+}
+
+// tacticBatch is Tactic's batch at P with fit over ls (sparse.TacticBatch)
+// with each sequence's step.
+func tacticBatch(ls []*Layers, p float64, fit sparse.TacticFit) (Batched, []Stepper, error) {
 	var layers []*kvcache.Layer
 	var indexes []*kvcache.Clusters
 	for _, l := range ls {
 		layers, indexes = append(layers, l.Ordered), append(indexes, l.Clusters)
 	}
-	b, err := sparse.NewTacticBatch(ls[0].Dense, layers, indexes, p, sparse.DefaultTacticFit())
+	b, err := sparse.NewTacticBatch(ls[0].Dense, layers, indexes, p, fit)
 	if err != nil {
 		return nil, nil, err
 	}

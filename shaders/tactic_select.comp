@@ -74,6 +74,17 @@ const uint PER = NB / WG;        // bins per thread in the scans
 // then sampled by all the teams at once (the host's selectSegment).
 layout(constant_id = 9) const uint SEGS = 2;
 const uint LIST = SEGS * WG;
+// MOMENTS = 1 (TacticFit.Moments) samples no cluster: the plan's exact
+// part is every bin (the host sets need = n), and each workgroup w sums
+// over the clusters c of its share, by bin b, their moment estimates
+//   ê_c = s_c·exp(min(l_c + ½·σ²_c·Σ_i (scale·q_i)²·w_i − m, CAP))
+// in place of sums over their members (s_c its size, l_c its score, σ²_c
+// and w the index's spreads and the KV head's dimension weights), writing
+// every bin's sum to binSum[h][w][b] and no list; the last workgroup adds
+// the W sums of each bin.
+layout(constant_id = 10) const uint MOMENTS = 0;
+const float CAP = 60.0;   // sparse.MomentExpCap
+const uint MW = 16;       // the most workgroups a head with MOMENTS (momentWorkgroups)
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };      // [Hq][D/4]
 layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };        // [Hkv][headStride]
@@ -88,6 +99,10 @@ layout(std430, binding = 8) writeonly buffer Plan { uint plan[]; };      // [Hq]
 layout(std430, binding = 9) writeonly buffer Cut { uint cut[]; };        // [Hq]
 layout(std430, binding = 10) coherent buffer Extremes { uvec2 ext[]; };  // [Hq], 0 between steps
 layout(std430, binding = 11) coherent buffer Arrived { uint arrived[]; }; // [Hq], 0 between steps
+// MOMENTS = 1 only.
+layout(std430, binding = 12) readonly buffer Spreads { float spread[]; };   // [Hkv][C]
+layout(std430, binding = 13) readonly buffer DimWeights { vec4 dw[]; };    // [Hkv][D/4]
+layout(std430, binding = 14) coherent buffer BinSums { float binSum[]; };  // [Hq][MW][NB]
 
 layout(push_constant) uniform Push {
 	uint C;
@@ -318,7 +333,7 @@ void main() {
 	// extremes' and the query's.
 	float sv[BATCH];
 	uint zv[BATCH];
-	loadBatch(tid, sb, g, sv, zv);
+	if (MOMENTS == 0) loadBatch(tid, sb, g, sv, zv);
 	for (uint i = tid; i < D / 4; i += WG) qs[i] = q[h * (D / 4) + i] * pc.scale;
 	uvec2 e = ext[h];
 	float m = unkey(e.x), m0 = unkey(~e.y);
@@ -333,52 +348,56 @@ void main() {
 	if (tid < 2) winCount[tid] = 0;
 	barrier();
 
-	// The bins' token counts, BATCH clusters a thread with their loads in
-	// flight together; this workgroup's share of the bins written.
-	for (uint c0 = tid; c0 < pc.C; c0 += WG * BATCH) {
-		if (c0 != tid) loadBatch(c0, sb, g, sv, zv);
-		[[unroll]] for (uint i = 0; i < BATCH; i++) {
-			uint cl = c0 + i * WG;
-			if (cl < pc.C) {
-				uint b = binOfScore(m, u, sv[i]);
-				if (cl % W == w) binOf[sb + cl] = b;
-				atomicAdd(start[b], zv[i]);
+	// With MOMENTS the bins' token counts are not needed: every bin is the
+	// exact part, and each workgroup bins only its share below.
+	uint slot = slotOf();
+	if (MOMENTS == 0) {
+		// The bins' token counts, BATCH clusters a thread with their loads in
+		// flight together; this workgroup's share of the bins written.
+		for (uint c0 = tid; c0 < pc.C; c0 += WG * BATCH) {
+			if (c0 != tid) loadBatch(c0, sb, g, sv, zv);
+			[[unroll]] for (uint i = 0; i < BATCH; i++) {
+				uint cl = c0 + i * WG;
+				if (cl < pc.C) {
+					uint b = binOfScore(m, u, sv[i]);
+					if (cl % W == w) binOf[sb + cl] = b;
+					atomicAdd(start[b], zv[i]);
+				}
 			}
 		}
-	}
-	barrier();
+		barrier();
 
-	// Exclusive scan of the counts in place, PER bins a slot.
-	uint slot = slotOf();
-	uint sum = 0;
-	for (uint i = 0; i < PER; i++) sum += start[slot * PER + i];
-	uint run = scanU(sum);
-	for (uint i = 0; i < PER; i++) {
-		uint b = slot * PER + i;
-		uint x = start[b];
-		start[b] = run;
-		run += x;
-	}
-	if (slot == WG - 1) start[NB] = run;
-	barrier();
-
-	// j0: the least boundary with start >= need (NB if none); the window
-	// ends: the least bin j with start[j+1] >= x (NB − 1 if none). The
-	// offsets ascend, so each is the one place where its test turns true.
-	for (uint b = tid; b <= NB; b += WG) {
-		uint x = start[b], prev = b > 0 ? start[b - 1] : 0;
-		if (x >= pc.need && (b == 0 || prev < pc.need)) found[0] = b;
-		if (b < NB) {
-			uint next = start[b + 1];
-			if (next >= pc.lo1 && (b == 0 || x < pc.lo1)) found[1] = b;
-			if (next >= pc.hi1 && (b == 0 || x < pc.hi1)) found[2] = b;
-			if (next >= pc.lo2 && (b == 0 || x < pc.lo2)) found[3] = b;
-			if (next >= pc.hi2 && (b == 0 || x < pc.hi2)) found[4] = b;
+		// Exclusive scan of the counts in place, PER bins a slot.
+		uint sum = 0;
+		for (uint i = 0; i < PER; i++) sum += start[slot * PER + i];
+		uint run = scanU(sum);
+		for (uint i = 0; i < PER; i++) {
+			uint b = slot * PER + i;
+			uint x = start[b];
+			start[b] = run;
+			run += x;
 		}
+		if (slot == WG - 1) start[NB] = run;
+		barrier();
+
+		// j0: the least boundary with start >= need (NB if none); the window
+		// ends: the least bin j with start[j+1] >= x (NB − 1 if none). The
+		// offsets ascend, so each is the one place where its test turns true.
+		for (uint b = tid; b <= NB; b += WG) {
+			uint x = start[b], prev = b > 0 ? start[b - 1] : 0;
+			if (x >= pc.need && (b == 0 || prev < pc.need)) found[0] = b;
+			if (b < NB) {
+				uint next = start[b + 1];
+				if (next >= pc.lo1 && (b == 0 || x < pc.lo1)) found[1] = b;
+				if (next >= pc.hi1 && (b == 0 || x < pc.hi1)) found[2] = b;
+				if (next >= pc.lo2 && (b == 0 || x < pc.lo2)) found[3] = b;
+				if (next >= pc.hi2 && (b == 0 || x < pc.hi2)) found[4] = b;
+			}
+		}
+		barrier();
 	}
-	barrier();
-	uint j0 = found[0];
-	uint exact = start[j0];
+	uint j0 = MOMENTS != 0 ? NB : found[0];
+	uint exact = MOMENTS != 0 ? pc.n : start[j0];
 	bool windows = exact < pc.n;
 	uint r1 = found[1], r2 = found[2], r3 = found[3], r4 = found[4];
 
@@ -391,7 +410,26 @@ void main() {
 	uint cap = (pc.C + W - 1) / W;   // entries a workgroup's list may take
 	uint mine = hb + w * cap;        // this workgroup's list
 	uint listed = 0;                 // entries in it so far
-	for (uint i0 = 0; i0 < share; i0 += LIST) {
+	if (MOMENTS != 0) {
+		float shift = 0.0;
+		for (uint i = 0; i < D / 4; i++) {
+			vec4 x = qs[i];
+			shift += dot(x * x, dw[g * (D / 4) + i]);
+		}
+		for (uint i = tid; i < NB; i += WG) pre[i] = 0;
+		barrier();
+		for (uint i = tid; i < share; i += WG) {
+			uint cl = w + i * W;
+			float sc = s[sb + cl];
+			uint z = sizes[g * pc.C + cl];
+			uint b = binOfScore(m, u, sc);
+			binOf[sb + cl] = b;
+			if (z > 0) addBin(b, float(z) * exp(min(sc + 0.5 * spread[g * pc.C + cl] * shift - m, CAP)));
+		}
+		barrier();
+		for (uint i = tid; i < NB; i += WG) binSum[(h * MW + w) * NB + i] = preAt(i);
+	}
+	for (uint i0 = 0; MOMENTS == 0 && i0 < share; i0 += LIST) {
 		if (tid == 0) nList = 0;
 		barrier();
 		[[dont_unroll]] for (uint i = i0 + tid; i < min(share, i0 + LIST); i += WG) {
@@ -479,9 +517,23 @@ void main() {
 			atomicAdd(winCount[1], floatBitsToUint(f.w));
 		}
 		uint count = floatBitsToUint(f.y);
-		for (uint i = tid % R; i < count; i += R) {
+		for (uint i = tid % R; MOMENTS == 0 && i < count; i += R) {
 			uvec2 e = smp[hb + r * cap + i];
 			addBin(e.x % NB, uintBitsToFloat(e.y));
+		}
+	}
+	if (MOMENTS != 0) {
+		// Each bin's sums of the W workgroups, BATCH loads at once.
+		for (uint b = tid; b < NB; b += WG) {
+			float x = 0.0;
+			for (uint r0 = 0; r0 < W; r0 += BATCH) {
+				float v[BATCH];
+				[[unroll]] for (uint j = 0; j < BATCH; j++) v[j] = binSum[(h * MW + min(r0 + j, W - 1)) * NB + b];
+				[[unroll]] for (uint j = 0; j < BATCH; j++) {
+					if (r0 + j < W) x += v[j];
+				}
+			}
+			pre[b] = floatBitsToUint(x);
 		}
 	}
 	barrier();

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"sort"
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/vk"
@@ -76,7 +77,19 @@ type tacticBound struct {
 	// fitArrived counts the selection's workgroups done per query head, 0
 	// between steps.
 	fitArrived *vk.Buffer
+	// moments is set where the selection uses the moment estimate
+	// (TacticFit.Moments); spreads, float32 [Hkv][C], and dimWeights,
+	// float32 [Hkv][D], are then the index's (cluster_spread), else nil.
+	moments             bool
+	spreads, dimWeights *vk.Buffer
+	// binSums holds, with the moment estimate, each selection
+	// workgroup's estimates summed by bin, float32 [Hq][momentWorkgroups][ScoreBins].
+	binSums *vk.Buffer
 }
+
+// momentWorkgroups is the most selection workgroups per query head with
+// the moment estimate (tactic_select's MW): each writes a sum per bin.
+const momentWorkgroups = 16
 
 // release frees the bindings and buffers.
 func (b *tacticBound) release() error {
@@ -143,8 +156,9 @@ func selectShared(wg, dim int) int {
 type tacticKernels struct {
 	score centroidScorer
 	// selection is tactic_select: each head's clusters' bins, the
-	// sampling, the fit and the budget's cut.
-	selection *vk.Pipeline
+	// sampling, the fit and the budget's cut; moments the same with the
+	// moment estimate (TacticFit.Moments).
+	selection, moments *vk.Pipeline
 	// sampleTeams is the clusters a selection workgroup samples at once.
 	sampleTeams int
 	threads     int // of a selection workgroup
@@ -222,7 +236,9 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	}
 	k.sampleTeams = int(selectWG) / team
 	k.threads = int(selectWG)
-	k.selection = build("tactic_select", 12, 16, selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), ScoreBins, 10, subgroups(selectWG), boolWord(shuffle), selectSegment)
+	spec := []uint32{selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), ScoreBins, 10, subgroups(selectWG), boolWord(shuffle), selectSegment}
+	k.selection = build("tactic_select", 15, 16, append(spec, 0)...)
+	k.moments = build("tactic_select", 15, 16, append(spec, 1)...)
 	if b.err != nil {
 		return nil, errors.Join(b.err, k.release())
 	}
@@ -278,9 +294,16 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 	x.planBuf, x.cut = alloc(hq*16), alloc(hq)
 	x.extremes, x.fitArrived = alloc(2*hq), alloc(hq)
 	x.sampled, x.fixedE = alloc(2*hq*(c+maxSampleWorkgroups)), alloc(4*hq*maxSampleWorkgroups)
+	if x.moments = s.fit.Moments; x.moments {
+		x.spreads, x.dimWeights = alloc(h.KV*c), alloc(h.KV*h.Dim)
+		x.binSums = alloc(hq * momentWorkgroups * ScoreBins)
+	}
 	err := b.err
 	if err == nil {
 		x.centroids, err = codeCentroids(b, clusters) // a quantized index's own, or copies
+	}
+	if err == nil && x.moments {
+		err = computeSpreads(dev, h, s.seq, clusters, x.spreads, x.dimWeights)
 	}
 	if err == nil {
 		err = dev.Run(func(c *vk.Commands) {
@@ -303,8 +326,12 @@ func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query 
 	if err != nil {
 		return err
 	}
-	selection, err := k.selection.Bind(query, layer.Keys().All(), x.scores.All(), clusters.Starts.All(), clusters.Counts.All(), x.binOf.All(),
-		x.sampled.All(), x.fixedE.All(), x.planBuf.All(), x.cut.All(), x.extremes.All(), x.fitArrived.All())
+	pipe, spreads, dims, sums := k.selection, x.scores, x.scores, x.scores // bindings the fit does not read
+	if x.moments {
+		pipe, spreads, dims, sums = k.moments, x.spreads, x.dimWeights, x.binSums
+	}
+	selection, err := pipe.Bind(query, layer.Keys().All(), x.scores.All(), clusters.Starts.All(), clusters.Counts.All(), x.binOf.All(),
+		x.sampled.All(), x.fixedE.All(), x.planBuf.All(), x.cut.All(), x.extremes.All(), x.fitArrived.All(), spreads.All(), dims.All(), sums.All())
 	if err != nil {
 		return errors.Join(err, score.Release())
 	}
@@ -365,6 +392,9 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	hq, cc, group := uint32(h.Query), uint32(x.C), uint32(h.Group())
 	scale := h.scaleBits()
 	need, win := windowPositions(s.fit, x.Count)
+	if s.fit.Moments {
+		need = x.Count // every bin is the exact part: each cluster's estimate is listed
+	}
 	k, b := s.kernels, &s.binds
 	if b.selection == nil {
 		return fmt.Errorf("sparse: Tactic's selection needs its queries bound")
@@ -379,14 +409,26 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		stride := s.fit.windowStride(x.Count, x.C)
 		windows := ceilDiv(win[1]-win[0]+1+win[3]-win[2]+1, stride)
 		work := ceilDiv((need+windows)*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
+		pipe := k.selection
+		if s.fit.Moments {
+			pipe = k.moments
+		}
 		push := []uint32{cc, group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3]),
 			uint32(x.First), uint32(end), uint32(n), maxSampleWorkgroups, scale, math.Float32bits(float32(s.p)),
 			uint32(stride)}
 		wgs := selectionWidth(work, k.sampleTeams, s.sequences, h.Query, ceilDiv(x.C, k.threads))
-		if s.workgroups > 0 {
-			wgs = s.workgroups
+		if s.fit.Moments {
+			// A workgroup bins only its share: as many as a wave allows, up to
+			// a cluster a thread.
+			wgs = max(1, min(momentWorkgroups, selectWave/(s.sequences*h.Query), ceilDiv(x.C, k.threads)))
 		}
-		c.Dispatch(k.selection, b.selection, push, uint32(min(maxSampleWorkgroups, max(1, wgs))), hq, 1)
+		if s.workgroups > 0 {
+			wgs = min(s.workgroups, momentWorkgroups)
+			if !s.fit.Moments {
+				wgs = s.workgroups
+			}
+		}
+		c.Dispatch(pipe, b.selection, push, uint32(min(maxSampleWorkgroups, max(1, wgs))), hq, 1)
 	default:
 		return fmt.Errorf("sparse: Tactic's selection has 2 stages, not %d", stage+1)
 	}
@@ -428,6 +470,12 @@ func (t *TacticStep) FitRows() ([]int, error) {
 	}
 	fixed := t.layer.Len() - x.Count
 	rows := make([]int, h.Query)
+	if t.tactic.fit.Moments {
+		for hh := range rows {
+			rows[hh] = fixed // the estimates read no member rows
+		}
+		return rows, nil
+	}
 	for hh := range rows {
 		g, w := hh/h.Group(), plan[hh*16+15]
 		if w < 1 || w > maxSampleWorkgroups {
@@ -447,6 +495,49 @@ func (t *TacticStep) FitRows() ([]int, error) {
 		}
 	}
 	return rows, nil
+}
+
+// Fit returns the step's fit parameters.
+func (t *TacticStep) Fit() TacticFit { return t.tactic.fit }
+
+// Spreads returns the index's spreads and each KV head's dimension
+// weights as the moment estimate reads them ([Hkv][C] and [Hkv][D];
+// ClusterIndex.SetSpreadsRef), nil without TacticFit.Moments.
+func (t *TacticStep) Spreads() (spreads, weights []float32, err error) {
+	x, h := t.tactic.tacticBound, t.dense.heads
+	if !x.moments {
+		return nil, nil, nil
+	}
+	spreads, weights = make([]float32, h.KV*x.clusters.C), make([]float32, h.KV*h.Dim)
+	return spreads, weights, errors.Join(x.spreads.ReadFloat32(0, spreads), x.dimWeights.ReadFloat32(0, weights))
+}
+
+// spreadWorkgroup is the threads of a cluster_spread workgroup for heads
+// of dim dimensions: 128, or dim where larger.
+func spreadWorkgroup(dim int) int { return max(128, dim) }
+
+// computeSpreads writes the spreads of the clusters of x over layer (in
+// cluster order) and each KV head's dimension weights (cluster_spread,
+// ClusterIndex.SetSpreadsRef in float32).
+func computeSpreads(dev *vk.Device, h Heads, layer *kvcache.Layer, x *kvcache.Clusters, spreads, weights *vk.Buffer) error {
+	wg := spreadWorkgroup(h.Dim)
+	if !x.Contiguous || wg%(h.Dim/8) != 0 || layer.HeadBytes()*uint64(h.KV) > uint64(dev.Info().MaxStorageBufferRange) {
+		return fmt.Errorf("%w: cluster spreads of head dimension %d over %d bytes of keys (in cluster order: %v)", vk.ErrUnsupported, h.Dim, layer.HeadBytes()*uint64(h.KV), x.Contiguous)
+	}
+	pw := ceilDiv(x.C, wg/(h.Dim/8))
+	parts, err := dev.NewBuffer(uint64(h.KV*pw*h.Dim)*4, vk.DeviceLocal)
+	if err != nil {
+		return err
+	}
+	spec := []uint32{uint32(wg), uint32(h.Dim)}
+	bind := []vk.Range{layer.Keys().All(), x.Starts.All(), x.Counts.All(), spreads.All(), parts.All(), weights.All()}
+	push := []uint32{uint32(x.C), uint32(layer.HeadBytes() / 16), uint32(x.First), 0, uint32(pw), uint32(x.Count)}
+	err = runKernelOnce(dev, "cluster_spread", spec, bind, push, [3]uint32{uint32(pw), uint32(h.KV), 1})
+	if err == nil {
+		push[3] = 1
+		err = runKernelOnce(dev, "cluster_spread", spec, bind, push, [3]uint32{1, uint32(h.KV), 1})
+	}
+	return errors.Join(err, parts.Release())
 }
 
 // BinsOf returns each query head's cluster bins of the last step, [Hq][C]:
@@ -532,6 +623,9 @@ func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *Clus
 		return nil, 0, fmt.Errorf("sparse: %d scores for %d clusters", len(scores), idx.Clusters())
 	}
 	m, u := ScoreBinScale(scores)
+	if fit.Moments {
+		return tacticBinnedMoments(q, scale, keys, idx, scores, fixed, p, fit)
+	}
 	// Each bin's members, and those a window scores: the members of the
 	// bin's clusters whose index the windows' stride k divides.
 	k := fit.windowStride(idx.Tokens(), idx.Clusters())
@@ -566,6 +660,58 @@ func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *Clus
 	if err != nil {
 		return nil, 0, err
 	}
+	cut := 0
+	if budget.Selected > 0 {
+		cut = bins[budget.Selected-1] + 1
+	}
+	if p == 1 {
+		cut = ScoreBins
+	}
+	return budget, cut, nil
+}
+
+// tacticBinnedMoments is TacticBinnedBudgetRef with the moment estimate
+// (TacticFit.Moments): each bin's estimate is the sum of its clusters'
+// MomentEstimate over the float32 scores, with the shift m the best of
+// them, and the head selects the clusters of the bins before the least
+// boundary j with S(j) = F + Σ_{bins < j} ≥ P·S(ScoreBins) (all at P = 1).
+func tacticBinnedMoments(q []float64, scale float64, keys []float64, idx *ClusterIndex, scores []float32, fixed []int32, p float64, fit TacticFit) (*TacticBudget, int, error) {
+	if err := checkBudgetInputs(q, keys, idx, fixed, p, fit); err != nil {
+		return nil, 0, err
+	}
+	m, u := ScoreBinScale(scores)
+	shift := MomentShift(q, scale, idx.DimWeights)
+	var est [ScoreBins]float64
+	var sizes [ScoreBins]int
+	for c, s := range scores {
+		b := ScoreBin(m, u, s)
+		est[b] += MomentEstimate(idx.Sizes[c], float64(s), idx.Spreads[c], shift, float64(m))
+		sizes[b] += idx.Sizes[c]
+	}
+	budget := &TacticBudget{}
+	var bins []int
+	for b := range sizes {
+		if sizes[b] > 0 {
+			budget.Order = append(budget.Order, int32(len(bins)))
+			budget.Offsets = append(budget.Offsets, budget.N)
+			budget.N += sizes[b]
+			bins = append(bins, b)
+		}
+	}
+	budget.Offsets = append(budget.Offsets, budget.N)
+	d := len(q)
+	score := func(t int32) float64 { return scale * dot(q, keys[int(t)*d:int(t+1)*d]) }
+	budget.momentSums(float64(m), fixed, score, func() []int {
+		out := make([]int, len(bins))
+		for i, b := range bins {
+			out[i] = sizes[b]
+		}
+		return out
+	}(), func(i int32) float64 { return est[bins[i]] })
+	budget.Total = budget.Estimate(budget.N)
+	budget.Budget = budgetFor(budget.Estimate, budget.Total, p, budget.N)
+	budget.Selected = sort.SearchInts(budget.Offsets, budget.Budget)
+	budget.SelectedTokens = budget.Offsets[budget.Selected]
 	cut := 0
 	if budget.Selected > 0 {
 		cut = bins[budget.Selected-1] + 1

@@ -464,10 +464,8 @@ func orderClusters(q []float64, scale float64, idx *ClusterIndex, order []int32)
 
 // momentPart does the moment estimate's steps (TacticFit.Moments): the
 // shift m, the best centroid score (0 without clusters); F = Σ_{t∈F}
-// exp(s_t − m) exactly; each cluster's ê_c, spread evenly over its
-// positions in the order, as the exact part's running sums, so that S at a
-// cluster boundary j is F + Σ_{r<j} ê_{Order[r]}. Every clustered position
-// counts as exact (ExactClusters = C) and no key row is sampled.
+// exp(s_t − m) exactly; each cluster's ê_c (MomentEstimate) as the exact
+// part (momentSums).
 func (b *TacticBudget) momentPart(q []float64, scale float64, idx *ClusterIndex, fixed []int32, score func(int32) float64) {
 	m := 0.0
 	for c, s := range b.Scores {
@@ -475,20 +473,38 @@ func (b *TacticBudget) momentPart(q []float64, scale float64, idx *ClusterIndex,
 			m = s
 		}
 	}
+	shift := MomentShift(q, scale, idx.DimWeights)
+	b.momentSums(m, fixed, score, idx.Sizes, func(c int32) float64 {
+		return MomentEstimate(idx.Sizes[c], b.Scores[c], idx.Spreads[c], shift, m)
+	})
+}
+
+// MomentEstimate returns ê of a cluster of n tokens with centroid score s
+// and spread σ² for a query of MomentShift shift and shift m:
+// n·exp(min(s + ½·σ²·shift − m, MomentExpCap)), 0 for an empty cluster.
+func MomentEstimate(n int, s, spread, shift, m float64) float64 {
+	if n == 0 {
+		return 0
+	}
+	return float64(n) * math.Exp(math.Min(s+0.5*spread*shift-m, MomentExpCap))
+}
+
+// momentSums sets the shift m, F = Σ_{t∈F} exp(s_t − m) and, as the exact
+// part's running sums, the estimate est(c) of each cluster c in Order
+// (sizes[c] tokens) spread evenly over its positions, so that S at a
+// cluster boundary j is F + Σ_{r<j} est(Order[r]). Every clustered
+// position counts as exact (ExactClusters = C) and no key row is sampled.
+func (b *TacticBudget) momentSums(m float64, fixed []int32, score func(int32) float64, sizes []int, est func(c int32) float64) {
 	b.Shift = m
 	for _, t := range fixed {
 		b.FixedSum += math.Exp(score(t) - m)
 	}
-	shift := MomentShift(q, scale, idx.DimWeights)
 	b.ExactClusters, b.ExactTokens = len(b.Order), b.N
 	b.exactCum = make([]float64, b.N+1)
 	x := 0
 	for _, c := range b.Order {
-		n := idx.Sizes[c]
-		if n == 0 {
-			continue
-		}
-		e := float64(n) * math.Exp(math.Min(b.Scores[c]+0.5*idx.Spreads[c]*shift-m, MomentExpCap))
+		n := sizes[c]
+		e := est(c)
 		for i := 1; i <= n; i++ {
 			b.exactCum[x+i] = b.exactCum[x] + e*float64(i)/float64(n)
 		}

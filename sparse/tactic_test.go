@@ -102,7 +102,11 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	// Windows of every 3rd cluster (wide ones: many clusters each).
 	thin := wide
 	thin.WindowStride = 3
-	runs := []run{{dense, 0.9, DefaultTacticFit(), 0, 0}, {tree, 0.8, DefaultTacticFit(), 3, 3}, {dense, 0.9, wide, 1, 1}, {dense, 0.8, thin, 2, 0}}
+	// The moment estimate: no cluster sampled, every one listed.
+	moments := DefaultTacticFit()
+	moments.Moments = true
+	runs := []run{{dense, 0.9, DefaultTacticFit(), 0, 0}, {tree, 0.8, DefaultTacticFit(), 3, 3}, {dense, 0.9, wide, 1, 1}, {dense, 0.8, thin, 2, 0},
+		{dense, 0.9, moments, 0, 0}, {tree, 0.7, moments, 3, 0}}
 	if many {
 		// Windows of a quarter of the tokens, every cluster scored, with 4
 		// workgroups a head: each lists more clusters than the last
@@ -131,9 +135,15 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 			c.Fill(step.tactic.cut.All(), nan)
 			c.Fill(step.tactic.scores.All(), nan)
 			c.Fill(step.tactic.binOf.All(), nan)
+			if step.tactic.binSums != nil {
+				c.Fill(step.tactic.binSums.All(), nan)
+			}
 		}))
 		_, err = step.Attend(q)
 		require.NoError(t, err)
+		if r.fit.Moments {
+			requireSpreads(t, step, k, index, n)
+		}
 		requireSampled(t, step, q, k, index, fixed, n)
 		scores, err := step.Scores()
 		require.NoError(t, err)
@@ -223,6 +233,47 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	t.Logf("stages %v, step %v", stages, total)
 }
 
+// requireSpreads checks the spreads and dimension weights the step's
+// moment estimate reads against ClusterIndex.SetSpreadsRef over the
+// float64 keys ([KV][n·D]), then gives index the GPU's values, which the
+// references of the step's lists and cuts take.
+func requireSpreads(t *testing.T, step *TacticStep, keys []float64, index []*ClusterIndex, n int) {
+	t.Helper()
+	h, x, b := step.dense.heads, step.tactic.clusters, &step.tactic.tacticBound
+	// Written again over poison: an element the kernel leaves is NaN.
+	nan := math.Float32bits(float32(math.NaN()))
+	require.NoError(t, step.dense.dev.Run(func(c *vk.Commands) {
+		c.Fill(b.spreads.All(), nan)
+		c.Fill(b.dimWeights.All(), nan)
+	}))
+	require.NoError(t, computeSpreads(step.dense.dev, h, step.layer, x, b.spreads, b.dimWeights))
+	spreads, weights, err := step.Spreads()
+	require.NoError(t, err)
+	bad := 0
+	check := func(what string, want float64, got float32) {
+		if math.Abs(want-float64(got)) > 1e-4*(math.Abs(want)+1e-6) || math.IsNaN(float64(got)) {
+			if bad < 5 {
+				t.Errorf("%s: GPU %g, float64 %g", what, got, want)
+			}
+			bad++
+		}
+	}
+	for g, idx := range index {
+		ref := &ClusterIndex{D: idx.D, Centroids: idx.Centroids, Sizes: idx.Sizes, Members: idx.Members}
+		require.NoError(t, ref.SetSpreadsRef(keys[g*n*h.Dim:(g+1)*n*h.Dim]))
+		idx.Spreads, idx.DimWeights = make([]float64, x.C), make([]float64, h.Dim)
+		for c, want := range ref.Spreads {
+			check(fmt.Sprintf("KV head %d, spread of cluster %d", g, c), want, spreads[g*x.C+c])
+			idx.Spreads[c] = float64(spreads[g*x.C+c])
+		}
+		for i, want := range ref.DimWeights {
+			check(fmt.Sprintf("KV head %d, weight of dimension %d", g, i), want, weights[g*h.Dim+i])
+			idx.DimWeights[i] = float64(weights[g*h.Dim+i])
+		}
+	}
+	require.Zero(t, bad, "spreads differing from float64")
+}
+
 // cutMassTolerance is how far from P, in the reference's estimated mass
 // fraction, a GPU cut may land when it differs from the reference's: the
 // GPU fits in float32, and where the estimated curve is flat a change of
@@ -277,6 +328,8 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 	require.NoError(t, step.tactic.fixedE.ReadUint32(0, counts))
 	bins, err := step.BinsOf()
 	require.NoError(t, err)
+	scores, err := step.Scores()
+	require.NoError(t, err)
 	thin := step.tactic.fit.windowStride(x.Count, x.C)
 	bad := 0
 	check := func(what string, want float64, got float32) {
@@ -327,8 +380,34 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 			}
 		}
 		sampled := 0
+		if step.tactic.fit.Moments {
+			// No list: the workgroups' sums by bin of the clusters' estimates.
+			require.Empty(t, listed, "head %d: the moment estimate lists no cluster", hh)
+			require.Equal(t, [2]int{}, counted, "head %d: no window", hh)
+			require.Equal(t, x.Count, int(pl[2]), "head %d: every clustered token is in the exact part", hh)
+			require.LessOrEqual(t, w, momentWorkgroups, "head %d: workgroups", hh)
+			qh := make([]float64, d)
+			for i := range qh {
+				qh[i] = float64(q[hh*d+i])
+			}
+			shift := MomentShift(qh, scale, index[g].DimWeights)
+			want := make([]float64, ScoreBins)
+			for c := 0; c < x.C; c++ {
+				want[bins[hh*x.C+c]] += MomentEstimate(index[g].Sizes[c], float64(scores[hh*x.C+c]), index[g].Spreads[c], shift, m)
+			}
+			sums := make([]float32, momentWorkgroups*ScoreBins)
+			require.NoError(t, step.tactic.binSums.ReadFloat32(uint64(hh*momentWorkgroups*ScoreBins*4), sums))
+			for b := range want {
+				got := float32(0)
+				for r := 0; r < w; r++ {
+					got += sums[r*ScoreBins+b]
+				}
+				check(fmt.Sprintf("head %d, bin %d", hh, b), want[b], got)
+			}
+			sampled = -1 // no sampled cluster to check below
+		}
 		var windowTokens [2]int
-		for c := 0; c < x.C; c++ {
+		for c := 0; c < x.C && sampled >= 0; c++ {
 			b := bins[hh*x.C+c]
 			if b >= j0 && (!thinned(int32(c), thin) || !in(b, pl[4], pl[5]) && !in(b, pl[8], pl[9])) {
 				continue
@@ -341,10 +420,12 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 			sampled++
 			require.True(t, listed[c], "head %d: sampled cluster %d (bin %d) is not listed", hh, c, b)
 		}
-		require.Positive(t, sampled, "head %d samples no cluster", hh)
-		require.Len(t, listed, sampled, "head %d: clusters listed that are not sampled", hh)
-		require.Equal(t, windowTokens, counted, "head %d: tokens sampled per window", hh)
-		if hh == 0 {
+		if sampled >= 0 {
+			require.Positive(t, sampled, "head %d samples no cluster", hh)
+			require.Len(t, listed, sampled, "head %d: clusters listed that are not sampled", hh)
+			require.Equal(t, windowTokens, counted, "head %d: tokens sampled per window", hh)
+		}
+		if hh == 0 && sampled >= 0 {
 			t.Logf("head 0: %d clusters sampled by %d workgroups", sampled, w)
 		}
 		want := 0.0

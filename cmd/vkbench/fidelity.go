@@ -86,6 +86,7 @@ func fidelity(args []string) error {
 	kindsName := fs.String("kinds", "mixed", kindsUsage)
 	perHead := fs.Bool("per-head", false, "also print a table of every query head's figures")
 	initial := fs.Float64("initial", sparse.DefaultTacticFit().InitialFrac, "share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)")
+	moments := fs.Bool("moments", false, "Tactic's moment estimate (no key rows sampled: each cluster's mass from its centroid score and the spread of its keys) instead of the fitted curve")
 	maxInitial := fs.Int("max-initial", sparse.DefaultTacticFit().MaxInitial, "the most tokens the fit computes exactly (0: no limit)")
 	spans := fs.String("span", "0", fmt.Sprintf("K-means within spans of this many tokens (comma-separated to compare; 0: whole prefill, the paper's clustering; %d recommended)", sparse.KMeansDefaultSpan))
 	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
@@ -140,6 +141,7 @@ func fidelity(args []string) error {
 	opts.Fit.InitialFrac, opts.Fit.MaxInitial = *initial, *maxInitial
 	opts.Fit.MaxWindow = *maxWindow
 	opts.Fit.WindowStride = *windowStride
+	opts.Fit.Moments = *moments
 	opts.AvgClusterSize = *clusterSize
 	if err := opts.Validate(); err != nil {
 		return err

@@ -38,6 +38,7 @@ func tactic(args []string) error {
 	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
 	windowStride := fs.Int("window-stride", sparse.DefaultTacticFit().WindowStride, "sampling windows score only the clusters whose index is a multiple of this (0 or 1: every cluster)")
 	initial := fs.Float64("initial", sparse.DefaultTacticFit().InitialFrac, "share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)")
+	moments := fs.Bool("moments", false, "Tactic's moment estimate (no key rows sampled: each cluster's mass from its centroid score and the spread of its keys) instead of the fitted curve")
 	maxInitial := fs.Int("max-initial", sparse.DefaultTacticFit().MaxInitial, "the most tokens the fit computes exactly (0: no limit)")
 	reps := fs.Int("reps", 50, "timed runs per row")
 	batchList := fs.String("batch", "1", "batch sizes B (comma-separated): for each B > 1 a batched step over B sequences, each its own cache and index, is timed beside dense attention over B")
@@ -75,6 +76,7 @@ func tactic(args []string) error {
 	}
 	fit := sparse.DefaultTacticFit()
 	fit.MaxWindow, fit.InitialFrac, fit.WindowStride, fit.MaxInitial = *maxWindow, *initial, *windowStride, *maxInitial
+	fit.Moments = *moments
 	if _, err := workload.NamedConfig(*kindsName, 1, *qHeads, *kvHeads, *dim); err != nil {
 		return fmt.Errorf("-kinds: %v", err)
 	}
