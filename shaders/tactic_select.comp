@@ -289,6 +289,34 @@ void addBin(uint b, float x) {
 	}
 }
 
+const float NEG = -1.0 / 0.0;
+
+// keyOf is centroid_score's key: unkey(keyOf(x)) = x, and keys order as
+// the floats do.
+uint keyOf(float x) {
+	uint b = floatBitsToUint(x);
+	return (b & 0x80000000u) == 0 ? b | 0x80000000u : ~b;
+}
+
+// momentBatch loads the clusters i0, i0 + WG, … (BATCH of them, the last
+// again past the share) of workgroup w's share of head row sb (KV head g)
+// and returns each one's size zz, bin bb and exponent
+// le = min(l_c + ½·σ²_c·shift − m, CAP) (MOMENTS).
+void momentBatch(uint i0, uint share, uint w, uint W, uint sb, uint g, float m, float u, float shift,
+		out float le[BATCH], out uint zz[BATCH], out uint bb[BATCH]) {
+	float sc[BATCH], sp[BATCH];
+	[[unroll]] for (uint j = 0; j < BATCH; j++) {
+		uint cl = w + min(i0 + j * WG, share - 1) * W;
+		sc[j] = s[sb + cl];
+		zz[j] = sizes[g * pc.C + cl];
+		sp[j] = spread[g * pc.C + cl];
+	}
+	[[unroll]] for (uint j = 0; j < BATCH; j++) {
+		bb[j] = binOfScore(m, u, sc[j]);
+		le[j] = min(sc[j] + 0.5 * sp[j] * shift - m, CAP);
+	}
+}
+
 const float GAMMA = 0.5772156649;
 
 // harmonic returns H_x = Σ_{i ≤ x} 1/i.
@@ -416,18 +444,50 @@ void main() {
 			vec4 x = qs[i];
 			shift += dot(x * x, dw[g * (D / 4) + i]);
 		}
-		for (uint i = tid; i < NB; i += WG) pre[i] = 0;
+		for (uint i = tid; i < NB; i += WG) {
+			pre[i] = 0;
+			start[i] = 0;
+		}
+		if (tid == 0) nList = 0;  // the key of the share's greatest exponent
 		barrier();
-		for (uint i = tid; i < share; i += WG) {
-			uint cl = w + i * W;
-			float sc = s[sb + cl];
-			uint z = sizes[g * pc.C + cl];
-			uint b = binOfScore(m, u, sc);
-			binOf[sb + cl] = b;
-			if (z > 0) addBin(b, float(z) * exp(min(sc + 0.5 * spread[g * pc.C + cl] * shift - m, CAP)));
+		// The share's greatest exponent M, BATCH clusters a thread at once.
+		float top = NEG;
+		for (uint i0 = tid; i0 < share; i0 += WG * BATCH) {
+			float le[BATCH];
+			uint zz[BATCH], bb[BATCH];
+			momentBatch(i0, share, w, W, sb, g, m, u, shift, le, zz, bb);
+			[[unroll]] for (uint j = 0; j < BATCH; j++) {
+				if (i0 + j * WG < share && zz[j] > 0) top = max(top, le[j]);
+			}
+		}
+		if (SUBGROUPS != 0) top = subgroupMax(top);
+		if (top > NEG && (SUBGROUPS == 0 || subgroupElect())) atomicMax(nList, keyOf(top));
+		barrier();
+		float big = nList == 0 ? 0.0 : unkey(nList);
+		// Each estimate s_c·exp(l_c − M), at most s_c, in fixed point of 40
+		// fractional bits added to its bin without rounding: the low 32 bits
+		// to pre, the rest with the carry to start (integer atomics, so that
+		// the sums neither wait on each other nor depend on their order).
+		for (uint i0 = tid; i0 < share; i0 += WG * BATCH) {
+			float le[BATCH];
+			uint zz[BATCH], bb[BATCH];
+			momentBatch(i0, share, w, W, sb, g, m, u, shift, le, zz, bb);
+			[[unroll]] for (uint j = 0; j < BATCH; j++) {
+				if (i0 + j * WG >= share) continue;
+				binOf[sb + w + (i0 + j * WG) * W] = bb[j];
+				if (zz[j] == 0) continue;
+				float x = float(zz[j]) * exp(le[j] - big) * 256.0;
+				uint hi = uint(floor(x));
+				uint lo = uint((x - float(hi)) * 4294967296.0);
+				if (atomicAdd(pre[bb[j]], lo) > 0xFFFFFFFFu - lo) hi++;
+				if (hi != 0) atomicAdd(start[bb[j]], hi);
+			}
 		}
 		barrier();
-		for (uint i = tid; i < NB; i += WG) binSum[(h * MW + w) * NB + i] = preAt(i);
+		float unit = exp(big);
+		for (uint i = tid; i < NB; i += WG) {
+			binSum[(h * MW + w) * NB + i] = (float(start[i]) * (1.0 / 256.0) + float(pre[i]) * (1.0 / 1099511627776.0)) * unit;
+		}
 	}
 	for (uint i0 = 0; MOMENTS == 0 && i0 < share; i0 += LIST) {
 		if (tid == 0) nList = 0;

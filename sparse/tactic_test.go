@@ -114,6 +114,9 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 		full := wide
 		full.WindowStride = 1
 		runs = append(runs, run{dense, 0.9, full, 4, 0})
+		// The moment estimate with one workgroup a head: its share is every
+		// cluster, more than its threads load at once where they are 256.
+		runs = append(runs, run{dense, 0.9, moments, 1, 0})
 	}
 	if all {
 		runs = append(runs, run{dense, 0.5, DefaultTacticFit(), 0, 0}, run{dense, 1, DefaultTacticFit(), 0, 0}, run{single, 0.9, DefaultTacticFit(), 0, 0},
