@@ -17,7 +17,10 @@ import (
 // head's clusters by bins of their scores (ScoreBin) and sample their
 // share of the exact part, the two sampling windows and the fixed tokens,
 // the last of the head's to finish then fitting the budget of Alg. 1 at
-// bin granularity (TacticBinnedBudgetRef states the computation); and
+// bin granularity (TacticBinnedBudgetRef states the computation; with
+// TacticFit.Moments each workgroup instead sums its share's moment
+// estimates by bin, over spreads the step computes from the layer when it
+// takes an index, and the last one cuts); and
 // attention, for each KV head, over the union of the clusters its query
 // heads select with the sinks and the recent tail (Dense.PlanSelection:
 // the union is taken where the rows are read, with no token list). The
@@ -617,7 +620,9 @@ func (t *TacticStep) Tokens(members [][][]int32) ([][]int32, error) {
 // ascending bin; the fit and budget then run over the groups. It returns
 // the budget and the cut: the head selects the clusters whose bin is below.
 // A window scores, of a bin beyond the exact part, the members of the
-// clusters its stride takes (TacticFit.WindowStride).
+// clusters its stride takes (TacticFit.WindowStride). With
+// TacticFit.Moments the bins hold their clusters' moment estimates
+// (tacticBinnedMoments; the index needs its spreads).
 func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *ClusterIndex, scores []float32, fixed []int32, p float64, fit TacticFit) (*TacticBudget, int, error) {
 	if len(scores) != idx.Clusters() {
 		return nil, 0, fmt.Errorf("sparse: %d scores for %d clusters", len(scores), idx.Clusters())

@@ -59,9 +59,15 @@ func compareFallbacks(ps []float64, opts sparse.TacticDecoderOptions) fallbackPo
 		case "h2o":
 			return decode.H2O(budget), true
 		}
+		moments := opts
+		moments.Fit = sparse.DefaultTacticFit()
+		moments.Fit.Moments = true
 		for _, p := range ps {
-			if name == fmt.Sprintf("tactic P=%v", p) {
+			switch name {
+			case fmt.Sprintf("tactic P=%v", p):
 				return decode.Tactic(p, opts), true
+			case fmt.Sprintf("tactic moments P=%v", p):
+				return decode.Tactic(p, moments), true
 			}
 		}
 		return decode.Policy{}, false
