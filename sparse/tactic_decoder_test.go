@@ -2,6 +2,7 @@ package sparse
 
 import (
 	"errors"
+	"fmt"
 	"math/rand"
 	"sort"
 	"testing"
@@ -17,12 +18,21 @@ import (
 // TestTacticDecoderReclustersTheTail appends tokens past the prefill and
 // checks that every Recluster of them join the index (each stored token
 // past the sinks in exactly one cluster, members ascending) and that the
-// step still attends every token at P = 1.
+// step still attends every token at P = 1, with the fitted curve and with
+// the moment estimate (whose spreads each joined index needs anew).
 func TestTacticDecoderReclustersTheTail(t *testing.T) {
+	moments := DefaultTacticFit()
+	moments.Moments = true
+	for _, fit := range []TacticFit{DefaultTacticFit(), moments} {
+		t.Run(fmt.Sprintf("moments=%v", fit.Moments), func(t *testing.T) { testTacticDecoderRecluster(t, fit) })
+	}
+}
+
+func testTacticDecoderRecluster(t *testing.T, fit TacticFit) {
 	const n, prefill, recluster, sinks = 1500, 900, 256, 4
 	h := Heads{Query: 8, KV: 2, Dim: 64}
 	tr, layer, dense, km, rows := decoderFixture(t, h, n, prefill)
-	dec, err := NewTacticDecoder(dense, km, layer, 1, TacticDecoderOptions{Sinks: sinks, Recluster: recluster, KMeans: KMeansOptions{Seed: 3}})
+	dec, err := NewTacticDecoder(dense, km, layer, 1, TacticDecoderOptions{Sinks: sinks, Recluster: recluster, KMeans: KMeansOptions{Seed: 3}, Fit: fit})
 	require.NoError(t, err)
 	defer dec.Release()
 	c0 := dec.Clusters().C
