@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math"
 	"slices"
-	"sort"
 
 	"github.com/vksparse/vksparse/kvcache"
 	"github.com/vksparse/vksparse/vk"
@@ -665,14 +664,20 @@ func TacticBinnedBudgetRef(q []float64, scale float64, keys []float64, idx *Clus
 	if err != nil {
 		return nil, 0, err
 	}
-	cut := 0
-	if budget.Selected > 0 {
-		cut = bins[budget.Selected-1] + 1
-	}
+	return budget, binCut(bins, budget.Selected, p), nil
+}
+
+// binCut returns the cut of a head that selects the first selected of the
+// non-empty bins bins (ascending): the bin after the last one it takes,
+// ScoreBins at P = 1.
+func binCut(bins []int, selected int, p float64) int {
 	if p == 1 {
-		cut = ScoreBins
+		return ScoreBins
 	}
-	return budget, cut, nil
+	if selected == 0 {
+		return 0
+	}
+	return bins[selected-1] + 1
 }
 
 // tacticBinnedMoments is TacticBinnedBudgetRef with the moment estimate
@@ -713,18 +718,8 @@ func tacticBinnedMoments(q []float64, scale float64, keys []float64, idx *Cluste
 		}
 		return out
 	}(), func(i int32) float64 { return est[bins[i]] })
-	budget.Total = budget.Estimate(budget.N)
-	budget.Budget = budgetFor(budget.Estimate, budget.Total, p, budget.N)
-	budget.Selected = sort.SearchInts(budget.Offsets, budget.Budget)
-	budget.SelectedTokens = budget.Offsets[budget.Selected]
-	cut := 0
-	if budget.Selected > 0 {
-		cut = bins[budget.Selected-1] + 1
-	}
-	if p == 1 {
-		cut = ScoreBins
-	}
-	return budget, cut, nil
+	budget.cutAt(p)
+	return budget, binCut(bins, budget.Selected, p), nil
 }
 
 // StepFidelity is how well a GPU step stood in for dense attention, per

@@ -373,10 +373,7 @@ func tacticBudget(q []float64, scale float64, keys []float64, idx *ClusterIndex,
 	}
 	if fit.Moments {
 		b.momentPart(q, scale, idx, fixed, score)
-		b.Total = b.Estimate(n)
-		b.Budget = budgetFor(b.Estimate, b.Total, p, n)
-		b.Selected = sort.SearchInts(b.Offsets, b.Budget)
-		b.SelectedTokens = b.Offsets[b.Selected]
+		b.cutAt(p)
 		return b, nil
 	}
 	// 2. Exact part and shift.
@@ -386,13 +383,17 @@ func tacticBudget(q []float64, scale float64, keys []float64, idx *ClusterIndex,
 	if b.ExactTokens < n {
 		b.fitWindows(idx, fit, score, scored)
 	}
-	// 5–6. Cumulative estimate and budget.
-	b.Total = b.Estimate(n)
-	b.Budget = budgetFor(b.Estimate, b.Total, p, n)
-	// 7. Clusters covering K tokens.
+	b.cutAt(p)
+	return b, nil
+}
+
+// cutAt does steps 5–7: the estimated total S(N), the budget K at p and
+// the clusters covering K tokens.
+func (b *TacticBudget) cutAt(p float64) {
+	b.Total = b.Estimate(b.N)
+	b.Budget = budgetFor(b.Estimate, b.Total, p, b.N)
 	b.Selected = sort.SearchInts(b.Offsets, b.Budget)
 	b.SelectedTokens = b.Offsets[b.Selected]
-	return b, nil
 }
 
 // checkBudgetInputs refuses what TacticBudgetRef cannot take: p outside

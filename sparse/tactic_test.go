@@ -236,6 +236,21 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	t.Logf("stages %v, step %v", stages, total)
 }
 
+// gpuChecker returns a check of a GPU value against its float64 reference
+// (relative 1e-4, NaN failing) that reports the first five mismatches, and
+// the count of mismatches.
+func gpuChecker(t *testing.T) (check func(what string, want float64, got float32), bad *int) {
+	bad = new(int)
+	return func(what string, want float64, got float32) {
+		if math.Abs(want-float64(got)) > 1e-4*(math.Abs(want)+1e-6) || math.IsNaN(float64(got)) {
+			if *bad < 5 {
+				t.Errorf("%s: GPU %g, float64 %g", what, got, want)
+			}
+			*bad++
+		}
+	}, bad
+}
+
 // requireSpreads checks the spreads and dimension weights the step's
 // moment estimate reads against ClusterIndex.SetSpreadsRef over the
 // float64 keys ([KV][n·D]), then gives index the GPU's values, which the
@@ -252,15 +267,7 @@ func requireSpreads(t *testing.T, step *TacticStep, keys []float64, index []*Clu
 	require.NoError(t, computeSpreads(step.dense.dev, h, step.layer, x, b.spreads, b.dimWeights))
 	spreads, weights, err := step.Spreads()
 	require.NoError(t, err)
-	bad := 0
-	check := func(what string, want float64, got float32) {
-		if math.Abs(want-float64(got)) > 1e-4*(math.Abs(want)+1e-6) || math.IsNaN(float64(got)) {
-			if bad < 5 {
-				t.Errorf("%s: GPU %g, float64 %g", what, got, want)
-			}
-			bad++
-		}
-	}
+	check, bad := gpuChecker(t)
 	for g, idx := range index {
 		ref := &ClusterIndex{D: idx.D, Centroids: idx.Centroids, Sizes: idx.Sizes, Members: idx.Members}
 		require.NoError(t, ref.SetSpreadsRef(keys[g*n*h.Dim:(g+1)*n*h.Dim]))
@@ -274,7 +281,7 @@ func requireSpreads(t *testing.T, step *TacticStep, keys []float64, index []*Clu
 			idx.DimWeights[i] = float64(weights[g*h.Dim+i])
 		}
 	}
-	require.Zero(t, bad, "spreads differing from float64")
+	require.Zero(t, *bad, "spreads differing from float64")
 }
 
 // cutMassTolerance is how far from P, in the reference's estimated mass
@@ -334,15 +341,7 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 	scores, err := step.Scores()
 	require.NoError(t, err)
 	thin := step.tactic.fit.windowStride(x.Count, x.C)
-	bad := 0
-	check := func(what string, want float64, got float32) {
-		if math.Abs(want-float64(got)) > 1e-4*(math.Abs(want)+1e-6) || math.IsNaN(float64(got)) {
-			if bad < 5 {
-				t.Errorf("%s: GPU %g, float64 %g", what, got, want)
-			}
-			bad++
-		}
-	}
+	check, bad := gpuChecker(t)
 	for hh := 0; hh < h.Query; hh++ {
 		g := hh / h.Group()
 		pl := plan[hh*16 : hh*16+16]
@@ -437,5 +436,5 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 		}
 		check(fmt.Sprintf("head %d, fixed tokens", hh), want, math.Float32frombits(pl[13]))
 	}
-	require.Zero(t, bad, "sampled exponential sums differing from float64")
+	require.Zero(t, *bad, "sampled exponential sums differing from float64")
 }
