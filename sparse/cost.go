@@ -350,9 +350,10 @@ func measureCostModel(dev *vk.Device) (_ CostModel, err error) {
 // SampledRows returns about how many key rows each query head's fit
 // scores over n clustered tokens in c clusters: the exact part and the
 // two sampling windows, thinned by the stride where it applies (whole
-// clusters overlapping a window make it somewhat more).
+// clusters overlapping a window make it somewhat more); none with the
+// moment estimate (Moments).
 func (f TacticFit) SampledRows(n, c int) float64 {
-	if n <= 0 || c <= 0 {
+	if n <= 0 || c <= 0 || f.Moments {
 		return 0
 	}
 	w := float64(f.windowWidth(n)) / float64(f.windowStride(n, c))
@@ -363,10 +364,14 @@ func (f TacticFit) SampledRows(n, c int) float64 {
 // clusters holding n tokens costs, when each KV head attends rows rows
 // (the sinks, the tail and its union): its stages (TacticStages, then
 // attention), the 8-bit centroids and their scores, the fit's key rows of
-// every query head, and attention's keys and values (Tokens left 0 for
-// the caller, who knows the context).
+// every query head (with the moment estimate instead the clusters'
+// spreads, for every query head), and attention's keys and values (Tokens
+// left 0 for the caller, who knows the context).
 func (h Heads) TacticCost(fit TacticFit, n, c int, rows float64) Cost {
 	sampled := float64(h.Query) * fit.SampledRows(n, c) * h.rowBytes()
+	if fit.Moments {
+		sampled = float64(h.Query * c * 4)
+	}
 	return Cost{Dispatches: len(TacticStages) + 1, Bytes: CentroidBytes(h, c) + sampled + h.AttentionBytes(rows)}
 }
 

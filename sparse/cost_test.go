@@ -134,6 +134,10 @@ func TestTacticFitSampledRows(t *testing.T) {
 		require.GreaterOrEqual(t, got, math.Ceil(fit.InitialFrac*float64(n)))
 		require.LessOrEqual(t, got, math.Ceil(fit.InitialFrac*float64(n))+2*float64(fit.MaxWindow))
 	}
+	fit.Moments = true
+	require.Zero(t, fit.SampledRows(10_000, 625), "the moment estimate samples no key row")
+	h := Heads{Query: 32, KV: 8, Dim: 128}
+	require.Less(t, h.TacticCost(fit, 10_000, 625, 500).Bytes, h.TacticCost(DefaultTacticFit(), 10_000, 625, 500).Bytes)
 }
 
 // TestCalibrate measures the device's cost model once and serves it from
