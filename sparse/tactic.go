@@ -395,7 +395,7 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	scale := h.scaleBits()
 	need, win := windowPositions(s.fit, x.Count)
 	if s.fit.Moments {
-		need = x.Count // every bin is the exact part: each cluster's estimate is listed
+		need = x.Count // every bin is the exact part, summed from the clusters' estimates
 	}
 	k, b := s.kernels, &s.binds
 	if b.selection == nil {
@@ -425,9 +425,9 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 			wgs = max(1, min(momentWorkgroups, selectWave/(s.sequences*h.Query), ceilDiv(x.C, k.threads)))
 		}
 		if s.workgroups > 0 {
-			wgs = min(s.workgroups, momentWorkgroups)
-			if !s.fit.Moments {
-				wgs = s.workgroups
+			wgs = s.workgroups
+			if s.fit.Moments {
+				wgs = min(wgs, momentWorkgroups)
 			}
 		}
 		c.Dispatch(pipe, b.selection, push, uint32(min(maxSampleWorkgroups, max(1, wgs))), hq, 1)
