@@ -159,8 +159,10 @@ type tacticKernels struct {
 	score centroidScorer
 	// selection is tactic_select: each head's clusters' bins, the
 	// sampling, the fit and the budget's cut; moments the same with the
-	// moment estimate (TacticFit.Moments).
+	// moment estimate (TacticFit.Moments), built by the first selector
+	// that uses it (momentKernel), spec the selection's specialization.
 	selection, moments *vk.Pipeline
+	spec               []uint32
 	// sampleTeams is the clusters a selection workgroup samples at once.
 	sampleTeams int
 	threads     int // of a selection workgroup
@@ -168,6 +170,17 @@ type tacticKernels struct {
 
 // release lets the kernels go: the Dense they came from holds them.
 func (k *tacticKernels) release() error { return nil }
+
+// momentKernel builds tactic_select with the moment estimate (MOMENTS = 1)
+// for dense's heads, unless it is built.
+func (k *tacticKernels) momentKernel(dense *Dense) error {
+	if k.moments != nil {
+		return nil
+	}
+	b := &builder{dev: dense.dev, cache: &dense.kernels}
+	k.moments = b.kernel("tactic_select", 15, 16, append(slices.Clone(k.spec), 1)...)
+	return b.err
+}
 
 // NewTacticStep prepares decode steps at target mass p with the fit's
 // parameters over layer, clustered as clusters says (the layer in cluster
@@ -200,6 +213,11 @@ func newTacticSelector(dense *Dense, k *tacticKernels, layer *kvcache.Layer, clu
 	s := &tacticSelector{d: dense, seq: layer, p: p, fit: fit, kernels: k, sequences: 1}
 	if err := errors.Join(dense.heads.checkIndex(layer, clusters), checkP(p), fit.validate()); err != nil {
 		return nil, err
+	}
+	if fit.Moments {
+		if err := k.momentKernel(dense); err != nil {
+			return nil, err
+		}
 	}
 	var err error
 	if s.tacticBound, err = s.allocate(clusters); err != nil {
@@ -238,9 +256,8 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	}
 	k.sampleTeams = int(selectWG) / team
 	k.threads = int(selectWG)
-	spec := []uint32{selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), ScoreBins, 10, subgroups(selectWG), boolWord(shuffle), selectSegment}
-	k.selection = build("tactic_select", 15, 16, append(spec, 0)...)
-	k.moments = build("tactic_select", 15, 16, append(spec, 1)...)
+	k.spec = []uint32{selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), ScoreBins, 10, subgroups(selectWG), boolWord(shuffle), selectSegment}
+	k.selection = build("tactic_select", 15, 16, append(slices.Clone(k.spec), 0)...)
 	if b.err != nil {
 		return nil, errors.Join(b.err, k.release())
 	}
@@ -698,26 +715,21 @@ func tacticBinnedMoments(q []float64, scale float64, keys []float64, idx *Cluste
 		est[b] += MomentEstimate(idx.Sizes[c], float64(s), idx.Spreads[c], shift, float64(m))
 		sizes[b] += idx.Sizes[c]
 	}
+	// The non-empty bins in order, as the groups of the budget.
 	budget := &TacticBudget{}
-	var bins []int
+	var bins, groupSizes []int
 	for b := range sizes {
 		if sizes[b] > 0 {
 			budget.Order = append(budget.Order, int32(len(bins)))
 			budget.Offsets = append(budget.Offsets, budget.N)
 			budget.N += sizes[b]
-			bins = append(bins, b)
+			bins, groupSizes = append(bins, b), append(groupSizes, sizes[b])
 		}
 	}
 	budget.Offsets = append(budget.Offsets, budget.N)
 	d := len(q)
 	score := func(t int32) float64 { return scale * dot(q, keys[int(t)*d:int(t+1)*d]) }
-	budget.momentSums(float64(m), fixed, score, func() []int {
-		out := make([]int, len(bins))
-		for i, b := range bins {
-			out[i] = sizes[b]
-		}
-		return out
-	}(), func(i int32) float64 { return est[bins[i]] })
+	budget.momentSums(float64(m), fixed, score, groupSizes, func(i int32) float64 { return est[bins[i]] })
 	budget.cutAt(p)
 	return budget, binCut(bins, budget.Selected, p), nil
 }

@@ -468,16 +468,22 @@ func orderClusters(q []float64, scale float64, idx *ClusterIndex, order []int32)
 // exp(s_t − m) exactly; each cluster's ê_c (MomentEstimate) as the exact
 // part (momentSums).
 func (b *TacticBudget) momentPart(q []float64, scale float64, idx *ClusterIndex, fixed []int32, score func(int32) float64) {
+	m := b.bestScore()
+	shift := MomentShift(q, scale, idx.DimWeights)
+	b.momentSums(m, fixed, score, idx.Sizes, func(c int32) float64 {
+		return MomentEstimate(idx.Sizes[c], b.Scores[c], idx.Spreads[c], shift, m)
+	})
+}
+
+// bestScore returns the greatest centroid score, 0 without clusters.
+func (b *TacticBudget) bestScore() float64 {
 	m := 0.0
 	for c, s := range b.Scores {
 		if c == 0 || s > m {
 			m = s
 		}
 	}
-	shift := MomentShift(q, scale, idx.DimWeights)
-	b.momentSums(m, fixed, score, idx.Sizes, func(c int32) float64 {
-		return MomentEstimate(idx.Sizes[c], b.Scores[c], idx.Spreads[c], shift, m)
-	})
+	return m
 }
 
 // MomentEstimate returns ê of a cluster of n tokens with centroid score s
@@ -539,12 +545,7 @@ func (b *TacticBudget) exactPart(idx *ClusterIndex, fixed []int32, need int, sco
 		}
 	}
 	if math.IsInf(m, -1) {
-		m = 0
-		for c, s := range b.Scores {
-			if c == 0 || s > m {
-				m = s
-			}
-		}
+		m = b.bestScore()
 	}
 	b.Shift = m
 	for _, s := range fixedS {

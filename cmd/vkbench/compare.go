@@ -48,6 +48,9 @@ type fallbackPolicies func(name string, budget int) (decode.Policy, bool)
 // policies at the targets ps, clustered with opts (Double-P at its
 // default targets only).
 func compareFallbacks(ps []float64, opts sparse.TacticDecoderOptions) fallbackPolicies {
+	moments := opts
+	moments.Fit = sparse.DefaultTacticFit()
+	moments.Fit.Moments = true
 	return func(name string, budget int) (decode.Policy, bool) {
 		switch name {
 		case "double-p":
@@ -59,9 +62,6 @@ func compareFallbacks(ps []float64, opts sparse.TacticDecoderOptions) fallbackPo
 		case "h2o":
 			return decode.H2O(budget), true
 		}
-		moments := opts
-		moments.Fit = sparse.DefaultTacticFit()
-		moments.Fit.Moments = true
 		for _, p := range ps {
 			switch name {
 			case fmt.Sprintf("tactic P=%v", p):
