@@ -226,6 +226,9 @@ func (p Policy) Options() sparse.TacticDecoderOptions { return p.opts }
 func (p Policy) String() string {
 	switch p.kind {
 	case kindTactic:
+		if f := p.opts.Fit; f != (sparse.TacticFit{}) && !f.Moments {
+			return fmt.Sprintf("Tactic P = %g (fitted curve)", p.p)
+		}
 		return fmt.Sprintf("Tactic P = %g", p.p)
 	case kindDoubleP:
 		return fmt.Sprintf("Double-P (%g, %g)", p.targets.P1, p.targets.P2)

@@ -27,7 +27,7 @@ func compareLayer(t *testing.T) *trace.Trace {
 // TestCompareTacticMatchesTacticEvaluation checks the wiring of the
 // adaptive part against the evaluation of Tactic alone: at every P,
 // Tactic's union size, own selection, mass, success and error equal those
-// of Tactic() on the same trace and clustering.
+// of Tactic() on the same trace, clustering and fit.
 func TestCompareTacticMatchesTacticEvaluation(t *testing.T) {
 	tr := compareLayer(t)
 	opts := DefaultCompareOptions()
@@ -35,7 +35,7 @@ func TestCompareTacticMatchesTacticEvaluation(t *testing.T) {
 	cmp, err := Compare(tr, opts)
 	require.NoError(t, err)
 	topts := DefaultTacticOptions()
-	topts.P = opts.P
+	topts.P, topts.Fit = opts.P, opts.Fit
 	ev, err := Tactic(tr, topts)
 	require.NoError(t, err)
 	require.Equal(t, ev.Options.Prefill, cmp.Options.Prefill)

@@ -324,8 +324,8 @@ func exactTokens(l *Layers, ranks, cuts []int) (float64, error) {
 
 // DefaultPolicies returns the policies `vkbench compare` runs on the GPU:
 // Double-P with its default targets (whose exactly attended tokens set the
-// fixed budgets), Tactic at each P (with the default fit's curve, and with its moment
-// estimate, TacticFit.Moments), the oracles of the
+// fixed budgets), Tactic at each P (with the default fit, the moment
+// estimate, and with the paper's fitted curve), the oracles of the
 // Tactic paper's Table 3 at each P (clusters by true mass, exact top-p over
 // tokens), Quest, StreamingLLM and H2O at Double-P's budget, a DELTA layer
 // reusing its Δ-layer's pick of about that budget (deltaPolicy), and
@@ -334,11 +334,9 @@ func exactTokens(l *Layers, ranks, cuts []int) (float64, error) {
 func DefaultPolicies(ps []float64) []Policy {
 	var out []Policy
 	out = append(out, doubleP("double-p", sparse.DefaultDoubleP()))
-	moments := sparse.DefaultTacticFit()
-	moments.Moments = true
 	for _, p := range ps {
 		out = append(out, tacticPolicy(fmt.Sprintf("tactic P=%v", p), p, sparse.DefaultTacticFit()),
-			tacticPolicy(fmt.Sprintf("tactic moments P=%v", p), p, moments))
+			tacticPolicy(fmt.Sprintf("tactic curve P=%v", p), p, sparse.TacticCurveFit()))
 	}
 	for _, p := range ps {
 		out = append(out, Policy{Name: fmt.Sprintf("cluster oracle P=%v", p), Adaptive: true, Make: func(l *Layers) (Stepper, error) {

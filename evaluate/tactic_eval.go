@@ -27,7 +27,8 @@ type TacticOptions struct {
 // references implement it: P = 0.5, 0.7, 0.9, sparse.TacticDefaultSinks
 // sinks, clusters of 16 tokens on average, 10 K-means iterations over the
 // whole prefill (KMeansSpan 0, the paper's clustering), seed DefaultSeed,
-// sparse.DefaultTacticFit, and Prefill and Queries derived from the trace.
+// the paper's fitted curve (sparse.TacticCurveFit), and Prefill and
+// Queries derived from the trace.
 func DefaultTacticOptions() TacticOptions {
 	return TacticOptions{Setup{
 		P:              []float64{0.5, 0.7, 0.9},
@@ -35,7 +36,7 @@ func DefaultTacticOptions() TacticOptions {
 		AvgClusterSize: sparse.KMeansDefaultAvgClusterSize,
 		KMeansIters:    sparse.KMeansDefaultIters,
 		Seed:           DefaultSeed,
-		Fit:            sparse.DefaultTacticFit(),
+		Fit:            sparse.TacticCurveFit(),
 	}}
 }
 

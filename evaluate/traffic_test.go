@@ -54,11 +54,11 @@ func TestTacticSelectionBytesAtLlamaShape(t *testing.T) {
 		return s
 	}
 
-	def := traffic(sparse.DefaultTacticFit())
+	def := traffic(sparse.TacticCurveFit())
 	fp16 := (def.Centroids - kvHeads*4*dim) * float64(2*dim) / float64(kvcache.CodedRowBytes(dim))
 	assert.Less(t, def.SelectionShare(), 0.8*(fp16+def.Sampled)/def.Attended, "8-bit centroids against fp16 ones")
 
-	capped := sparse.DefaultTacticFit()
+	capped := sparse.TacticCurveFit()
 	capped.MaxInitial = 1024
 	s := traffic(capped)
 	assert.LessOrEqual(t, s.Selection(), 0.5*s.Attended, "the selection reads at most half of what attention over the unions reads")

@@ -84,7 +84,6 @@ const uint LIST = SEGS * WG;
 // the W sums of each bin.
 layout(constant_id = 10) const uint MOMENTS = 0;
 const float CAP = 60.0;   // sparse.MomentExpCap
-const uint MW = 16;       // the most workgroups a head with MOMENTS (momentWorkgroups)
 
 layout(std430, binding = 0) readonly buffer Queries { vec4 q[]; };      // [Hq][D/4]
 layout(std430, binding = 1) readonly buffer Keys { uvec4 k[]; };        // [Hkv][headStride]
@@ -102,7 +101,7 @@ layout(std430, binding = 11) coherent buffer Arrived { uint arrived[]; }; // [Hq
 // MOMENTS = 1 only.
 layout(std430, binding = 12) readonly buffer Spreads { float spread[]; };   // [Hkv][C]
 layout(std430, binding = 13) readonly buffer DimWeights { vec4 dw[]; };    // [Hkv][D/4]
-layout(std430, binding = 14) coherent buffer BinSums { float binSum[]; };  // [Hq][MW][NB]
+layout(std430, binding = 14) coherent buffer BinSums { float binSum[]; };  // [Hq][W][NB]
 
 layout(push_constant) uniform Push {
 	uint C;
@@ -486,7 +485,7 @@ void main() {
 		barrier();
 		float unit = exp(big);
 		for (uint i = tid; i < NB; i += WG) {
-			binSum[(h * MW + w) * NB + i] = (float(start[i]) * (1.0 / 256.0) + float(pre[i]) * (1.0 / 1099511627776.0)) * unit;
+			binSum[(h * W + w) * NB + i] = (float(start[i]) * (1.0 / 256.0) + float(pre[i]) * (1.0 / 1099511627776.0)) * unit;
 		}
 	}
 	for (uint i0 = 0; MOMENTS == 0 && i0 < share; i0 += LIST) {
@@ -588,7 +587,7 @@ void main() {
 			float x = 0.0;
 			for (uint r0 = 0; r0 < W; r0 += BATCH) {
 				float v[BATCH];
-				[[unroll]] for (uint j = 0; j < BATCH; j++) v[j] = binSum[(h * MW + min(r0 + j, W - 1)) * NB + b];
+				[[unroll]] for (uint j = 0; j < BATCH; j++) v[j] = binSum[(h * W + min(r0 + j, W - 1)) * NB + b];
 				[[unroll]] for (uint j = 0; j < BATCH; j++) {
 					if (r0 + j < W) x += v[j];
 				}

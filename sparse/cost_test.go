@@ -107,7 +107,7 @@ func TestFitCostModel(t *testing.T) {
 // above it, and a dearer floor moves that length up.
 func TestCostCrossover(t *testing.T) {
 	h := Heads{Query: 8, KV: 2, Dim: 64}
-	fit := DefaultTacticFit()
+	fit := TacticCurveFit()
 	crossover := func(m CostModel) int {
 		for n := 64; n <= 1<<22; n *= 2 {
 			c := n / 16 // clusters of 16
@@ -125,7 +125,7 @@ func TestCostCrossover(t *testing.T) {
 }
 
 func TestTacticFitSampledRows(t *testing.T) {
-	fit := DefaultTacticFit()
+	fit := TacticCurveFit()
 	require.Zero(t, fit.SampledRows(0, 1))
 	for _, n := range []int{100, 10_000, 1 << 20} {
 		got := fit.SampledRows(n, n/16)
@@ -137,7 +137,7 @@ func TestTacticFitSampledRows(t *testing.T) {
 	fit.Moments = true
 	require.Zero(t, fit.SampledRows(10_000, 625), "the moment estimate samples no key row")
 	h := Heads{Query: 32, KV: 8, Dim: 128}
-	require.Less(t, h.TacticCost(fit, 10_000, 625, 500).Bytes, h.TacticCost(DefaultTacticFit(), 10_000, 625, 500).Bytes)
+	require.Less(t, h.TacticCost(fit, 10_000, 625, 500).Bytes, h.TacticCost(TacticCurveFit(), 10_000, 625, 500).Bytes)
 }
 
 // TestCalibrate measures the device's cost model once and serves it from

@@ -41,13 +41,15 @@ func ScratchRanges(s any) []vk.Range {
 	all := func(bufs ...*vk.Buffer) []vk.Range {
 		var r []vk.Range
 		for _, b := range bufs {
-			r = append(r, b.All())
+			if b != nil { // a buffer the step's variant does not use
+				r = append(r, b.All())
+			}
 		}
 		return r
 	}
 	switch s := s.(type) {
 	case *TacticStep:
-		return all(s.tactic.sampled, s.tactic.fixedE, s.tactic.planBuf, s.tactic.cut, s.tactic.scores, s.tactic.binOf)
+		return all(s.tactic.sampled, s.tactic.fixedE, s.tactic.planBuf, s.tactic.cut, s.tactic.scores, s.tactic.binOf, s.tactic.binSums)
 	case *LuKAStep:
 		return all(s.row, s.mz, s.outPart)
 	case *Step:

@@ -162,7 +162,7 @@ func fracOK(x float64) bool { return x >= 0 && x <= 1 }
 // float64 reference of the budget without a panic, with the budget and the
 // sampling windows inside the clustered tokens.
 func FuzzTacticFit(f *testing.F) {
-	def := DefaultTacticFit()
+	def := TacticCurveFit()
 	f.Add(def.InitialFrac, def.Window1, def.Window2, def.WindowFrac, def.MaxWindow, 0.9, int64(1))
 	f.Add(0.0, 0.0, 0.0, 0.0, 0, 1.0, int64(2))                  // every fraction zero, P = 1
 	f.Add(1.0, 1.0, 1.0, 1.0, 1, 0.5, int64(3))                  // every fraction one

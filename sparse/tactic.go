@@ -65,7 +65,8 @@ type tacticBound struct {
 	planBuf  *vk.Buffer // uint32 [Hq][16]: the plan and fit of each head (tactic_select)
 	// sampled lists each selection workgroup's sampled clusters, uint32
 	// pairs [Hq][C+maxSampleWorkgroups]: workgroup w's i-th from w·⌈C/W⌉,
-	// (cluster·ScoreBins + bin, Σ e(t) over the cluster as float bits).
+	// (cluster·ScoreBins + bin, Σ e(t) over the cluster as float bits);
+	// nil with the moment estimate, which samples none.
 	sampled *vk.Buffer
 	// fixedE holds, per head and workgroup, four words
 	// [Hq][maxSampleWorkgroups]: Σ e(t) over its fixed tokens (float32),
@@ -85,12 +86,14 @@ type tacticBound struct {
 	moments             bool
 	spreads, dimWeights *vk.Buffer
 	// binSums holds, with the moment estimate, each selection
-	// workgroup's estimates summed by bin, float32 [Hq][momentWorkgroups][ScoreBins].
-	binSums *vk.Buffer
+	// workgroup's estimates summed by bin, float32 [Hq][W][ScoreBins] for
+	// the step's W workgroups a head, at most momentSlots.
+	binSums     *vk.Buffer
+	momentSlots int
 }
 
 // momentWorkgroups is the most selection workgroups per query head with
-// the moment estimate (tactic_select's MW): each writes a sum per bin.
+// the moment estimate: each writes a sum per bin (tacticBound.binSums).
 const momentWorkgroups = 16
 
 // release frees the bindings and buffers.
@@ -312,10 +315,15 @@ func (s *tacticSelector) allocate(clusters *kvcache.Clusters) (tacticBound, erro
 	x.scores, x.binOf = alloc(hq*c), alloc(hq*c)
 	x.planBuf, x.cut = alloc(hq*16), alloc(hq)
 	x.extremes, x.fitArrived = alloc(2*hq), alloc(hq)
-	x.sampled, x.fixedE = alloc(2*hq*(c+maxSampleWorkgroups)), alloc(4*hq*maxSampleWorkgroups)
-	if x.moments = s.fit.Moments; x.moments {
+	x.fixedE = alloc(4 * hq * maxSampleWorkgroups)
+	if x.moments = s.fit.Moments; !x.moments {
+		x.sampled = alloc(2 * hq * (c + maxSampleWorkgroups))
+	} else {
 		x.spreads, x.dimWeights = alloc(h.KV*c), alloc(h.KV*h.Dim)
-		x.binSums = alloc(hq * momentWorkgroups * ScoreBins)
+		// A workgroup takes at least a cluster a thread: an index of few
+		// clusters needs few bins' sums.
+		x.momentSlots = max(1, min(momentWorkgroups, ceilDiv(c, s.kernels.threads)))
+		x.binSums = alloc(hq * x.momentSlots * ScoreBins)
 	}
 	err := b.err
 	if err == nil {
@@ -345,12 +353,13 @@ func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query 
 	if err != nil {
 		return err
 	}
-	pipe, spreads, dims, sums := k.selection, x.scores, x.scores, x.scores // bindings the fit does not read
+	// Bindings a variant does not read take the scores.
+	pipe, sampled, spreads, dims, sums := k.selection, x.sampled, x.scores, x.scores, x.scores
 	if x.moments {
-		pipe, spreads, dims, sums = k.moments, x.spreads, x.dimWeights, x.binSums
+		pipe, sampled, spreads, dims, sums = k.moments, x.scores, x.spreads, x.dimWeights, x.binSums
 	}
 	selection, err := pipe.Bind(query, layer.Keys().All(), x.scores.All(), clusters.Starts.All(), clusters.Counts.All(), x.binOf.All(),
-		x.sampled.All(), x.fixedE.All(), x.planBuf.All(), x.cut.All(), x.extremes.All(), x.fitArrived.All(), spreads.All(), dims.All(), sums.All())
+		sampled.All(), x.fixedE.All(), x.planBuf.All(), x.cut.All(), x.extremes.All(), x.fitArrived.All(), spreads.All(), dims.All(), sums.All())
 	if err != nil {
 		return errors.Join(err, score.Release())
 	}
@@ -439,12 +448,12 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		if s.fit.Moments {
 			// A workgroup bins only its share: as many as a wave allows, up to
 			// a cluster a thread.
-			wgs = max(1, min(momentWorkgroups, selectWave/(s.sequences*h.Query), ceilDiv(x.C, k.threads)))
+			wgs = max(1, min(s.momentSlots, selectWave/(s.sequences*h.Query)))
 		}
 		if s.workgroups > 0 {
 			wgs = s.workgroups
 			if s.fit.Moments {
-				wgs = min(wgs, momentWorkgroups)
+				wgs = min(wgs, s.momentSlots)
 			}
 		}
 		c.Dispatch(pipe, b.selection, push, uint32(min(maxSampleWorkgroups, max(1, wgs))), hq, 1)
@@ -482,11 +491,6 @@ func (t *TacticStep) FitRows() ([]int, error) {
 	if err != nil {
 		return nil, err
 	}
-	fsum := make([]uint32, 4*h.Query*maxSampleWorkgroups)
-	smp := make([]uint32, 2*h.Query*(x.C+maxSampleWorkgroups))
-	if err := errors.Join(t.tactic.fixedE.ReadUint32(0, fsum), t.tactic.sampled.ReadUint32(0, smp)); err != nil {
-		return nil, err
-	}
 	fixed := t.layer.Len() - x.Count
 	rows := make([]int, h.Query)
 	if t.tactic.fit.Moments {
@@ -494,6 +498,11 @@ func (t *TacticStep) FitRows() ([]int, error) {
 			rows[hh] = fixed // the estimates read no member rows
 		}
 		return rows, nil
+	}
+	fsum := make([]uint32, 4*h.Query*maxSampleWorkgroups)
+	smp := make([]uint32, 2*h.Query*(x.C+maxSampleWorkgroups))
+	if err := errors.Join(t.tactic.fixedE.ReadUint32(0, fsum), t.tactic.sampled.ReadUint32(0, smp)); err != nil {
+		return nil, err
 	}
 	for hh := range rows {
 		g, w := hh/h.Group(), plan[hh*16+15]

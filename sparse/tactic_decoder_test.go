@@ -21,9 +21,7 @@ import (
 // step still attends every token at P = 1, with the fitted curve and with
 // the moment estimate (whose spreads each joined index needs anew).
 func TestTacticDecoderReclustersTheTail(t *testing.T) {
-	moments := DefaultTacticFit()
-	moments.Moments = true
-	for _, fit := range []TacticFit{DefaultTacticFit(), moments} {
+	for _, fit := range []TacticFit{TacticCurveFit(), DefaultTacticFit()} {
 		t.Run(fmt.Sprintf("moments=%v", fit.Moments), func(t *testing.T) { testTacticDecoderRecluster(t, fit) })
 	}
 }

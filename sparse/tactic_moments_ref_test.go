@@ -43,7 +43,7 @@ func TestTacticMomentsBudget(t *testing.T) {
 	require.NoError(t, err)
 	fixed := []int32{0, 1, 2, 3}
 	fit := DefaultTacticFit()
-	fit.Moments = true
+	require.True(t, fit.Moments, "the default fit is the moment estimate")
 	_, err = TacticBudgetRef(randMatrix(r, 1, d), 0.3, keys, idx, fixed, 0.9, fit)
 	require.Error(t, err, "no spreads yet")
 	require.NoError(t, idx.SetSpreadsRef(keys))

@@ -98,7 +98,7 @@ func TestTacticBudgetRecoversExactCurve(t *testing.T) {
 	}
 	fixedSum := math.Exp(3) + math.Exp(1)
 	for _, p := range []float64{0.3, 0.5, 0.7, 0.83, 0.9, 0.97} {
-		bud, err := TacticBudgetRef([]float64{1}, 1, keys, idx, fixed, p, DefaultTacticFit())
+		bud, err := TacticBudgetRef([]float64{1}, 1, keys, idx, fixed, p, TacticCurveFit())
 		require.NoError(t, err)
 		scale := math.Exp(bud.Shift)
 		assert.InDelta(t, a, bud.A*scale, 1e-9*a)
@@ -229,7 +229,7 @@ func TestTacticSampledTokensCountsEachClusterOnce(t *testing.T) {
 	require.NoError(t, err)
 	q := []float64{0.3, -1.1, 0.7, 0.2}
 	for _, fit := range []TacticFit{
-		DefaultTacticFit(),
+		TacticCurveFit(),
 		{InitialFrac: 0.05, Window1: 0.03, Window2: 0.06, WindowFrac: 0.04},                  // windows inside and across the exact part
 		{InitialFrac: 0.01, Window1: 0.30, Window2: 0.32, WindowFrac: 0.05},                  // windows overlapping each other
 		{InitialFrac: 0.001, Window1: 0.5, Window2: 0.9, WindowFrac: 0.001},                  // narrow, apart
@@ -308,7 +308,7 @@ func TestTacticBudgetMonotoneInP(t *testing.T) {
 		q := randMatrix(r, 1, d)
 		prev := -1
 		for p := 0.05; p <= 1; p += 0.05 {
-			bud, err := TacticBudgetRef(q, 0.5, keys, idx, nil, math.Min(p, 1), DefaultTacticFit())
+			bud, err := TacticBudgetRef(q, 0.5, keys, idx, nil, math.Min(p, 1), TacticCurveFit())
 			require.NoError(t, err)
 			require.GreaterOrEqual(t, bud.Budget, prev)
 			require.True(t, bud.Budget >= 0 && bud.Budget <= n)
@@ -354,7 +354,7 @@ func TestTacticPOneSelectsAllAndMatchesDense(t *testing.T) {
 	fixed, err := TacticFixedTokens(sinks, end, pos)
 	require.NoError(t, err)
 	qs := [][]float64{randMatrix(r, 1, d), randMatrix(r, 1, d), randMatrix(r, 1, d)}
-	outs, tokens, budgets, err := TacticDecodeRef(qs, keys, values, 0.25, idx, fixed, 1, DefaultTacticFit())
+	outs, tokens, budgets, err := TacticDecodeRef(qs, keys, values, 0.25, idx, fixed, 1, TacticCurveFit())
 	require.NoError(t, err)
 	require.Len(t, tokens, pos+1)
 	for i, tok := range tokens {
@@ -392,7 +392,7 @@ func TestTacticSelectUnion(t *testing.T) {
 func TestTacticBudgetErrors(t *testing.T) {
 	keys, idx := syntheticIndex(t, 100, 4, 1, 10, 1)
 	q := []float64{1}
-	fit := DefaultTacticFit()
+	fit := TacticCurveFit()
 	for name, f := range map[string]func() error{
 		"p0":      func() error { _, err := TacticBudgetRef(q, 1, keys, idx, nil, 0, fit); return err },
 		"p>1":     func() error { _, err := TacticBudgetRef(q, 1, keys, idx, nil, 1.1, fit); return err },

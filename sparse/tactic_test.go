@@ -83,7 +83,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	require.NoError(t, err)
 	defer tree.Release()
 	// Windows capped below 2 % of the tokens in one run.
-	capped := DefaultTacticFit()
+	capped := TacticCurveFit()
 	capped.MaxWindow = 16
 	type run struct {
 		dense *Dense
@@ -97,16 +97,15 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	}
 	// Windows of a quarter of the tokens each with one workgroup a head:
 	// its share is every cluster, listed and sampled in several rounds.
-	wide := DefaultTacticFit()
+	wide := TacticCurveFit()
 	wide.WindowFrac, wide.MaxWindow = 0.25, 0
 	// Windows of every 3rd cluster (wide ones: many clusters each).
 	thin := wide
 	thin.WindowStride = 3
-	// The moment estimate: no cluster sampled, every one listed.
+	// The moment estimate (the default fit): no cluster sampled.
 	moments := DefaultTacticFit()
-	moments.Moments = true
-	runs := []run{{dense, 0.9, DefaultTacticFit(), 0, 0}, {tree, 0.8, DefaultTacticFit(), 3, 3}, {dense, 0.9, wide, 1, 1}, {dense, 0.8, thin, 2, 0},
-		{dense, 0.9, moments, 0, 0}, {tree, 0.7, moments, 3, 0}}
+	runs := []run{{dense, 0.9, TacticCurveFit(), 0, 0}, {tree, 0.8, TacticCurveFit(), 3, 3}, {dense, 0.9, wide, 1, 1}, {dense, 0.8, thin, 2, 0},
+		{dense, 0.9, moments, 0, 0}, {tree, 0.7, moments, 0, 0}}
 	if many {
 		// Windows of a quarter of the tokens, every cluster scored, with 4
 		// workgroups a head: each lists more clusters than the last
@@ -119,8 +118,8 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 		runs = append(runs, run{dense, 0.9, moments, 1, 0})
 	}
 	if all {
-		runs = append(runs, run{dense, 0.5, DefaultTacticFit(), 0, 0}, run{dense, 1, DefaultTacticFit(), 0, 0}, run{single, 0.9, DefaultTacticFit(), 0, 0},
-			run{dense, 0.7, capped, 0, 5}, run{dense, 0.9, DefaultTacticFit(), 5, 0}, run{tree, 0.9, thin, 0, 0})
+		runs = append(runs, run{dense, 0.5, TacticCurveFit(), 0, 0}, run{dense, 1, TacticCurveFit(), 0, 0}, run{single, 0.9, TacticCurveFit(), 0, 0},
+			run{dense, 0.7, capped, 0, 5}, run{dense, 0.9, TacticCurveFit(), 5, 0}, run{tree, 0.9, thin, 0, 0})
 	}
 	for _, r := range runs {
 		p := r.p
@@ -132,7 +131,9 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 		step.tactic.workgroups, step.tactic.scoreWorkgroups = r.workgroups, r.scoreWorkgroups
 		nan := math.Float32bits(float32(math.NaN()))
 		require.NoError(t, dev.Run(func(c *vk.Commands) {
-			c.Fill(step.tactic.sampled.All(), nan)
+			if step.tactic.sampled != nil {
+				c.Fill(step.tactic.sampled.All(), nan)
+			}
 			c.Fill(step.tactic.fixedE.All(), nan)
 			c.Fill(step.tactic.planBuf.All(), nan)
 			c.Fill(step.tactic.cut.All(), nan)
@@ -148,6 +149,11 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 			requireSpreads(t, step, k, index, n)
 		}
 		requireSampled(t, step, q, k, index, fixed, n)
+		if many && r.fit.Moments && r.workgroups == 0 {
+			plan := make([]uint32, 16)
+			require.NoError(t, step.tactic.planBuf.ReadUint32(0, plan))
+			require.GreaterOrEqual(t, plan[15], uint32(2), "the moment estimate's bins summed by several workgroups a head")
+		}
 		scores, err := step.Scores()
 		require.NoError(t, err)
 		cuts, err := step.Cuts()
@@ -218,10 +224,10 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	if !all {
 		return
 	}
-	_, err = NewTacticStep(dense, layer, clusters, 0, DefaultTacticFit())
+	_, err = NewTacticStep(dense, layer, clusters, 0, TacticCurveFit())
 	require.Error(t, err, "P = 0")
 
-	step, err := NewTacticStep(dense, layer, clusters, 0.9, DefaultTacticFit())
+	step, err := NewTacticStep(dense, layer, clusters, 0.9, TacticCurveFit())
 	require.NoError(t, err)
 	defer step.Release()
 	require.NoError(t, step.SetQuery(q))
@@ -334,7 +340,9 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 	lists := make([]uint32, 2*h.Query*stride)
 	counts := make([]uint32, 4*h.Query*maxSampleWorkgroups)
 	require.NoError(t, step.tactic.planBuf.ReadUint32(0, plan))
-	require.NoError(t, step.tactic.sampled.ReadUint32(0, lists))
+	if step.tactic.sampled != nil { // the moment estimate lists none
+		require.NoError(t, step.tactic.sampled.ReadUint32(0, lists))
+	}
 	require.NoError(t, step.tactic.fixedE.ReadUint32(0, counts))
 	bins, err := step.BinsOf()
 	require.NoError(t, err)
@@ -387,7 +395,7 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 			require.Empty(t, listed, "head %d: the moment estimate lists no cluster", hh)
 			require.Equal(t, [2]int{}, counted, "head %d: no window", hh)
 			require.Equal(t, x.Count, int(pl[2]), "head %d: every clustered token is in the exact part", hh)
-			require.LessOrEqual(t, w, momentWorkgroups, "head %d: workgroups", hh)
+			require.LessOrEqual(t, w, step.tactic.momentSlots, "head %d: workgroups", hh)
 			qh := make([]float64, d)
 			for i := range qh {
 				qh[i] = float64(q[hh*d+i])
@@ -397,8 +405,8 @@ func requireSampled(t *testing.T, step *TacticStep, q []float32, keys []float64,
 			for c := 0; c < x.C; c++ {
 				want[bins[hh*x.C+c]] += MomentEstimate(index[g].Sizes[c], float64(scores[hh*x.C+c]), index[g].Spreads[c], shift, m)
 			}
-			sums := make([]float32, momentWorkgroups*ScoreBins)
-			require.NoError(t, step.tactic.binSums.ReadFloat32(uint64(hh*momentWorkgroups*ScoreBins*4), sums))
+			sums := make([]float32, w*ScoreBins)
+			require.NoError(t, step.tactic.binSums.ReadFloat32(uint64(hh*w*ScoreBins*4), sums))
 			for b := range want {
 				got := float32(0)
 				for r := 0; r < w; r++ {

@@ -111,7 +111,8 @@
 // LlamaConfig (vkbench -kinds llama) is calibrated so that Tactic's
 // selection, as the float64 reference evaluate.Tactic measures it
 // (K-means over the whole prefill into clusters of 16 tokens on average,
-// 4 sinks, the decode tail always attended, sparse.DefaultTacticFit),
+// 4 sinks, the decode tail always attended, the fitted curve of
+// sparse.TacticCurveFit, the default fit when it was calibrated),
 // takes per query head the share of the tokens that the Tactic paper
 // reports for Llama-3.1-8B-Instruct on RULER (Appendix B, Table 9). Its
 // keys have semantic noise 0.5, so that keys cluster by topic as real

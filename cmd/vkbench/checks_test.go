@@ -1,11 +1,16 @@
 package main
 
 import (
+	"flag"
 	"math"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/vksparse/vksparse/sparse"
 )
 
 func TestCheckOutputs(t *testing.T) {
@@ -162,6 +167,32 @@ func TestCheckFit(t *testing.T) {
 		if err == nil || !strings.HasPrefix(err.Error(), c.flag+" ") || strings.Contains(err.Error(), "{") {
 			t.Errorf("checkFit(%v, %d, %d, %d) = %v; want a one-line %s error", c.initial, c.maxInitial, c.maxWindow, c.stride, err, c.flag)
 		}
+	}
+}
+
+// TestFitFlags checks that -fit picks the moment estimate by default and
+// the fitted curve on request, with the curve's flags applied, and refuses
+// any other name.
+func TestFitFlags(t *testing.T) {
+	parse := func(args ...string) (sparse.TacticFit, error) {
+		fs := flag.NewFlagSet("test", flag.ContinueOnError)
+		f := addFitFlags(fs)
+		require.NoError(t, fs.Parse(args))
+		return f.fit()
+	}
+	fit, err := parse()
+	require.NoError(t, err)
+	require.Equal(t, sparse.DefaultTacticFit(), fit)
+	require.True(t, fit.Moments)
+	fit, err = parse("-fit", "curve", "-initial", "0.05", "-window-stride", "2")
+	require.NoError(t, err)
+	require.False(t, fit.Moments)
+	require.Equal(t, 0.05, fit.InitialFrac)
+	require.Equal(t, 2, fit.WindowStride)
+	for _, bad := range [][]string{{"-fit", "moment"}, {"-fit", ""}, {"-fit", "curve", "-initial", "2"}} {
+		_, err = parse(bad...)
+		require.Error(t, err, bad)
+		require.True(t, strings.HasPrefix(err.Error(), "-fit ") || strings.HasPrefix(err.Error(), "-initial "), err.Error())
 	}
 }
 

@@ -48,9 +48,8 @@ type fallbackPolicies func(name string, budget int) (decode.Policy, bool)
 // policies at the targets ps, clustered with opts (Double-P at its
 // default targets only).
 func compareFallbacks(ps []float64, opts sparse.TacticDecoderOptions) fallbackPolicies {
-	moments := opts
-	moments.Fit = sparse.DefaultTacticFit()
-	moments.Fit.Moments = true
+	curve := opts
+	curve.Fit = sparse.TacticCurveFit()
 	return func(name string, budget int) (decode.Policy, bool) {
 		switch name {
 		case "double-p":
@@ -66,8 +65,8 @@ func compareFallbacks(ps []float64, opts sparse.TacticDecoderOptions) fallbackPo
 			switch name {
 			case fmt.Sprintf("tactic P=%v", p):
 				return decode.Tactic(p, opts), true
-			case fmt.Sprintf("tactic moments P=%v", p):
-				return decode.Tactic(p, moments), true
+			case fmt.Sprintf("tactic curve P=%v", p):
+				return decode.Tactic(p, curve), true
 			}
 		}
 		return decode.Policy{}, false

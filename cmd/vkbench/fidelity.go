@@ -85,12 +85,8 @@ func fidelity(args []string) error {
 	seed := fs.Int64("seed", 1, "seed of the generated layers")
 	kindsName := fs.String("kinds", "mixed", kindsUsage)
 	perHead := fs.Bool("per-head", false, "also print a table of every query head's figures")
-	initial := fs.Float64("initial", sparse.DefaultTacticFit().InitialFrac, "share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)")
-	moments := fs.Bool("moments", false, "Tactic's moment estimate (no key rows sampled: each cluster's mass from its centroid score and the spread of its keys) instead of the fitted curve")
-	maxInitial := fs.Int("max-initial", sparse.DefaultTacticFit().MaxInitial, "the most tokens the fit computes exactly (0: no limit)")
+	fitArgs := addFitFlags(fs)
 	spans := fs.String("span", "0", fmt.Sprintf("K-means within spans of this many tokens (comma-separated to compare; 0: whole prefill, the paper's clustering; %d recommended)", sparse.KMeansDefaultSpan))
-	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
-	windowStride := fs.Int("window-stride", sparse.DefaultTacticFit().WindowStride, "sampling windows score only the clusters whose index is a multiple of this (0 or 1: every cluster)")
 	bandwidth := fs.Float64("bandwidth", 2870, "GB/s that a step and dense attention read at, for the bound (the H100's dense attention: 2870)")
 	floor := fs.Float64("floor", 3, "µs each dependent dispatch costs before any work, for the bound")
 	dispatches := fs.Int("dispatches", 3, "dependent dispatches of a sparse step, for the bound")
@@ -112,7 +108,8 @@ func fidelity(args []string) error {
 	if err := checkClusterSize(*clusterSize); err != nil {
 		return err
 	}
-	if err := checkFit(*initial, *maxInitial, *maxWindow, *windowStride); err != nil {
+	fit, err := fitArgs.fit()
+	if err != nil {
 		return err
 	}
 	pList, err := floats(*ps)
@@ -138,10 +135,7 @@ func fidelity(args []string) error {
 	}
 	opts := evaluate.DefaultTacticOptions()
 	opts.P = pList
-	opts.Fit.InitialFrac, opts.Fit.MaxInitial = *initial, *maxInitial
-	opts.Fit.MaxWindow = *maxWindow
-	opts.Fit.WindowStride = *windowStride
-	opts.Fit.Moments = *moments
+	opts.Fit = fit
 	opts.AvgClusterSize = *clusterSize
 	if err := opts.Validate(); err != nil {
 		return err

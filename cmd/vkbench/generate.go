@@ -22,7 +22,7 @@ import (
 // (layers 0 and 1 of the project's model are diffuse), fixed budgets
 // matched to Tactic's; DELTA and LuKA at the papers' budgets and matched
 // to Tactic's.
-const defaultLayouts = "tactic:0.9; tactic:0.9@2-5; doublep:0.95/0.7; doublep:0.95/0.7@2-5; oracle:0.9; oracle:0.9@2-5; " +
+const defaultLayouts = "tactic:0.9; tactic:0.9@2-5; tactic:0.9/curve; tactic:0.9/curve@2-5; doublep:0.95/0.7; doublep:0.95/0.7@2-5; oracle:0.9; oracle:0.9@2-5; " +
 	"quest:tactic; quest:tactic@2-5; streaming:tactic; streaming:tactic@2-5; h2o:tactic; h2o:tactic@2-5; " +
 	"delta:64/8@2; delta:64/8@2,4; delta:16/4@2,4; delta:tactic/8@2; " +
 	"luka; luka@2-5; luka:mixed; luka:tactic; luka:tactic@2-5; luka:logsize; luka:logsize/tactic; luka:logsize/tactic@2-5"
@@ -67,7 +67,7 @@ func generate(args []string) error {
 	docPath := fs.String("doc", "testdata/model/serve_test_16k.txt", "the document: prefilled, then teacher-forced")
 	prefill := fs.Int("prefill", 16128, "bytes of the document prefilled with dense attention")
 	positions := fs.Int("positions", 256, "positions after the prefill decoded under each layout, teacher-forced on the document's bytes")
-	layoutList := fs.String("layouts", defaultLayouts, "layouts separated by ';': POLICY[:ARGS][@LAYERS] (dense, tactic:P, doublep:P1/P2, oracle:P, cluster-oracle:P, quest|streaming|h2o:BUDGET|tactic|doublep, delta:K/L@Δ-LAYERS, luka:OPT/OPT…; LAYERS all, a-b or a,b,c)")
+	layoutList := fs.String("layouts", defaultLayouts, "layouts separated by ';': POLICY[:ARGS][@LAYERS] (dense, tactic:P or tactic:P/curve, doublep:P1/P2, oracle:P, cluster-oracle:P, quest|streaming|h2o:BUDGET|tactic|doublep, delta:K/L@Δ-LAYERS, luka:OPT/OPT…; LAYERS all, a-b or a,b,c)")
 	reps := fs.Int("reps", 50, "timed runs of each layer's attention at the last position (median reported)")
 	whole := fs.Bool("whole", false, "only prefill the whole document densely: bits per byte and the prefill's time")
 	calibrate := fs.Int("calibrate", 0, "only DELTA's calibration: the attention shift of consecutive layers over the document's first N bytes (on the CPU, at its last 16 positions), and the Δ-layers it proposes")

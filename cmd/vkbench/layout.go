@@ -13,9 +13,12 @@ import (
 // dense attention for the others. A fixed-budget policy's budget is given,
 // or matched per layer to the tokens another layout attended (budgetFrom).
 type layoutSpec struct {
-	Name        string `json:"name"`
-	Policy      string `json:"policy"` // dense, tactic, doublep, oracle, cluster-oracle, quest, streaming, h2o
-	P           float64
+	Name   string `json:"name"`
+	Policy string `json:"policy"` // dense, tactic, doublep, oracle, cluster-oracle, quest, streaming, h2o
+	P      float64
+	// Curve is set for tactic:P/curve, Tactic with the paper's fitted
+	// curve (sparse.TacticCurveFit) instead of the default fit.
+	Curve       bool `json:"curve,omitempty"`
 	Targets     sparse.DoubleP
 	Budget      int    `json:"budget,omitempty"`
 	BudgetFrom  string `json:"budget_from,omitempty"` // tactic or doublep: matched to that layout over the same layers
@@ -39,7 +42,7 @@ func (l layoutSpec) matchSpec() string {
 }
 
 // parseLayouts reads layouts separated by ";", each POLICY[:ARGS][@LAYERS]:
-// dense, tactic:P, doublep:P1/P2, oracle:P (tokens), cluster-oracle:P,
+// dense, tactic:P (tactic:P/curve: the paper's fitted curve), doublep:P1/P2, oracle:P (tokens), cluster-oracle:P,
 // quest:B, streaming:B, h2o:B with B a budget of middle tokens or tactic
 // or doublep (that layout's tokens over the same layers), delta:K/L
 // (pages and recent pages; 64/8 by default) whose LAYERS are its Δ-layers
@@ -98,7 +101,19 @@ func parseLayout(item string, layers int) (layoutSpec, error) {
 		if args != "" {
 			return l, fmt.Errorf("dense takes no argument")
 		}
-	case "tactic", "oracle", "cluster-oracle":
+	case "tactic":
+		var fit string
+		var hasFit bool
+		args, fit, hasFit = strings.Cut(args, "/")
+		switch {
+		case !hasFit || fit == "moments":
+		case fit == "curve":
+			l.Curve = true
+		default:
+			return l, fmt.Errorf("tactic's fit %q: want moments or curve", fit)
+		}
+		l.P, err = prob()
+	case "oracle", "cluster-oracle":
 		l.P, err = prob()
 	case "doublep":
 		a, b, ok := strings.Cut(args, "/")
@@ -309,7 +324,11 @@ func (l layoutSpec) policies(budgets []int, group int) []decode.Policy {
 		}
 		switch l.Policy {
 		case "tactic":
-			out[i] = decode.Tactic(l.P, sparse.TacticDecoderOptions{})
+			var opts sparse.TacticDecoderOptions
+			if l.Curve {
+				opts.Fit = sparse.TacticCurveFit()
+			}
+			out[i] = decode.Tactic(l.P, opts)
 		case "doublep":
 			out[i] = decode.DoubleP(l.Targets, sparse.TacticDecoderOptions{})
 		case "oracle":

@@ -13,19 +13,24 @@ import (
 func TestParseLayouts(t *testing.T) {
 	specs, err := parseLayouts(defaultLayouts, 6)
 	require.NoError(t, err)
-	require.Len(t, specs, 24)
-	require.Equal(t, []int{2, 4}, specs[13].Delta.Refresh)
-	require.Equal(t, 2, specs[13].Delta.Warmup)
-	require.Equal(t, 4, specs[13].sparseLayers())
-	require.True(t, specs[12].policies(nil, 4)[1].IsDense())
-	require.False(t, specs[12].policies(nil, 4)[5].IsDense())
+	require.Len(t, specs, 26)
+	require.Equal(t, []int{2, 4}, specs[15].Delta.Refresh)
+	require.Equal(t, 2, specs[15].Delta.Warmup)
+	require.Equal(t, 4, specs[15].sparseLayers())
+	require.True(t, specs[14].policies(nil, 4)[1].IsDense())
+	require.False(t, specs[14].policies(nil, 4)[5].IsDense())
 	require.Equal(t, "tactic", specs[0].Policy)
 	require.Equal(t, 0.9, specs[0].P)
+	require.False(t, specs[0].Curve)
+	require.Equal(t, "Tactic P = 0.9", specs[0].policies(nil, 4)[0].String(), "the default fit")
 	require.Equal(t, []bool{true, true, true, true, true, true}, specs[0].Layers)
 	require.Equal(t, []bool{false, false, true, true, true, true}, specs[1].Layers)
-	require.Equal(t, 0.95, specs[2].Targets.P1)
-	require.Equal(t, 0.7, specs[2].Targets.P2)
-	require.Equal(t, "tactic", specs[6].BudgetFrom)
+	require.Equal(t, "tactic", specs[2].Policy)
+	require.True(t, specs[2].Curve)
+	require.Equal(t, "Tactic P = 0.9 (fitted curve)", specs[2].policies(nil, 4)[0].String())
+	require.Equal(t, 0.95, specs[4].Targets.P1)
+	require.Equal(t, 0.7, specs[4].Targets.P2)
+	require.Equal(t, "tactic", specs[8].BudgetFrom)
 	require.Equal(t, 4, specs[1].sparseLayers())
 
 	specs, err = parseLayouts("h2o:300@0,5; quest:tactic@1-2; dense", 6)
@@ -70,7 +75,7 @@ func TestParseLayouts(t *testing.T) {
 // TestParseLayoutsRejectsBadInput checks the errors.
 func TestParseLayoutsRejectsBadInput(t *testing.T) {
 	for _, bad := range []string{
-		"", ";", "tactic", "tactic:nan", "tactic:1.5", "tactic:0", "doublep:0.9", "doublep:0.9/x",
+		"", ";", "tactic", "tactic:nan", "tactic:1.5", "tactic:0", "tactic:0.9/", "tactic:0.9/fit", "tactic:/curve", "doublep:0.9", "doublep:0.9/x",
 		"quest:0", "quest:-5", "quest:many", "h2o", "magic:1", "dense:1", "tactic:0.9@6", "tactic:0.9@3-1",
 		"tactic:0.9@a", "tactic:0.9@-1", "tactic:0.9@1,9",
 		"delta:8/8", "delta:8", "delta:x/2", "delta:64/8@0-5,9",

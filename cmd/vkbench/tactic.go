@@ -35,11 +35,7 @@ func tactic(args []string) error {
 	kvHeads := fs.Int("kv-heads", 8, "KV heads (generated workload)")
 	dim := fs.Int("dim", 128, "head dimension (generated workload)")
 	kindsName := fs.String("kinds", "mixed", kindsUsage)
-	maxWindow := fs.Int("max-window", sparse.DefaultTacticFit().MaxWindow, "the most tokens of each sampling window (0: no limit)")
-	windowStride := fs.Int("window-stride", sparse.DefaultTacticFit().WindowStride, "sampling windows score only the clusters whose index is a multiple of this (0 or 1: every cluster)")
-	initial := fs.Float64("initial", sparse.DefaultTacticFit().InitialFrac, "share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)")
-	moments := fs.Bool("moments", false, "Tactic's moment estimate (no key rows sampled: each cluster's mass from its centroid score and the spread of its keys) instead of the fitted curve")
-	maxInitial := fs.Int("max-initial", sparse.DefaultTacticFit().MaxInitial, "the most tokens the fit computes exactly (0: no limit)")
+	fitArgs := addFitFlags(fs)
 	reps := fs.Int("reps", 50, "timed runs per row")
 	batchList := fs.String("batch", "1", "batch sizes B (comma-separated): for each B > 1 a batched step over B sequences, each its own cache and index, is timed beside dense attention over B")
 	seed := fs.Int64("seed", 1, "workload and K-means seed")
@@ -58,7 +54,8 @@ func tactic(args []string) error {
 	if *span < 0 {
 		return fmt.Errorf("-span %d: must not be negative", *span)
 	}
-	if err := checkFit(*initial, *maxInitial, *maxWindow, *windowStride); err != nil {
+	fit, err := fitArgs.fit()
+	if err != nil {
 		return err
 	}
 	pList, err := floats(*ps)
@@ -74,9 +71,6 @@ func tactic(args []string) error {
 	if err != nil {
 		return fmt.Errorf("-batch: %v", err)
 	}
-	fit := sparse.DefaultTacticFit()
-	fit.MaxWindow, fit.InitialFrac, fit.WindowStride, fit.MaxInitial = *maxWindow, *initial, *windowStride, *maxInitial
-	fit.Moments = *moments
 	if _, err := workload.NamedConfig(*kindsName, 1, *qHeads, *kvHeads, *dim); err != nil {
 		return fmt.Errorf("-kinds: %v", err)
 	}
