@@ -76,9 +76,9 @@ func checkClusterSize(n int) error {
 // fitFlags are the flags of tactic and fidelity that set Tactic's
 // distribution fit (sparse.TacticFit).
 type fitFlags struct {
-	kind                              *string
-	initial                           *float64
-	maxInitial, maxWindow, windowStep *int
+	kind                                *string
+	initial                             *float64
+	maxInitial, maxWindow, windowStride *int
 }
 
 // addFitFlags registers -fit, -initial, -max-initial, -max-window and
@@ -86,11 +86,11 @@ type fitFlags struct {
 func addFitFlags(fs *flag.FlagSet) fitFlags {
 	def := sparse.DefaultTacticFit()
 	return fitFlags{
-		kind:       fs.String("fit", "moments", "Tactic's estimate of each head's whole attention mass: moments (each cluster's mass from its centroid score and the spread of its keys; no key rows sampled) or curve (the paper's a/x + b fitted to an exact part and two sampled windows, set by the flags below)"),
-		initial:    fs.Float64("initial", def.InitialFrac, "-fit curve: share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)"),
-		maxInitial: fs.Int("max-initial", def.MaxInitial, "-fit curve: the most tokens the fit computes exactly (0: no limit)"),
-		maxWindow:  fs.Int("max-window", def.MaxWindow, "-fit curve: the most tokens of each sampling window (0: no limit)"),
-		windowStep: fs.Int("window-stride", def.WindowStride, "-fit curve: sampling windows score only the clusters whose index is a multiple of this (0 or 1: every cluster)"),
+		kind:         fs.String("fit", "moments", "Tactic's estimate of each head's whole attention mass: moments (each cluster's mass from its centroid score and the spread of its keys; no key rows sampled) or curve (the paper's a/x + b fitted to an exact part and two sampled windows, set by the flags below)"),
+		initial:      fs.Float64("initial", def.InitialFrac, "-fit curve: share of the clustered tokens whose scores the fit computes exactly (the paper's initial tokens: 1-2 %)"),
+		maxInitial:   fs.Int("max-initial", def.MaxInitial, "-fit curve: the most tokens the fit computes exactly (0: no limit)"),
+		maxWindow:    fs.Int("max-window", def.MaxWindow, "-fit curve: the most tokens of each sampling window (0: no limit)"),
+		windowStride: fs.Int("window-stride", def.WindowStride, "-fit curve: sampling windows score only the clusters whose index is a multiple of this (0 or 1: every cluster)"),
 	}
 }
 
@@ -105,10 +105,10 @@ func (f fitFlags) fit() (sparse.TacticFit, error) {
 	default:
 		return fit, fmt.Errorf("-fit %q: want moments or curve", *f.kind)
 	}
-	if err := checkFit(*f.initial, *f.maxInitial, *f.maxWindow, *f.windowStep); err != nil {
+	if err := checkFit(*f.initial, *f.maxInitial, *f.maxWindow, *f.windowStride); err != nil {
 		return fit, err
 	}
-	fit.InitialFrac, fit.MaxInitial, fit.MaxWindow, fit.WindowStride = *f.initial, *f.maxInitial, *f.maxWindow, *f.windowStep
+	fit.InitialFrac, fit.MaxInitial, fit.MaxWindow, fit.WindowStride = *f.initial, *f.maxInitial, *f.maxWindow, *f.windowStride
 	return fit, nil
 }
 

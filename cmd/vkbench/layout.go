@@ -42,9 +42,10 @@ func (l layoutSpec) matchSpec() string {
 }
 
 // parseLayouts reads layouts separated by ";", each POLICY[:ARGS][@LAYERS]:
-// dense, tactic:P (tactic:P/curve: the paper's fitted curve), doublep:P1/P2, oracle:P (tokens), cluster-oracle:P,
-// quest:B, streaming:B, h2o:B with B a budget of middle tokens or tactic
-// or doublep (that layout's tokens over the same layers), delta:K/L
+// dense, tactic:P (tactic:P/curve: the paper's fitted curve),
+// doublep:P1/P2, oracle:P (tokens), cluster-oracle:P, quest:B,
+// streaming:B, h2o:B with B a budget of middle tokens or tactic or
+// doublep (that layout's tokens over the same layers), delta:K/L
 // (pages and recent pages; 64/8 by default) whose LAYERS are its Δ-layers
 // (2 by default; the first ends the dense warm-up) and K may be tactic or
 // doublep (the mean of that layout's tokens over all layers, in pages),
