@@ -39,6 +39,14 @@ func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
 		return nil, err
 	}
 	defer tactic.release()
+	curve, err := tactic.selectionKernel(dense, false)
+	if err != nil {
+		return nil, err
+	}
+	moments, err := tactic.selectionKernel(dense, true)
+	if err != nil {
+		return nil, err
+	}
 	b := &builder{dev: dense.dev}
 	doublePScore := centroidScores(b, dense, true).pipe
 	cut := doublePCut(b)
@@ -56,7 +64,8 @@ func StepKernelStatistics(dense *Dense) ([]KernelStatistics, error) {
 		{"attend_partial (clusters)", dense.clustered},
 		{"attend_partial (clusters, pseudo-tokens)", approx},
 		{"centroid_score (Tactic)", tactic.score.pipe},
-		{"tactic_select", tactic.selection},
+		{"tactic_select (moment estimate)", moments},
+		{"tactic_select (fitted curve)", curve},
 		{"centroid_score (Double-P)", doublePScore},
 		{"doublep_cut", cut},
 		{"select_bins (Quest)", quest},

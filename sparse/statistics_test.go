@@ -32,7 +32,7 @@ func TestStepKernelStatistics(t *testing.T) {
 		seen[k.Kernel] = true
 		require.NotEmpty(t, k.Statistics, k.Kernel)
 	}
-	for _, name := range []string{"attend_partial (dense)", "centroid_score (Tactic)", "tactic_select", "doublep_cut", "select_bins (Quest)"} {
+	for _, name := range []string{"attend_partial (dense)", "centroid_score (Tactic)", "tactic_select (moment estimate)", "tactic_select (fitted curve)", "doublep_cut", "select_bins (Quest)"} {
 		require.True(t, seen[name], "kernel %q missing from %v", name, stats)
 	}
 }

@@ -162,8 +162,9 @@ type tacticKernels struct {
 	score centroidScorer
 	// selection is tactic_select: each head's clusters' bins, the
 	// sampling, the fit and the budget's cut; moments the same with the
-	// moment estimate (TacticFit.Moments), built by the first selector
-	// that uses it (momentKernel), spec the selection's specialization.
+	// moment estimate (TacticFit.Moments). Each is built by the first
+	// selector that uses it (selectionKernel); spec is their
+	// specialization but the last constant.
 	selection, moments *vk.Pipeline
 	spec               []uint32
 	// sampleTeams is the clusters a selection workgroup samples at once.
@@ -174,15 +175,23 @@ type tacticKernels struct {
 // release lets the kernels go: the Dense they came from holds them.
 func (k *tacticKernels) release() error { return nil }
 
-// momentKernel builds tactic_select with the moment estimate (MOMENTS = 1)
-// for dense's heads, unless it is built.
-func (k *tacticKernels) momentKernel(dense *Dense) error {
-	if k.moments != nil {
-		return nil
+// selectionKernel returns tactic_select for dense's heads with the
+// fitted curve, or with the moment estimate (MOMENTS = 1) where moments,
+// building it the first time it is asked for: a step compiles only the
+// variant it runs.
+func (k *tacticKernels) selectionKernel(dense *Dense, moments bool) (*vk.Pipeline, error) {
+	pipe := &k.selection
+	if moments {
+		pipe = &k.moments
 	}
-	b := &builder{dev: dense.dev, cache: &dense.kernels}
-	k.moments = b.kernel("tactic_select", 15, 16, append(slices.Clone(k.spec), 1)...)
-	return b.err
+	if *pipe == nil {
+		b := &builder{dev: dense.dev, cache: &dense.kernels}
+		*pipe = b.kernel("tactic_select", 15, 16, append(slices.Clone(k.spec), boolWord(moments))...)
+		if b.err != nil {
+			return nil, b.err
+		}
+	}
+	return *pipe, nil
 }
 
 // NewTacticStep prepares decode steps at target mass p with the fit's
@@ -217,10 +226,8 @@ func newTacticSelector(dense *Dense, k *tacticKernels, layer *kvcache.Layer, clu
 	if err := errors.Join(dense.heads.checkIndex(layer, clusters), checkP(p), fit.validate()); err != nil {
 		return nil, err
 	}
-	if fit.Moments {
-		if err := k.momentKernel(dense); err != nil {
-			return nil, err
-		}
+	if _, err := k.selectionKernel(dense, fit.Moments); err != nil {
+		return nil, err
 	}
 	var err error
 	if s.tacticBound, err = s.allocate(clusters); err != nil {
@@ -229,11 +236,11 @@ func newTacticSelector(dense *Dense, k *tacticKernels, layer *kvcache.Layer, clu
 	return s, nil
 }
 
-// newTacticKernels compiles the selection kernels for dense's heads.
+// newTacticKernels compiles the centroid scores' kernel for dense's heads
+// and prepares the selection's (selectionKernel builds them).
 func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	h, dev := dense.heads, dense.dev
 	b := &builder{dev: dev, cache: &dense.kernels}
-	build := b.kernel
 	k := &tacticKernels{}
 	// Selection: workgroups of up to selectWorkgroup threads, each ordering
 	// all of a query head's clusters, fewer where its shared memory would
@@ -260,7 +267,6 @@ func newTacticKernels(dense *Dense) (*tacticKernels, error) {
 	k.sampleTeams = int(selectWG) / team
 	k.threads = int(selectWG)
 	k.spec = []uint32{selectWG, uint32(h.Dim), uint32(tpr), uint32(rowsPerThread(tpr)), uint32(team), ScoreBins, 10, subgroups(selectWG), boolWord(shuffle), selectSegment}
-	k.selection = build("tactic_select", 15, 16, append(slices.Clone(k.spec), 0)...)
 	if b.err != nil {
 		return nil, errors.Join(b.err, k.release())
 	}
