@@ -180,10 +180,7 @@ func (k *tacticKernels) release() error { return nil }
 // building it the first time it is asked for: a step compiles only the
 // variant it runs.
 func (k *tacticKernels) selectionKernel(dense *Dense, moments bool) (*vk.Pipeline, error) {
-	pipe := &k.selection
-	if moments {
-		pipe = &k.moments
-	}
+	pipe := k.variant(moments)
 	if *pipe == nil {
 		b := &builder{dev: dense.dev, cache: &dense.kernels}
 		*pipe = b.kernel("tactic_select", 15, 16, append(slices.Clone(k.spec), boolWord(moments))...)
@@ -217,6 +214,15 @@ func newTacticStep(dense *Dense, layer *kvcache.Layer, sel *tacticSelector) (*Ta
 		return nil, err
 	}
 	return &TacticStep{Step: step, tactic: sel}, nil
+}
+
+// variant returns where the selection kernel of the fitted curve, or of
+// the moment estimate where moments, is kept.
+func (k *tacticKernels) variant(moments bool) **vk.Pipeline {
+	if moments {
+		return &k.moments
+	}
+	return &k.selection
 }
 
 // newTacticSelector prepares Tactic's selection with kernels k (which it
@@ -360,9 +366,9 @@ func (x *tacticBound) bindKernels(k *tacticKernels, layer *kvcache.Layer, query 
 		return err
 	}
 	// Bindings a variant does not read take the scores.
-	pipe, sampled, spreads, dims, sums := k.selection, x.sampled, x.scores, x.scores, x.scores
+	pipe, sampled, spreads, dims, sums := *k.variant(x.moments), x.sampled, x.scores, x.scores, x.scores
 	if x.moments {
-		pipe, sampled, spreads, dims, sums = k.moments, x.scores, x.spreads, x.dimWeights, x.binSums
+		sampled, spreads, dims, sums = x.scores, x.spreads, x.dimWeights, x.binSums
 	}
 	selection, err := pipe.Bind(query, layer.Keys().All(), x.scores.All(), clusters.Starts.All(), clusters.Counts.All(), x.binOf.All(),
 		sampled.All(), x.fixedE.All(), x.planBuf.All(), x.cut.All(), x.extremes.All(), x.fitArrived.All(), spreads.All(), dims.All(), sums.All())
@@ -443,10 +449,7 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 		stride := s.fit.windowStride(x.Count, x.C)
 		windows := ceilDiv(win[1]-win[0]+1+win[3]-win[2]+1, stride)
 		work := ceilDiv((need+windows)*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
-		pipe := k.selection
-		if s.fit.Moments {
-			pipe = k.moments
-		}
+		pipe := *k.variant(s.fit.Moments)
 		push := []uint32{cc, group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3]),
 			uint32(x.First), uint32(end), uint32(n), maxSampleWorkgroups, scale, math.Float32bits(float32(s.p)),
 			uint32(stride)}
@@ -489,14 +492,6 @@ func (t *TacticStep) Cuts() ([]int, error) { return readInts(t.tactic.cut, t.den
 // (the sinks and the tail), from the lists the selection wrote.
 func (t *TacticStep) FitRows() ([]int, error) {
 	h, x := t.dense.heads, t.tactic.clusters
-	plan, err := readInts(t.tactic.planBuf, h.Query*16)
-	if err != nil {
-		return nil, err
-	}
-	counts, err := readInts(x.Counts, h.KV*x.C)
-	if err != nil {
-		return nil, err
-	}
 	fixed := t.layer.Len() - x.Count
 	rows := make([]int, h.Query)
 	if t.tactic.fit.Moments {
@@ -504,6 +499,14 @@ func (t *TacticStep) FitRows() ([]int, error) {
 			rows[hh] = fixed // the estimates read no member rows
 		}
 		return rows, nil
+	}
+	plan, err := readInts(t.tactic.planBuf, h.Query*16)
+	if err != nil {
+		return nil, err
+	}
+	counts, err := readInts(x.Counts, h.KV*x.C)
+	if err != nil {
+		return nil, err
 	}
 	fsum := make([]uint32, 4*h.Query*maxSampleWorkgroups)
 	smp := make([]uint32, 2*h.Query*(x.C+maxSampleWorkgroups))

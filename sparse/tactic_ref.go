@@ -124,12 +124,12 @@ func DefaultTacticFit() TacticFit {
 	return f
 }
 
-// TacticCurveFit returns the paper's fit of a/x + b, with InitialFrac 0.02 and windows centred at 0.10
-// and 0.40 of nominal width 0.02, tuned on the real traces and the
-// generator's layer (package workload). The paper places the windows at
-// 0.10 and 0.60; for P ≤ 0.9 the budgets land before 0.60, and in heads
-// whose logits are spread like a Gaussian (the generator's retrieval
-// heads) the cluster-ordered scores keep falling past 0.30 while a/x + b
+// TacticCurveFit returns the paper's fit of a/x + b, with InitialFrac
+// 0.02 and windows centred at 0.10 and 0.40 of nominal width 0.02, tuned
+// on the real traces and the generator's layer (package workload). The
+// paper places the windows at 0.10 and 0.60; for P ≤ 0.9 the budgets
+// land before 0.60, and in heads whose logits are spread like a Gaussian
+// (the generator's retrieval heads) the cluster-ordered scores keep falling past 0.30 while a/x + b
 // levels off at b, so a second window at 0.60 underestimates the middle
 // and one at 0.30 overestimates the tail (the estimated total came out
 // 1.3× the true one there, doubling those heads' budgets). On a grid of
