@@ -121,6 +121,10 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 		{heads: Heads{8, 2, 64}, n: 5000, capacity: 5000, first: 2, tail: 30, clusters: 300, opts: DenseOptions{ClusterTile: 300, ClusterWindow: 128}},
 		// Two head blocks per KV head, each attending the whole group's union.
 		{heads: Heads{16, 4, 128}, n: 6000, capacity: 6100, first: 4, tail: 100, clusters: 500, opts: DenseOptions{Group: 2, Tile: 512}},
+		// Eight and sixteen query heads a KV head (takenByGroup's loop over
+		// a group's heads), runs of several windows.
+		{heads: Heads{8, 1, 64}, n: 4000, capacity: 4000, first: 2, tail: 20, clusters: 500, opts: DenseOptions{ClusterChunk: 300, ClusterWindow: 64}},
+		{heads: Heads{16, 1, 64}, n: 3000, capacity: 3000, first: 1, tail: 9, clusters: 400, opts: DenseOptions{ClusterChunk: 200, ClusterWindow: 32}},
 	} {
 		name := fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_C%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, c.clusters)
 		t.Run(name, func(t *testing.T) {
