@@ -129,10 +129,11 @@ func DefaultTacticFit() TacticFit {
 // on the real traces and the generator's layer (package workload). The
 // paper places the windows at 0.10 and 0.60; for P ≤ 0.9 the budgets
 // land before 0.60, and in heads whose logits are spread like a Gaussian
-// (the generator's retrieval heads) the cluster-ordered scores keep falling past 0.30 while a/x + b
-// levels off at b, so a second window at 0.60 underestimates the middle
-// and one at 0.30 overestimates the tail (the estimated total came out
-// 1.3× the true one there, doubling those heads' budgets). On a grid of
+// (the generator's retrieval heads) the cluster-ordered scores keep
+// falling past 0.30 while a/x + b levels off at b, so a second window at
+// 0.60 underestimates the middle and one at 0.30 overestimates the tail
+// (the estimated total came out 1.3× the true one there, doubling those
+// heads' budgets). On a grid of
 // first windows 0.08, 0.10, 0.12 and second windows 0.35, 0.40, 0.45,
 // the real traces and the generator meet the targets of
 // TestTacticRealTraces and TestTacticGeneratedWorkload (package evaluate)
