@@ -56,7 +56,7 @@ func randomCentroids(rng *rand.Rand, c, d int) []float32 {
 // x against the head's own dimension scales, as Clusters.Quantize does:
 // the codes, row scales and dimension scales of every head, one after
 // another.
-func quantizeHeads(t *testing.T, x []float32, heads, d int) (codes []int8, r, m []float32) {
+func quantizeHeads(t testing.TB, x []float32, heads, d int) (codes []int8, r, m []float32) {
 	t.Helper()
 	per := len(x) / heads
 	for g := 0; g < heads; g++ {
@@ -68,6 +68,45 @@ func quantizeHeads(t *testing.T, x []float32, heads, d int) (codes []int8, r, m 
 		codes, r, m = append(codes, kg...), append(r, rg...), append(m, mg...)
 	}
 	return codes, r, m
+}
+
+// TestQueryBytesRef checks the two bytes of fresh random queries with an
+// outlier: every value within s/512 of the original (s/256 where the clamp
+// binds), on the grid s/256, the largest one exact, and zeros kept.
+func TestQueryBytesRef(t *testing.T) {
+	rng := rand.New(rand.NewSource(rand.Int63()))
+	for _, n := range []int{1, 7, 128} {
+		x := make([]float64, n)
+		for i := range x {
+			x[i] = 0.3 * rng.NormFloat64()
+		}
+		x[rng.Intn(n)] = -25 * (1 + rng.Float64())
+		mx := 0.0
+		for _, v := range x {
+			mx = math.Max(mx, math.Abs(v))
+		}
+		s := mx / 127
+		got := QueryBytesRef(x)
+		require.Len(t, got, n)
+		for i, v := range got {
+			require.LessOrEqual(t, math.Abs(v-x[i]), s/256*(1+1e-9), "value %d: %v for %v", i, v, x[i])
+			steps := v / (s / 256)
+			require.InDelta(t, math.Round(steps), steps, 1e-6, "value %d off the grid", i)
+			if math.Abs(x[i]) == mx {
+				require.InDelta(t, x[i], v, 1e-12*mx, "the largest value")
+			}
+		}
+		// Most values lie within s/512: the clamp binds only within s/512
+		// of a rounding midpoint of the first byte.
+		within := 0
+		for i, v := range got {
+			if math.Abs(v-x[i]) <= s/512*(1+1e-9) {
+				within++
+			}
+		}
+		require.GreaterOrEqual(t, within, n*9/10)
+	}
+	require.Equal(t, []float64{0, 0}, QueryBytesRef([]float64{0, 0}))
 }
 
 // TestCentroidScoresRefOfQuantizedCentroids checks the two references
@@ -112,9 +151,11 @@ func TestCentroidScoresRefOfQuantizedCentroids(t *testing.T) {
 // realistic scales, for odd and edge counts of
 // clusters, several head shapes, both kinds of score (Tactic's, and
 // Double-P's with ln s_c and −∞ for empty clusters), one and several
-// groups of centroids per workgroup, subgroup shuffles and shared memory;
-// the scores, poisoned with NaN first, must match CentroidScoresRef and the
-// folded extremes the best and worst finite scores.
+// groups of centroids per workgroup, subgroup shuffles and shared memory,
+// float products (centroid_score) and integer dot products of the query's
+// two bytes (centroid_score_dot, where the device has them); the scores,
+// poisoned with NaN first, must match CentroidScoresRef (CentroidScoresDotRef)
+// and the folded extremes the best and worst finite scores.
 func TestCentroidScoreKernel(t *testing.T) {
 	dev := vktest.Open(t)
 	rng := rand.New(rand.NewSource(rand.Int63()))
@@ -136,15 +177,20 @@ func TestCentroidScoreKernel(t *testing.T) {
 	}
 	for _, s := range shapes {
 		for _, logSize := range []bool{false, true} {
-			name := fmt.Sprintf("%+v C %d tree %v workgroups %d log %v", s.h, s.c, s.tree, s.wgs, logSize)
-			t.Run(name, func(t *testing.T) {
-				testCentroidScore(t, dev, rng, s.h, s.c, s.tree, s.wgs, logSize)
-			})
+			for _, dot := range []bool{false, true} {
+				name := fmt.Sprintf("%+v C %d tree %v workgroups %d log %v dot %v", s.h, s.c, s.tree, s.wgs, logSize, dot)
+				t.Run(name, func(t *testing.T) {
+					if dot && !dev.Info().IntegerDot {
+						t.Skipf("%s has no integer dot products (VK_KHR_shader_integer_dot_product)", dev.Info().Name)
+					}
+					testCentroidScore(t, dev, rng, s.h, s.c, s.tree, s.wgs, logSize, dot)
+				})
+			}
 		}
 	}
 }
 
-func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c int, tree bool, wgs int, logSize bool) {
+func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c int, tree bool, wgs int, logSize, dot bool) {
 	dense, err := NewDenseWith(dev, h, DenseOptions{TreeReduce: tree})
 	if err != nil {
 		t.Skipf("heads %+v: %v", h, err)
@@ -153,7 +199,7 @@ func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c 
 	var bufs []*vk.Buffer
 	defer func() { require.NoError(t, releaseAll(bufs...)) }()
 	b := &builder{dev: dev, bufs: &bufs, cache: &dense.kernels}
-	scorer := centroidScores(b, dense, logSize)
+	scorer := centroidScoresWith(b, dense, logSize, dot)
 	d := h.Dim
 	codes, r, m := quantizeHeads(t, randomCentroids(rng, h.KV*c, d), h.KV, d)
 	sizes := make([]uint32, h.KV*c)
@@ -198,10 +244,26 @@ func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c 
 		for i := range sz {
 			sz[i] = int(sizes[g*c+i])
 		}
-		want, err := CentroidScoresRef(qs, scale, codes[g*c*d:(g+1)*c*d], r[g*c:(g+1)*c], m[g*d:(g+1)*d], sz, d, logSize)
+		ref := CentroidScoresRef
+		if dot {
+			ref = CentroidScoresDotRef
+		}
+		want, err := ref(qs, scale, codes[g*c*d:(g+1)*c*d], r[g*c:(g+1)*c], m[g*d:(g+1)*d], sz, d, logSize)
 		require.NoError(t, err)
 		for j := range qs {
 			hh := g*h.Group() + j
+			// With bytes, the kernel's float32 division may round a few of
+			// the query's values to the neighbouring byte: 4 of them, each
+			// s/256 off (s the head's step) against codes of up to 127, are
+			// allowed.
+			flips := 0.0
+			if dot {
+				mx := 0.0
+				for i := 0; i < d; i++ {
+					mx = math.Max(mx, math.Abs(scale*qs[j][i]*float64(m[g*d+i])))
+				}
+				flips = 4 * mx / 127 / 256 * 127
+			}
 			best, worst := math.Inf(-1), math.Inf(1)
 			for cl := 0; cl < c; cl++ {
 				// The float32 sum's error is within a few ulps of the sum of
@@ -212,7 +274,7 @@ func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c 
 				}
 				mag *= float64(r[g*c+cl])
 				w, x := want[j][cl], float64(got[hh*c+cl])
-				ok := w == x || math.Abs(w-x) <= 1e-5*mag+1e-6*math.Abs(w)
+				ok := w == x || math.Abs(w-x) <= 1e-5*mag+1e-6*math.Abs(w)+flips*float64(r[g*c+cl])
 				if !ok && len(bad) < 8 {
 					bad = append(bad, fmt.Sprintf("head %d cluster %d: got %v, want %v", hh, cl, x, w))
 				}
@@ -227,6 +289,38 @@ func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c 
 		}
 	}
 	require.Empty(t, bad, "first mismatches")
+}
+
+// scoreTolerance is how far a step's centroid score of query qh (scale
+// folded in by the kernel) against the float64 centroid c of KV head
+// centroids (rows of len(qh)) may lie from scale·qh·c: float32 rounding,
+// and with integer dot products (dot) the query's two bytes, each value
+// within s/256 of its own (s the head's step, QueryBytesRef), against
+// codes c_i/m_i (m_i the head's dimension scale, here the largest |c_i| of
+// the head's rows, within a rounding of the one that coded them), taken
+// twice for those roundings.
+func scoreTolerance(qh []float64, scale float64, centroids, c []float64, dot bool) float64 {
+	s := 0.0
+	for i, x := range qh {
+		s += scale * x * c[i]
+	}
+	tol := 1e-4 * (1 + math.Abs(s))
+	if !dot {
+		return tol
+	}
+	d := len(qh)
+	m := make([]float64, d)
+	for j := 0; j < len(centroids); j++ {
+		m[j%d] = math.Max(m[j%d], math.Abs(centroids[j]))
+	}
+	mx, codes := 0.0, 0.0
+	for i, x := range qh {
+		mx = math.Max(mx, math.Abs(scale*x*m[i]))
+		if m[i] > 0 {
+			codes += math.Abs(c[i]) / m[i]
+		}
+	}
+	return tol + 2*mx/127/256*codes
 }
 
 // unkeyScore inverts centroid_score's order-preserving key.

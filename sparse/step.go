@@ -323,6 +323,13 @@ const scoreLanes = 8
 // group's.
 const scoreRowsPerLane = 2
 
+// scoreDotRowsPerLane is scoreRowsPerLane for centroid_score_dot, whose
+// queries in bytes leave registers for more rows in flight: on an H200 at
+// 131 072 tokens a batch of 8 took 29.0 µs with 4 rows a lane against 34.0
+// with 2, batch 1 8.8 against 8.5, and at 32 768 tokens 11.9 against 11.2
+// and 5.5 against 5.6 (BenchmarkCentroidScores, bench/README.md).
+const scoreDotRowsPerLane = 4
+
 // scoreQueryWords is the most query words a lane of centroid_score holds
 // in registers: its parts of the block's queries.
 const scoreQueryWords = 64
@@ -347,7 +354,8 @@ type centroidScorer struct {
 }
 
 // centroidScores builds centroid_score for dense's heads (with ln s_c
-// added where logSize): blocks of 1, 2, 4 or 8 query heads (the group's,
+// added where logSize), with integer dot products where the device
+// accelerates them (scoresByDot): blocks of 1, 2, 4 or 8 query heads (the group's,
 // rounded up to a power of two), a row's lanes scoreLanes where the row
 // has that many parts of 8 codes (fewer for fewer, never fewer than the
 // block's heads, more while a lane's parts of the queries exceed
@@ -355,6 +363,26 @@ type centroidScorer struct {
 // scoreWorkgroup threads or fewer (scoreWorkgroupWithSizes with ln s_c;
 // workgroup × heads × rows a lane ≤ 4096 words, a power of two).
 func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
+	return centroidScoresWith(b, dense, logSize, scoresByDot(dense.dev.Info(), dense.heads))
+}
+
+// scoresByDot reports whether centroid scores take integer dot products
+// (centroid_score_dot): where the device accelerates those of four signed
+// bytes and the head's sums fit 32 bits (D ≤ 512). On an H200 the
+// float kernel's conversions and products, not its bytes, set its time
+// (bench/README.md, 2026-11-28 (evening, late)).
+func scoresByDot(info vk.Info, h Heads) bool {
+	return info.IntegerDotFast && h.Dim <= maxDotDim
+}
+
+// maxDotDim is the most dimensions whose integer sums in
+// centroid_score_dot fit 32 bits: 257 · 127 · 127 · D < 2^31.
+const maxDotDim = 512
+
+// centroidScoresWith is centroidScores with the kernel chosen: the
+// integer dot products of centroid_score_dot where dot (which needs
+// vk.Info.IntegerDot and D ≤ maxDotDim), else the float products.
+func centroidScoresWith(b *builder, dense *Dense, logSize, dot bool) centroidScorer {
 	h, info := dense.heads, dense.dev.Info()
 	heads := 1
 	for heads < min(h.Group(), 8) {
@@ -369,7 +397,11 @@ func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
 	for ceilDiv(parts, lanes)*heads*8 > scoreQueryWords && lanes < 32 {
 		lanes *= 2
 	}
-	wg := min(scoreWorkgroup, perHeadWorkgroup(info), uint32(4096/(heads*scoreRowsPerLane)))
+	rows := scoreRowsPerLane
+	if dot {
+		rows = scoreDotRowsPerLane
+	}
+	wg := min(scoreWorkgroup, perHeadWorkgroup(info), uint32(4096/(heads*rows)))
 	if logSize {
 		wg = min(wg, scoreWorkgroupWithSizes)
 	}
@@ -378,8 +410,12 @@ func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
 	}
 	wg = max(wg, uint32(lanes))
 	shuffle := !dense.tree && info.SubgroupShuffle && info.SubgroupSize%uint32(lanes) == 0
-	pipe := b.kernel("centroid_score", 7, 4, wg, uint32(h.Dim), uint32(heads), boolWord(logSize), boolWord(shuffle), uint32(lanes), scoreRowsPerLane)
-	return centroidScorer{pipe: pipe, rows: int(wg) / lanes * scoreRowsPerLane, heads: heads, kv: h.KV, group: h.Group(), scale: h.scaleBits()}
+	name := "centroid_score"
+	if dot {
+		name = "centroid_score_dot"
+	}
+	pipe := b.kernel(name, 7, 4, wg, uint32(h.Dim), uint32(heads), boolWord(logSize), boolWord(shuffle), uint32(lanes), uint32(rows))
+	return centroidScorer{pipe: pipe, rows: int(wg) / lanes * rows, heads: heads, kv: h.KV, group: h.Group(), scale: h.scaleBits()}
 }
 
 // record appends the dispatch scoring c centroids per KV head with the

@@ -84,10 +84,14 @@ type Info struct {
 	// ExecutableStatistics: the driver reports its compiler's statistics
 	// per pipeline (VK_KHR_pipeline_executable_properties; Options.Statistics).
 	ExecutableStatistics bool
-	DeviceLocalBytes     uint64
-	TimestampPeriodNs    float64 // nanoseconds per timestamp tick
-	TimestampValidBits   uint32  // 0: the compute queue has no timestamps
-	queueFamily          uint32
+	// IntegerDot: shaders may take dot products of words of four signed
+	// bytes (VK_KHR_shader_integer_dot_product; the device is opened with
+	// it); IntegerDotFast: the device says they are accelerated.
+	IntegerDot, IntegerDotFast bool
+	DeviceLocalBytes           uint64
+	TimestampPeriodNs          float64 // nanoseconds per timestamp tick
+	TimestampValidBits         uint32  // 0: the compute queue has no timestamps
+	queueFamily                uint32
 }
 
 // Options chooses and configures the device that Open creates.
@@ -235,6 +239,8 @@ func describe(inst vk.Instance, pd vk.PhysicalDevice, index int) Info {
 		Int64:                   f.int64 != 0,
 		CooperativeMatrixNV:     f.coopmat_nv != 0,
 		ExecutableStatistics:    f.executable_stats != 0,
+		IntegerDot:              f.integer_dot != 0,
+		IntegerDotFast:          f.integer_dot_fast != 0,
 		DeviceLocalBytes:        uint64(f.device_local_bytes),
 		TimestampPeriodNs:       float64(f.timestamp_period),
 	}
@@ -440,7 +446,7 @@ func Open(opts Options) (*Device, error) {
 	}
 
 	d.stats = opts.Statistics && d.info.ExecutableStatistics
-	features := C.vks_features(boolInt(d.info.Storage16Bit), boolInt(d.info.Float16), boolInt(d.info.Int64), boolInt(d.info.CooperativeMatrixNV), boolInt(d.stats))
+	features := C.vks_features(boolInt(d.info.Storage16Bit), boolInt(d.info.Float16), boolInt(d.info.Int64), boolInt(d.info.CooperativeMatrixNV), boolInt(d.stats), boolInt(d.info.IntegerDot))
 	if features == nil {
 		return nil, ErrOutOfMemory
 	}
@@ -466,6 +472,9 @@ func Open(opts Options) (*Device, error) {
 	}
 	if d.stats {
 		ci.PpEnabledExtensionNames = append(ci.PpEnabledExtensionNames, "VK_KHR_pipeline_executable_properties\x00")
+	}
+	if d.info.IntegerDot {
+		ci.PpEnabledExtensionNames = append(ci.PpEnabledExtensionNames, "VK_KHR_shader_integer_dot_product\x00")
 	}
 	ci.EnabledExtensionCount = uint32(len(ci.PpEnabledExtensionNames))
 	if err := check("vkCreateDevice", vk.CreateDevice(d.physical, &ci, nil, &dev)); err != nil {

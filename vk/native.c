@@ -35,7 +35,7 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
 	PFN_vkEnumerateDeviceExtensionProperties exts =
 		(PFN_vkEnumerateDeviceExtensionProperties)gipa(instance, "vkEnumerateDeviceExtensionProperties");
 
-	int has_driver_props = 0, has_coopmat = 0, has_memory_model = 0, has_exec = 0;
+	int has_driver_props = 0, has_coopmat = 0, has_memory_model = 0, has_exec = 0, has_dot = 0;
 	uint32_t n = 0;
 	if (exts && exts(pd, NULL, &n, NULL) == VK_SUCCESS && n > 0) {
 		VkExtensionProperties *e = calloc(n, sizeof *e);
@@ -49,6 +49,8 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
 					has_memory_model = 1;
 				if (strcmp(e[i].extensionName, VK_KHR_PIPELINE_EXECUTABLE_PROPERTIES_EXTENSION_NAME) == 0)
 					has_exec = 1;
+				if (strcmp(e[i].extensionName, VK_KHR_SHADER_INTEGER_DOT_PRODUCT_EXTENSION_NAME) == 0)
+					has_dot = 1;
 			}
 		}
 		free(e);
@@ -57,9 +59,14 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
 	VkPhysicalDeviceDriverProperties drv = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES};
 	VkPhysicalDeviceMaintenance3Properties m3 = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES};
 	VkPhysicalDeviceSubgroupProperties sg = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+	VkPhysicalDeviceShaderIntegerDotProductProperties dotp = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_PROPERTIES};
 	VkPhysicalDeviceProperties2 p2 = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
 	p2.pNext = &sg;
 	sg.pNext = &m3;
+	if (has_dot) {
+		sg.pNext = &dotp;
+		dotp.pNext = &m3;
+	}
 	if (has_driver_props) m3.pNext = &drv;
 	props2(pd, &p2);
 	VkPhysicalDeviceProperties *p = &p2.properties;
@@ -93,9 +100,14 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
 	VkPhysicalDeviceCooperativeMatrixFeaturesNV cm = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_NV};
 	VkPhysicalDeviceVulkanMemoryModelFeaturesKHR mm = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES_KHR};
 	VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR ex = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PIPELINE_EXECUTABLE_PROPERTIES_FEATURES_KHR};
+	VkPhysicalDeviceShaderIntegerDotProductFeatures dotf = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES};
 	VkPhysicalDeviceFeatures2 ft = {VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
 	ft.pNext = &s16;
 	s16.pNext = &f16;
+	if (has_dot) {
+		s16.pNext = &dotf;
+		dotf.pNext = &f16;
+	}
 	void **tail = &f16.pNext;
 	if (has_coopmat && has_memory_model) {
 		f16.pNext = &cm;
@@ -105,6 +117,8 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *f) {
 	if (has_exec) *tail = &ex;
 	feats2(pd, &ft);
 	f->executable_stats = has_exec && ex.pipelineExecutableInfo;
+	f->integer_dot = has_dot && dotf.shaderIntegerDotProduct;
+	f->integer_dot_fast = f->integer_dot && dotp.integerDotProduct4x8BitPackedSignedAccelerated;
 	f->storage_16bit = s16.storageBuffer16BitAccess;
 	f->float16 = f16.shaderFloat16;
 	f->int8 = f16.shaderInt8;
@@ -147,6 +161,7 @@ typedef struct {
 	VkPhysicalDeviceCooperativeMatrixFeaturesNV cm;
 	VkPhysicalDeviceVulkanMemoryModelFeaturesKHR mm;
 	VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR ex;
+	VkPhysicalDeviceShaderIntegerDotProductFeatures dot;
 } feature_chain;
 
 static const char *const coopmat_extensions[] = {VK_NV_COOPERATIVE_MATRIX_EXTENSION_NAME, VK_KHR_VULKAN_MEMORY_MODEL_EXTENSION_NAME};
@@ -156,7 +171,7 @@ const char *const *vks_coopmat_extensions(uint32_t *count) {
 	return coopmat_extensions;
 }
 
-void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv, int executable_stats) {
+void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv, int executable_stats, int integer_dot) {
 	feature_chain *c = calloc(1, sizeof *c);
 	if (!c) return NULL;
 	c->base.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2;
@@ -181,6 +196,12 @@ void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv, in
 		c->ex.pipelineExecutableInfo = VK_TRUE;
 		c->ex.pNext = c->f16.pNext; // first in the chain after f16
 		c->f16.pNext = &c->ex;
+	}
+	if (integer_dot) {
+		c->dot.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES;
+		c->dot.shaderIntegerDotProduct = VK_TRUE;
+		c->dot.pNext = c->f16.pNext;
+		c->f16.pNext = &c->dot;
 	}
 	return c;
 }

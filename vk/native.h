@@ -30,6 +30,10 @@ typedef struct {
 	// executable_stats: VK_KHR_pipeline_executable_properties is present with
 	// its pipelineExecutableInfo feature (compilers' statistics per pipeline).
 	uint32_t executable_stats;
+	// integer_dot: VK_KHR_shader_integer_dot_product is present with its
+	// shaderIntegerDotProduct feature; integer_dot_fast: the device says dot
+	// products of two words of four signed bytes are accelerated.
+	uint32_t integer_dot, integer_dot_fast;
 } vks_facts;
 
 // vks_query fills facts for a physical device.
@@ -40,8 +44,10 @@ void vks_query(VkInstance instance, VkPhysicalDevice pd, vks_facts *facts);
 // coopmat_nv adds the cooperative-matrix and Vulkan-memory-model features
 // (the caller enables their extensions, vks_coopmat_extensions).
 // executable_stats adds pipelineExecutableInfo (the caller enables
-// VK_KHR_pipeline_executable_properties).
-void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv, int executable_stats);
+// VK_KHR_pipeline_executable_properties). integer_dot adds
+// shaderIntegerDotProduct (the caller enables
+// VK_KHR_shader_integer_dot_product).
+void *vks_features(int storage_16bit, int float16, int int64, int coopmat_nv, int executable_stats, int integer_dot);
 
 // vks_coopmat_extensions returns the device extensions that coopmat_nv needs.
 const char *const *vks_coopmat_extensions(uint32_t *count);

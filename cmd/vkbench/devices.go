@@ -23,16 +23,17 @@ func devices(args []string) error {
 		return vk.ErrNoDevice
 	}
 	yes := map[bool]string{true: "yes", false: "no"}
+	dot := map[[2]bool]string{{true, true}: "fast", {true, false}: "yes", {false, false}: "no"}
 	var rows [][]string
 	for _, i := range infos {
 		rows = append(rows, []string{
 			fmt.Sprint(i.Index), i.Name, i.Type, i.Vendor, i.Driver, i.APIVersion,
 			fmt.Sprint(i.SubgroupSize), fmt.Sprint(i.MaxWorkgroupInvocations), fmt.Sprintf("%d KiB", i.SharedMemoryBytes>>10),
 			mib(i.MaxStorageBufferRange), mib(i.MaxAllocation), yes[i.Storage16Bit] + "/" + yes[i.Float16],
-			yes[i.CooperativeMatrixNV], fmt.Sprintf("%.3g", i.TimestampPeriodNs),
+			yes[i.CooperativeMatrixNV], dot[[2]bool{i.IntegerDot, i.IntegerDotFast}], fmt.Sprintf("%.3g", i.TimestampPeriodNs),
 		})
 	}
-	table(os.Stdout, []string{"#", "name", "type", "vendor", "driver", "vulkan", "subgroup", "max wg", "shared", "max range", "max alloc", "16-bit storage/fp16", "coopmat NV", "ns/tick"}, rows)
+	table(os.Stdout, []string{"#", "name", "type", "vendor", "driver", "vulkan", "subgroup", "max wg", "shared", "max range", "max alloc", "16-bit storage/fp16", "coopmat NV", "int8 dot", "ns/tick"}, rows)
 	if *jsonPath != "" {
 		return writeJSON(*jsonPath, "devices", vk.Info{}, infos)
 	}
