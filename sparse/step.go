@@ -355,8 +355,8 @@ type centroidScorer struct {
 
 // centroidScores builds centroid_score for dense's heads (with ln s_c
 // added where logSize), with integer dot products where the device
-// accelerates them (scoresByDot): blocks of 1, 2, 4 or 8 query heads (the group's,
-// rounded up to a power of two), a row's lanes scoreLanes where the row
+// accelerates them (scoresByDot): blocks of 1, 2, 4 or 8 query heads (the
+// group's, rounded up to a power of two), a row's lanes scoreLanes where the row
 // has that many parts of 8 codes (fewer for fewer, never fewer than the
 // block's heads, more while a lane's parts of the queries exceed
 // scoreQueryWords), summed by shuffles where they work, workgroups of
