@@ -72,7 +72,26 @@ type DenseOptions struct {
 	// Group is the query heads of a KV head that one workgroup attends
 	// for (a divisor of the GQA group, at most 8); 0 = defaultGroup's.
 	Group int
+	// Scores is how the selectors built on this Dense score centroids;
+	// 0 = ScoresAuto.
+	Scores ScoreKernel
 }
+
+// ScoreKernel is how selectors score 8-bit centroids.
+type ScoreKernel int
+
+const (
+	// ScoresAuto takes integer dot products where the device accelerates
+	// them (vk.Info.IntegerDotFast), float products elsewhere.
+	ScoresAuto ScoreKernel = iota
+	// ScoresFloat turns every code into a float and multiplies
+	// (centroid_score, CentroidScoresRef).
+	ScoresFloat
+	// ScoresIntegerDot holds each query in two bytes and takes integer
+	// dot products of four bytes (centroid_score_dot, CentroidScoresDotRef);
+	// it needs vk.Info.IntegerDot and head dimensions of at most 512.
+	ScoresIntegerDot
+)
 
 func boolWord(b bool) uint32 {
 	if b {
@@ -194,6 +213,7 @@ type denseShape struct {
 	tree        bool // reductions through shared memory only
 	window      int  // clusters scanned at once by attention over clusters
 	clusterTile int  // tokens attention over clusters scores at once
+	dotScores   bool // centroids scored by integer dot products
 }
 
 // resolveShape picks what opts leave at zero for heads of dimension dim
@@ -213,6 +233,18 @@ func resolveShape(info vk.Info, dim, groupSize int, opts DenseOptions) (denseSha
 	}
 	if s.group < 1 || s.group > 8 || groupSize%s.group != 0 {
 		return s, fmt.Errorf("%w: %d query heads per workgroup for groups of %d (a divisor, at most 8)", vk.ErrUnsupported, s.group, groupSize)
+	}
+	switch opts.Scores {
+	case ScoresAuto:
+		s.dotScores = scoresByDot(info, dim)
+	case ScoresFloat:
+	case ScoresIntegerDot:
+		if !info.IntegerDot || dim > maxDotDim {
+			return s, fmt.Errorf("%w: centroid scores by integer dot products with head dimension %d (at most %d) on %s (integer dot products: %v)", vk.ErrUnsupported, dim, maxDotDim, info.Name, info.IntegerDot)
+		}
+		s.dotScores = true
+	default:
+		return s, fmt.Errorf("sparse: DenseOptions.Scores %d is not a ScoreKernel", opts.Scores)
 	}
 	if s.workgroup == 0 {
 		s.workgroup = min(denseWorkgroup, int(info.MaxWorkgroupInvocations))

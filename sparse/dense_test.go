@@ -198,6 +198,19 @@ func TestDenseRejectsBadInput(t *testing.T) {
 		_, err = NewDenseWith(dev, Heads{8, 2, 64}, DenseOptions{Group: g})
 		require.ErrorIs(t, err, vk.ErrUnsupported, "%d query heads per workgroup of groups of 4", g)
 	}
+	_, err = NewDenseWith(dev, Heads{8, 2, 64}, DenseOptions{Scores: ScoresIntegerDot + 1})
+	require.ErrorContains(t, err, "ScoreKernel")
+	for _, s := range []ScoreKernel{ScoresAuto, ScoresFloat, ScoresIntegerDot} {
+		d, err := NewDenseWith(dev, Heads{8, 2, 64}, DenseOptions{Scores: s})
+		if s == ScoresIntegerDot && !dev.Info().IntegerDot {
+			require.ErrorIs(t, err, vk.ErrUnsupported, "integer dot products on a device without them")
+			continue
+		}
+		require.NoError(t, err)
+		want := map[ScoreKernel]bool{ScoresAuto: dev.Info().IntegerDotFast, ScoresFloat: false, ScoresIntegerDot: true}[s]
+		require.Equal(t, want, d.dotScores, "scores %d", s)
+		require.NoError(t, d.Release())
+	}
 
 	h := Heads{4, 2, 64}
 	dense, err := NewDense(dev, h)

@@ -23,23 +23,33 @@ import (
 // boundary); P1 = P2 = 1 attends every token. The output is the
 // conformance suite's to check.
 func TestDoublePStepMatchesReference(t *testing.T) {
-	testDoublePStep(t, 4000, 0, []DoubleP{DefaultDoubleP(), {P1: 0.8, P2: 0.3}, {P1: 1, P2: 1}, {P1: 0.99, P2: 0.05}})
+	testDoublePStep(t, 4000, 0, []DoubleP{DefaultDoubleP(), {P1: 0.8, P2: 0.3}, {P1: 1, P2: 1}, {P1: 0.99, P2: 0.05}}, DenseOptions{})
+}
+
+// TestDoublePStepIntegerScores runs the step with its centroids scored by
+// integer dot products of the queries' bytes, whatever the device's
+// default, where the device has them.
+func TestDoublePStepIntegerScores(t *testing.T) {
+	testDoublePStep(t, 4000, 0, []DoubleP{DefaultDoubleP(), {P1: 0.8, P2: 0.3}}, DenseOptions{Scores: ScoresIntegerDot})
 }
 
 // TestDoublePStepManyClusters runs the step over more clusters than the
 // selection's threads (several per thread) and more than one run of
 // clusters per attention workgroup.
 func TestDoublePStepManyClusters(t *testing.T) {
-	testDoublePStep(t, 9001, 4, []DoubleP{DefaultDoubleP()})
+	testDoublePStep(t, 9001, 4, []DoubleP{DefaultDoubleP()}, DenseOptions{})
 }
 
-func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP) {
+func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP, dopts DenseOptions) {
 	dev := vktest.Open(t)
+	if dopts.Scores == ScoresIntegerDot && !dev.Info().IntegerDot {
+		t.Skipf("%s has no integer dot products (VK_KHR_shader_integer_dot_product)", dev.Info().Name)
+	}
 	const tail, sinks = 64, 4
 	h := Heads{Query: 8, KV: 2, Dim: 64}
 	tr := generated(t, h, n, 2)
 	layer, clusters := orderedLayer(t, dev, h, tr, sinks, n-tail-sinks, KMeansOptions{Seed: 11, AvgClusterSize: avgCluster})
-	dense, err := NewDense(dev, h)
+	dense, err := NewDenseWith(dev, h, dopts)
 	require.NoError(t, err)
 	defer dense.Release()
 	index := hostIndex(t, clusters)
@@ -102,7 +112,7 @@ func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP) {
 						require.True(t, math.IsInf(mine[c], -1), "head %d: empty cluster %d has logit %v", hh, c, x)
 						continue
 					}
-					tol := scoreTolerance(qh, scale, index[g].Centroids, index[g].Centroids[c*d:(c+1)*d], scoresByDot(dev.Info(), h))
+					tol := scoreTolerance(qh, scale, index[g].Centroids, index[g].Centroids[c*d:(c+1)*d], dense.dotScores)
 					require.InDelta(t, ref[c], mine[c], tol+1e-4*math.Abs(ref[c]), "head %d: logit of cluster %d", hh, c)
 				}
 				rank := DoublePBinRanks(row)

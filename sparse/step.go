@@ -354,8 +354,8 @@ type centroidScorer struct {
 }
 
 // centroidScores builds centroid_score for dense's heads (with ln s_c
-// added where logSize), with integer dot products where the device
-// accelerates them (scoresByDot): blocks of 1, 2, 4 or 8 query heads (the
+// added where logSize), with integer dot products where dense's options
+// choose them (DenseOptions.Scores; by default scoresByDot): blocks of 1, 2, 4 or 8 query heads (the
 // group's, rounded up to a power of two), a row's lanes scoreLanes where the row
 // has that many parts of 8 codes (fewer for fewer, never fewer than the
 // block's heads, more while a lane's parts of the queries exceed
@@ -363,16 +363,17 @@ type centroidScorer struct {
 // scoreWorkgroup threads or fewer (scoreWorkgroupWithSizes with ln s_c;
 // workgroup × heads × rows a lane ≤ 4096 words, a power of two).
 func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
-	return centroidScoresWith(b, dense, logSize, scoresByDot(dense.dev.Info(), dense.heads))
+	return centroidScoresWith(b, dense, logSize, dense.dotScores)
 }
 
-// scoresByDot reports whether centroid scores take integer dot products
-// (centroid_score_dot): where the device accelerates those of four signed
-// bytes and the head's sums fit 32 bits (D ≤ 512): on an H200 the scores
+// scoresByDot reports whether centroid scores of heads of dim dimensions
+// take integer dot products (centroid_score_dot) by default: where the
+// device accelerates those of four signed bytes and the head's sums fit
+// 32 bits (D ≤ 512): on an H200 the scores
 // of a batch of 8 at 131 072 tokens took 30.2 µs instead of 42.0
 // (bench/README.md, 2026-11-29 (evening)).
-func scoresByDot(info vk.Info, h Heads) bool {
-	return info.IntegerDotFast && h.Dim <= maxDotDim
+func scoresByDot(info vk.Info, dim int) bool {
+	return info.IntegerDotFast && dim <= maxDotDim
 }
 
 // maxDotDim is the most dimensions whose integer sums in

@@ -82,6 +82,16 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	tree, err := NewDenseWith(dev, h, DenseOptions{TreeReduce: true})
 	require.NoError(t, err)
 	defer tree.Release()
+	// Centroids scored by integer dot products (where the device has
+	// them) in two runs, whatever the device's default.
+	var bytes *Dense
+	if dev.Info().IntegerDot {
+		bytes, err = NewDenseWith(dev, h, DenseOptions{Scores: ScoresIntegerDot})
+		require.NoError(t, err)
+		defer bytes.Release()
+	} else {
+		t.Logf("%s has no integer dot products: no runs with centroid_score_dot", dev.Info().Name)
+	}
 	// Windows capped below 2 % of the tokens in one run.
 	capped := TacticCurveFit()
 	capped.MaxWindow = 16
@@ -106,6 +116,9 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 	moments := DefaultTacticFit()
 	runs := []run{{dense, 0.9, TacticCurveFit(), 0, 0}, {tree, 0.8, TacticCurveFit(), 3, 3}, {dense, 0.9, wide, 1, 1}, {dense, 0.8, thin, 2, 0},
 		{dense, 0.9, moments, 0, 0}, {tree, 0.7, moments, 0, 0}}
+	if bytes != nil {
+		runs = append(runs, run{bytes, 0.9, moments, 0, 0}, run{bytes, 0.8, TacticCurveFit(), 0, 3})
+	}
 	if many {
 		// Windows of a quarter of the tokens, every cluster scored, with 4
 		// workgroups a head: each lists more clusters than the last
@@ -183,7 +196,7 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 					qh[i] = float64(q[hh*d+i])
 				}
 				hs := scores[hh*clusters.C : (hh+1)*clusters.C]
-				dot := scoresByDot(dev.Info(), h)
+				dot := r.dense.dotScores
 				for c, w := range hs {
 					s := 0.0
 					for i := 0; i < d; i++ {
