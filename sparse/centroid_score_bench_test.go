@@ -64,8 +64,10 @@ func BenchmarkCentroidScores(b *testing.B) {
 			if sh.dot {
 				name = "centroid_score_dot"
 			}
+			info := dev.Info()
+			shuffle := info.SubgroupShuffle && info.SubgroupSize%uint32(sh.lanes) == 0
 			sc := centroidScorer{
-				pipe:  bl.kernel(name, 7, 4, scoreWorkgroup, uint32(h.Dim), 4, 0, 1, uint32(sh.lanes), uint32(sh.u)),
+				pipe:  bl.kernel(name, 7, 4, scoreWorkgroup, uint32(h.Dim), 4, 0, boolWord(shuffle), uint32(sh.lanes), uint32(sh.u)),
 				rows:  scoreWorkgroup / sh.lanes * sh.u,
 				heads: 4, kv: h.KV, group: h.Group(), scale: h.scaleBits(),
 			}
