@@ -191,7 +191,11 @@ func TestCentroidScoreKernel(t *testing.T) {
 }
 
 func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c int, tree bool, wgs int, logSize, dot bool) {
-	dense, err := NewDenseWith(dev, h, DenseOptions{TreeReduce: tree})
+	scores := ScoresFloat
+	if dot {
+		scores = ScoresIntegerDot
+	}
+	dense, err := NewDenseWith(dev, h, DenseOptions{TreeReduce: tree, Scores: scores})
 	if err != nil {
 		t.Skipf("heads %+v: %v", h, err)
 	}
@@ -199,7 +203,7 @@ func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c 
 	var bufs []*vk.Buffer
 	defer func() { require.NoError(t, releaseAll(bufs...)) }()
 	b := &builder{dev: dev, bufs: &bufs, cache: &dense.kernels}
-	scorer := centroidScoresWith(b, dense, logSize, dot)
+	scorer := centroidScores(b, dense, logSize)
 	d := h.Dim
 	codes, r, m := quantizeHeads(t, randomCentroids(rng, h.KV*c, d), h.KV, d)
 	sizes := make([]uint32, h.KV*c)
@@ -291,36 +295,39 @@ func testCentroidScore(t *testing.T, dev *vk.Device, rng *rand.Rand, h Heads, c 
 	require.Empty(t, bad, "first mismatches")
 }
 
-// scoreTolerance is how far a step's centroid score of query qh (scale
-// folded in by the kernel) against the float64 centroid c of KV head
-// centroids (rows of len(qh)) may lie from scale·qh·c: float32 rounding,
-// and with integer dot products (dot) the query's two bytes, each value
-// within s/256 of its own (s the head's step, QueryBytesRef), against
-// codes c_i/m_i (m_i the head's dimension scale, here the largest |c_i| of
-// the head's rows, within a rounding of the one that coded them), taken
-// twice for those roundings.
-func scoreTolerance(qh []float64, scale float64, centroids, c []float64, dot bool) float64 {
-	s := 0.0
-	for i, x := range qh {
-		s += scale * x * c[i]
-	}
-	tol := 1e-4 * (1 + math.Abs(s))
-	if !dot {
-		return tol
-	}
+// scoreTolerance returns how far a step's centroid score of query qh
+// (scale folded in by the kernel) against a float64 centroid c of KV head
+// centroids (rows of len(qh)) may lie from s = scale·qh·c: float32
+// rounding, and with integer dot products (dot) the query's two bytes,
+// each value within s/256 of its own (s the head's step, QueryBytesRef),
+// against codes c_i/m_i (m_i the head's dimension scale, here the largest
+// |c_i| of the head's rows, within a rounding of the one that coded them),
+// taken twice for those roundings.
+func scoreTolerance(qh []float64, scale float64, centroids []float64, dot bool) func(c []float64, s float64) float64 {
 	d := len(qh)
 	m := make([]float64, d)
-	for j := 0; j < len(centroids); j++ {
-		m[j%d] = math.Max(m[j%d], math.Abs(centroids[j]))
-	}
-	mx, codes := 0.0, 0.0
-	for i, x := range qh {
-		mx = math.Max(mx, math.Abs(scale*x*m[i]))
-		if m[i] > 0 {
-			codes += math.Abs(c[i]) / m[i]
+	mx := 0.0
+	if dot {
+		for j := 0; j < len(centroids); j++ {
+			m[j%d] = math.Max(m[j%d], math.Abs(centroids[j]))
+		}
+		for i, x := range qh {
+			mx = math.Max(mx, math.Abs(scale*x*m[i]))
 		}
 	}
-	return tol + 2*mx/127/256*codes
+	return func(c []float64, s float64) float64 {
+		tol := 1e-4 * (1 + math.Abs(s))
+		if !dot {
+			return tol
+		}
+		codes := 0.0
+		for i := range qh {
+			if m[i] > 0 {
+				codes += math.Abs(c[i]) / m[i]
+			}
+		}
+		return tol + 2*mx/127/256*codes
+	}
 }
 
 // unkeyScore inverts centroid_score's order-preserving key.

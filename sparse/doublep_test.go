@@ -105,6 +105,7 @@ func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP, dopts D
 				ref, err := DoublePLogitsRef(qh, scale, index[g])
 				require.NoError(t, err)
 				row := logits32[hh*clusters.C : (hh+1)*clusters.C]
+				tolerance := scoreTolerance(qh, scale, index[g].Centroids, dense.dotScores)
 				mine := make([]float64, len(row))
 				for c, x := range row {
 					mine[c] = float64(x)
@@ -112,7 +113,11 @@ func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP, dopts D
 						require.True(t, math.IsInf(mine[c], -1), "head %d: empty cluster %d has logit %v", hh, c, x)
 						continue
 					}
-					tol := scoreTolerance(qh, scale, index[g].Centroids, index[g].Centroids[c*d:(c+1)*d], dense.dotScores)
+					cent, s := index[g].Centroids[c*d:(c+1)*d], 0.0
+					for i, x := range qh {
+						s += scale * x * cent[i]
+					}
+					tol := tolerance(cent, s)
 					require.InDelta(t, ref[c], mine[c], tol+1e-4*math.Abs(ref[c]), "head %d: logit of cluster %d", hh, c)
 				}
 				rank := DoublePBinRanks(row)

@@ -353,25 +353,12 @@ type centroidScorer struct {
 	scale                  uint32
 }
 
-// centroidScores builds centroid_score for dense's heads (with ln s_c
-// added where logSize), with integer dot products where dense's options
-// choose them (DenseOptions.Scores; by default scoresByDot): blocks of 1, 2, 4 or 8 query heads (the
-// group's, rounded up to a power of two), a row's lanes scoreLanes where the row
-// has that many parts of 8 codes (fewer for fewer, never fewer than the
-// block's heads, more while a lane's parts of the queries exceed
-// scoreQueryWords), summed by shuffles where they work, workgroups of
-// scoreWorkgroup threads or fewer (scoreWorkgroupWithSizes with ln s_c;
-// workgroup × heads × rows a lane ≤ 4096 words, a power of two).
-func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
-	return centroidScoresWith(b, dense, logSize, dense.dotScores)
-}
-
 // scoresByDot reports whether centroid scores of heads of dim dimensions
 // take integer dot products (centroid_score_dot) by default: where the
 // device accelerates those of four signed bytes and the head's sums fit
-// 32 bits (D ≤ 512): on an H200 the scores
-// of a batch of 8 at 131 072 tokens took 30.2 µs instead of 42.0
-// (bench/README.md, 2026-11-29 (evening)).
+// 32 bits (D ≤ 512): on an H200 the scores of a batch of 8 at 131 072
+// tokens took 30.2 µs instead of 42.0 (bench/README.md, 2026-11-29
+// (evening)).
 func scoresByDot(info vk.Info, dim int) bool {
 	return info.IntegerDotFast && dim <= maxDotDim
 }
@@ -380,11 +367,17 @@ func scoresByDot(info vk.Info, dim int) bool {
 // centroid_score_dot fit 32 bits: 257 · 127 · 127 · D < 2^31.
 const maxDotDim = 512
 
-// centroidScoresWith is centroidScores with the kernel chosen: the
-// integer dot products of centroid_score_dot where dot (which needs
-// vk.Info.IntegerDot and D ≤ maxDotDim), else the float products.
-func centroidScoresWith(b *builder, dense *Dense, logSize, dot bool) centroidScorer {
-	h, info := dense.heads, dense.dev.Info()
+// centroidScores builds centroid_score for dense's heads (with ln s_c
+// added where logSize), with integer dot products where dense's options
+// choose them (DenseOptions.Scores; by default scoresByDot): blocks of
+// 1, 2, 4 or 8 query heads (the group's, rounded up to a power of two), a
+// row's lanes scoreLanes where the row has that many parts of 8 codes (fewer for fewer, never fewer than the
+// block's heads, more while a lane's parts of the queries exceed
+// scoreQueryWords), summed by shuffles where they work, workgroups of
+// scoreWorkgroup threads or fewer (scoreWorkgroupWithSizes with ln s_c;
+// workgroup × heads × rows a lane ≤ 4096 words, a power of two).
+func centroidScores(b *builder, dense *Dense, logSize bool) centroidScorer {
+	h, info, dot := dense.heads, dense.dev.Info(), dense.dotScores
 	heads := 1
 	for heads < min(h.Group(), 8) {
 		heads *= 2

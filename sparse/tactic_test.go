@@ -196,14 +196,13 @@ func testTacticStep(t *testing.T, n, avgCluster int, all, many bool) {
 					qh[i] = float64(q[hh*d+i])
 				}
 				hs := scores[hh*clusters.C : (hh+1)*clusters.C]
-				dot := r.dense.dotScores
+				tolerance := scoreTolerance(qh, scale, index[g].Centroids, r.dense.dotScores)
 				for c, w := range hs {
 					s := 0.0
 					for i := 0; i < d; i++ {
 						s += qh[i] * index[g].Centroids[c*d+i]
 					}
-					tol := scoreTolerance(qh, scale, index[g].Centroids, index[g].Centroids[c*d:(c+1)*d], dot)
-					require.InDelta(t, scale*s, float64(w), tol, "P %v: score of head %d, cluster %d", p, hh, c)
+					require.InDelta(t, scale*s, float64(w), tolerance(index[g].Centroids[c*d:(c+1)*d], scale*s), "P %v: score of head %d, cluster %d", p, hh, c)
 				}
 				budget, cut, err := TacticBinnedBudgetRef(qh, scale, keys, index[g], hs, fixed, p, r.fit)
 				require.NoError(t, err)
