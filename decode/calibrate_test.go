@@ -65,8 +65,8 @@ func TestMeasureSteps(t *testing.T) {
 	b := sc.DensePoints[1]
 	require.InEpsilon(t, b.DenseUs, sc.Dense.Us(b.DenseCost), 1e-9, "dense attention priced by its run at the model's capacity")
 	require.InEpsilon(t, sc.Points[1].PolicyUs, sc.Policy.Us(sc.Points[1].PolicyCost), 1e-9, "the policy priced by its own runs")
-	// A batch of 3: each time is the batch's over 3, measured apart from
-	// one sequence's.
+	// A batch of 3: measured apart from one sequence, the costs a
+	// sequence's.
 	alone, err := MeasureSteps(dev, h, StreamingLLM(64), lengths, 1, cheapFloor)
 	require.NoError(t, err)
 	three, err := MeasureSteps(dev, h, StreamingLLM(64), lengths, 3, cheapFloor)
@@ -74,8 +74,26 @@ func TestMeasureSteps(t *testing.T) {
 	require.NotEqual(t, alone, three, "cached per batch")
 	for i, pt := range three.Points {
 		require.Equal(t, alone.Points[i].PolicyCost, pt.PolicyCost, "the costs are a sequence's")
-		require.Less(t, pt.PolicyUs, 2*alone.Points[i].PolicyUs, "a sequence's part of the batch's time, not the batch's")
-		require.Less(t, pt.DenseUs, 2*alone.Points[i].DenseUs, "a sequence's part of the batch's time, not the batch's")
+	}
+	// Each time is the batch's over 3. One sequence and the batch are
+	// timed in turn, three times, and the fastest of each compared, so
+	// that load from other processes falls on both.
+	for _, n := range lengths {
+		best1, best3 := StepPoint{PolicyUs: math.Inf(1), DenseUs: math.Inf(1)}, StepPoint{PolicyUs: math.Inf(1), DenseUs: math.Inf(1)}
+		for range 3 {
+			for _, b := range []struct {
+				batch int
+				best  *StepPoint
+			}{{1, &best1}, {3, &best3}} {
+				pt, err := measureStep(dev, h, StreamingLLM(64), n, b.batch, 1, true, true)
+				require.NoError(t, err)
+				b.best.PolicyUs = min(b.best.PolicyUs, pt.PolicyUs)
+				b.best.DenseUs = min(b.best.DenseUs, pt.DenseUs)
+			}
+		}
+		t.Logf("%d tokens: a sequence alone %.1f µs (dense %.1f), in a batch of 3 %.1f µs (dense %.1f)", n, best1.PolicyUs, best1.DenseUs, best3.PolicyUs, best3.DenseUs)
+		require.Less(t, best3.PolicyUs, 2*best1.PolicyUs, "%d tokens: a sequence's part of the batch's time, not the batch's", n)
+		require.Less(t, best3.DenseUs, 2*best1.DenseUs, "%d tokens: a sequence's part of the batch's time, not the batch's", n)
 	}
 	_, err = MeasureSteps(dev, h, StreamingLLM(64), lengths, 0, cheapFloor)
 	require.Error(t, err, "a batch of none")
