@@ -76,26 +76,21 @@ func TestMeasureSteps(t *testing.T) {
 		require.Equal(t, alone.Points[i].PolicyCost, pt.PolicyCost, "the costs are a sequence's")
 	}
 	// Each time is the batch's over 3. One sequence and the batch are
-	// timed in turn, three times, and the fastest of each compared, so
-	// that load from other processes falls on both (at the shorter
-	// length: the division does not depend on it).
-	for _, n := range lengths[:1] {
-		best1, best3 := StepPoint{PolicyUs: math.Inf(1), DenseUs: math.Inf(1)}, StepPoint{PolicyUs: math.Inf(1), DenseUs: math.Inf(1)}
-		for range 3 {
-			for _, b := range []struct {
-				batch int
-				best  *StepPoint
-			}{{1, &best1}, {3, &best3}} {
-				pt, err := measureStep(dev, h, StreamingLLM(64), n, b.batch, 1, true, true)
-				require.NoError(t, err)
-				b.best.PolicyUs = min(b.best.PolicyUs, pt.PolicyUs)
-				b.best.DenseUs = min(b.best.DenseUs, pt.DenseUs)
-			}
+	// timed in turn, three times, at the shorter length (the division
+	// does not depend on it), and the fastest of each compared, so that
+	// load from other processes falls on both.
+	best := map[int]*StepPoint{1: {PolicyUs: math.Inf(1), DenseUs: math.Inf(1)}, 3: {PolicyUs: math.Inf(1), DenseUs: math.Inf(1)}}
+	for range 3 {
+		for _, batch := range []int{1, 3} {
+			pt, err := measureStep(dev, h, StreamingLLM(64), lengths[0], batch, 1, true, true)
+			require.NoError(t, err)
+			best[batch].PolicyUs = min(best[batch].PolicyUs, pt.PolicyUs)
+			best[batch].DenseUs = min(best[batch].DenseUs, pt.DenseUs)
 		}
-		t.Logf("%d tokens: a sequence alone %.1f µs (dense %.1f), in a batch of 3 %.1f µs (dense %.1f)", n, best1.PolicyUs, best1.DenseUs, best3.PolicyUs, best3.DenseUs)
-		require.Less(t, best3.PolicyUs, 2*best1.PolicyUs, "%d tokens: a sequence's part of the batch's time, not the batch's", n)
-		require.Less(t, best3.DenseUs, 2*best1.DenseUs, "%d tokens: a sequence's part of the batch's time, not the batch's", n)
 	}
+	t.Logf("a sequence alone %.1f µs (dense %.1f), in a batch of 3 %.1f µs (dense %.1f)", best[1].PolicyUs, best[1].DenseUs, best[3].PolicyUs, best[3].DenseUs)
+	require.Less(t, best[3].PolicyUs, 2*best[1].PolicyUs, "a sequence's part of the batch's time, not the batch's")
+	require.Less(t, best[3].DenseUs, 2*best[1].DenseUs, "a sequence's part of the batch's time, not the batch's")
 	_, err = MeasureSteps(dev, h, StreamingLLM(64), lengths, 0, cheapFloor)
 	require.Error(t, err, "a batch of none")
 	_, err = MeasureSteps(dev, h, Dense(), lengths, 1, cheapFloor)
