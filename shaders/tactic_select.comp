@@ -81,7 +81,9 @@ const uint LIST = SEGS * WG;
 // in place of sums over their members (s_c its size, l_c its score, σ²_c
 // and w the index's spreads and the KV head's dimension weights), writing
 // every bin's sum to binSum[h][w][b] and no list; the last workgroup adds
-// the W sums of each bin.
+// the W sums of each bin. With one workgroup a head (W = 1) it fits at
+// once from its own sums and fixed tokens' sum, in registers: nothing is
+// read back and no arrival is counted.
 layout(constant_id = 10) const uint MOMENTS = 0;
 const float CAP = 60.0;   // sparse.MomentExpCap
 
@@ -437,6 +439,8 @@ void main() {
 	uint cap = (pc.C + W - 1) / W;   // entries a workgroup's list may take
 	uint mine = hb + w * cap;        // this workgroup's list
 	uint listed = 0;                 // entries in it so far
+	float own[PER];                  // MOMENTS: the sums of bins tid + j·WG
+	[[unroll]] for (uint j = 0; j < PER; j++) own[j] = 0.0;
 	if (MOMENTS != 0) {
 		float shift = 0.0;
 		for (uint i = 0; i < D / 4; i++) {
@@ -484,8 +488,10 @@ void main() {
 		}
 		barrier();
 		float unit = exp(big);
-		for (uint i = tid; i < NB; i += WG) {
-			binSum[(h * W + w) * NB + i] = (float(start[i]) * (1.0 / 256.0) + float(pre[i]) * (1.0 / 1099511627776.0)) * unit;
+		[[unroll]] for (uint j = 0; j < PER; j++) {
+			uint i = tid + j * WG;
+			own[j] = (float(start[i]) * (1.0 / 256.0) + float(pre[i]) * (1.0 / 1099511627776.0)) * unit;
+			binSum[(h * W + w) * NB + i] = own[j];
 		}
 	}
 	for (uint i0 = 0; MOMENTS == 0 && i0 < share; i0 += LIST) {
@@ -550,16 +556,17 @@ void main() {
 	scanV(vec4(facc, 0.0, 0.0, 0.0), tot);
 	if (tid == 0) fsum[h * pc.maxW + w] = vec4(tot.x, uintBitsToFloat(listed), uintBitsToFloat(winCount[0]), uintBitsToFloat(winCount[1]));
 
-	// The last of the head's workgroups to arrive fits.
-	memoryBarrierBuffer();
+	// The last of the head's workgroups to arrive fits (the only one at
+	// once, without counting, where W = 1).
+	if (W > 1) memoryBarrierBuffer();
 	barrier();
 	if (tid == 0) {
-		last = atomicAdd(arrived[h], 1) == W - 1;
-		if (last) arrived[h] = 0;
+		last = W == 1 || atomicAdd(arrived[h], 1) == W - 1;
+		if (last && W > 1) arrived[h] = 0;
 	}
 	barrier();
 	if (!last) return;
-	memoryBarrierBuffer();
+	if (W > 1) memoryBarrierBuffer();
 
 	// The listed sums per bin: R threads take each workgroup's list, after
 	// its fixed sum and count; the fixed sums go to the scan below.
@@ -569,7 +576,9 @@ void main() {
 	uint R = max(1u, WG / W);
 	float fixedPart = 0.0;
 	for (uint r = tid / R; r < W; r += WG / R) {
-		vec4 f = fsum[h * pc.maxW + r];
+		// One workgroup (W = 1) with the moment estimate wrote its own: the
+		// fixed sum, no list and no window.
+		vec4 f = MOMENTS != 0 && W == 1 ? vec4(tot.x, 0.0, 0.0, 0.0) : fsum[h * pc.maxW + r];
 		if (tid % R == 0) {
 			fixedPart += f.x;
 			atomicAdd(winCount[0], floatBitsToUint(f.z));
@@ -581,7 +590,9 @@ void main() {
 			addBin(e.x % NB, uintBitsToFloat(e.y));
 		}
 	}
-	if (MOMENTS != 0) {
+	if (MOMENTS != 0 && W == 1) {
+		[[unroll]] for (uint j = 0; j < PER; j++) pre[tid + j * WG] = floatBitsToUint(own[j]);
+	} else if (MOMENTS != 0) {
 		// Each bin's sums of the W workgroups, BATCH loads at once.
 		for (uint b = tid; b < NB; b += WG) {
 			float x = 0.0;

@@ -455,9 +455,10 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 			uint32(stride)}
 		wgs := selectionWidth(work, k.sampleTeams, s.sequences, h.Query, ceilDiv(x.C, k.threads))
 		if s.fit.Moments {
-			// A workgroup bins only its share: as many as a wave allows, up to
-			// a cluster a thread.
-			wgs = max(1, min(s.momentSlots, selectWave/(s.sequences*h.Query)))
+			// One workgroup a head bins all of its clusters and fits at once:
+			// more share the binning, which costs little, but add a round trip
+			// for their sums and an arrival (bench/README.md, 2026-12-06).
+			wgs = 1
 		}
 		if s.workgroups > 0 {
 			wgs = s.workgroups
