@@ -17,9 +17,9 @@ import (
 // share of the exact part, the two sampling windows and the fixed tokens,
 // the last of the head's to finish then fitting the budget of Alg. 1 at
 // bin granularity (TacticBinnedBudgetRef states the computation; with
-// TacticFit.Moments each workgroup instead sums its share's moment
+// TacticFit.Moments one workgroup a head instead sums its clusters' moment
 // estimates by bin, over spreads the step computes from the layer when it
-// takes an index, and the last one cuts); and
+// takes an index, and cuts at once); and
 // attention, for each KV head, over the union of the clusters its query
 // heads select with the sinks and the recent tail (Dense.PlanSelection:
 // the union is taken where the rows are read, with no token list). The
@@ -93,7 +93,8 @@ type tacticBound struct {
 }
 
 // momentWorkgroups is the most selection workgroups per query head with
-// the moment estimate: each writes a sum per bin (tacticBound.binSums).
+// the moment estimate, which takes one unless a test asks for more: each
+// writes a sum per bin (tacticBound.binSums).
 const momentWorkgroups = 16
 
 // release frees the bindings and buffers.
