@@ -95,7 +95,7 @@ type tacticBound struct {
 // momentWorkgroups is the most selection workgroups per query head with
 // the moment estimate, which takes one unless a test asks for more: each
 // writes a sum per bin (tacticBound.binSums).
-const momentWorkgroups = 16
+const momentWorkgroups = 4
 
 // release frees the bindings and buffers.
 func (b *tacticBound) release() error {
