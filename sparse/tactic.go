@@ -444,22 +444,23 @@ func (s *tacticSelector) RecordStage(c *vk.Commands, stage int) error {
 	case 0:
 		k.score.record(c, b.score, x.C, s.sequences, s.scoreWorkgroups)
 	case 1:
-		// Workgroups per head by the clusters expected to be sampled: the
-		// exact part's and the windows' share of the clusters (at the mean
-		// size) and the fixed tokens counted as clusters of 16.
 		stride := s.fit.windowStride(x.Count, x.C)
-		windows := ceilDiv(win[1]-win[0]+1+win[3]-win[2]+1, stride)
-		work := ceilDiv((need+windows)*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
 		pipe := *k.variant(s.fit.Moments)
 		push := []uint32{cc, group, uint32(s.seq.HeadBytes() / 16), uint32(x.Count), uint32(need), uint32(win[0]), uint32(win[1]), uint32(win[2]), uint32(win[3]),
 			uint32(x.First), uint32(end), uint32(n), maxSampleWorkgroups, scale, math.Float32bits(float32(s.p)),
 			uint32(stride)}
-		wgs := selectionWidth(work, k.sampleTeams, s.sequences, h.Query, ceilDiv(x.C, k.threads))
-		if s.fit.Moments {
-			// One workgroup a head bins all of its clusters and fits at once:
-			// more share the binning, which costs little, but add a round trip
-			// for their sums and an arrival (bench/README.md, 2026-12-06).
-			wgs = 1
+		// With the moment estimate one workgroup a head bins all of its
+		// clusters and fits at once: more share the binning, which costs
+		// little, but add a round trip for their sums and an arrival
+		// (bench/README.md, 2026-12-06).
+		wgs := 1
+		if !s.fit.Moments {
+			// Workgroups per head by the clusters expected to be sampled: the
+			// exact part's and the windows' share of the clusters (at the mean
+			// size) and the fixed tokens counted as clusters of 16.
+			windows := ceilDiv(win[1]-win[0]+1+win[3]-win[2]+1, stride)
+			work := ceilDiv((need+windows)*x.C, max(x.Count, 1)) + ceilDiv(fixed, 16)
+			wgs = selectionWidth(work, k.sampleTeams, s.sequences, h.Query, ceilDiv(x.C, k.threads))
 		}
 		if s.workgroups > 0 {
 			wgs = s.workgroups
