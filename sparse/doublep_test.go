@@ -20,8 +20,8 @@ import (
 // 8 bits, as the selection reads them), each cluster's bin
 // (DoublePBinRanks of the GPU's logits), both cuts (DoublePCutsRef over
 // those bins, up to the rounding of the fixed-point masses at the
-// boundary); P1 = P2 = 1 attends every token. The output is the
-// conformance suite's to check.
+// boundary); P1 = P2 = 1 attends every token; and the output
+// (DoublePGroupRef over those bins and cuts).
 func TestDoublePStepMatchesReference(t *testing.T) {
 	testDoublePStep(t, 4000, 0, []DoubleP{DefaultDoubleP(), {P1: 0.8, P2: 0.3}, {P1: 1, P2: 1}, {P1: 0.99, P2: 0.05}}, DenseOptions{})
 }
@@ -76,7 +76,7 @@ func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP, dopts D
 				c.Fill(b.All(), nan)
 			}
 		}))
-		_, err = step.Attend(q)
+		out, err := step.Attend(q)
 		require.NoError(t, err)
 		logits32, err := sel.Logits()
 		require.NoError(t, err)
@@ -126,8 +126,14 @@ func testDoublePStep(t *testing.T, n, avgCluster int, targets []DoubleP, dopts D
 				qs, logits, ranks = append(qs, qh), append(logits, mine), append(ranks, rank)
 				ex, kp = append(ex, exact[hh]), append(kp, keep[hh])
 			}
-			_, tokens, approx, err := DoublePGroupRef(qs, keys, values, scale, index[g], fixed, meansRef, logits, ranks, ex, kp)
+			outs, tokens, approx, err := DoublePGroupRef(qs, keys, values, scale, index[g], fixed, meansRef, logits, ranks, ex, kp)
 			require.NoError(t, err)
+			var want []float64
+			for _, o := range outs {
+				want = append(want, o...)
+			}
+			heads := out[g*h.Group()*d : (g+1)*h.Group()*d]
+			require.NoError(t, CompareHeads(want, heads, d, 1e-3), "P1 %v P2 %v, KV head %d: output", opts.P1, opts.P2, g)
 			pseudo := 0
 			for _, a := range approx {
 				pseudo += len(a)
