@@ -21,6 +21,7 @@ import (
 // own lengths where a budget moves the policy's runs beyond them, and
 // refused input.
 func TestMeasureSteps(t *testing.T) {
+	vktest.HostLogic(t)
 	dev := vktest.Open(t)
 	h := testHeads
 	lengths := [2]int{512, 2048}
@@ -105,6 +106,7 @@ func TestMeasureSteps(t *testing.T) {
 // (Config.Measure, the capacity, the fallback) and that its choices are
 // priced by what it measured.
 func TestModelMeasuresSteps(t *testing.T) {
+	vktest.HostLogic(t)
 	dev := vktest.Open(t)
 	opts := sparse.TacticDecoderOptions{Sinks: 4, KMeans: sparse.KMeansOptions{Seed: 5}}
 	layout := []Policy{Tactic(0.9, opts), Quest(64), Quest(64).WithFallback(FallbackNever), Dense()}

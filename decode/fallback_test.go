@@ -97,6 +97,7 @@ func checkDense(t *testing.T, f *fixture, m *Model, layer, i int, q, got []float
 // checks each layer's choice per slot (Choices, Attended) and that a
 // sequence attended densely gets dense attention's output.
 func TestFallbackChoosesByCost(t *testing.T) {
+	vktest.HostLogic(t)
 	dev := vktest.Open(t)
 	layout := fallbackLayout(64)
 	layers := len(layout)
@@ -231,6 +232,7 @@ func TestFallbackCostMatchesSteps(t *testing.T) {
 // is made with the batch, the first step after a switch is bit-identical
 // to that of a new model holding the same tokens.
 func TestFallbackSwitchesKeepOutputs(t *testing.T) {
+	vktest.HostLogic(t)
 	dev := vktest.Open(t)
 	const recluster = 8
 	layout := fallbackLayout(recluster)

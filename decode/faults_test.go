@@ -313,6 +313,7 @@ func allowed(op string, before, after [][]int) error {
 }
 
 func TestFaultWalk(t *testing.T) {
+	vktest.HostLogic(t)
 	if testing.Short() {
 		t.Skip("the fault walk runs every operation once per fault site")
 	}

@@ -37,7 +37,7 @@ func TestCrossoverRun(t *testing.T) {
 		path := filepath.Join(dir, "crossover-"+floor+"-"+batch+".json")
 		stdout := os.Stdout
 		os.Stdout, _ = os.Open(os.DevNull)
-		err := crossover([]string{"-n", "512", "-max", "1048576", "-budget", "64", "-floor-us", floor, "-gbps", "100", "-batch", batch, "-json", path})
+		err := crossover([]string{"-n", "512", "-max", "1048576", "-budget", "64", "-floor-us", floor, "-gbps", "100", "-batch", batch, "-reps", "2", "-json", path})
 		os.Stdout = stdout
 		if err != nil {
 			if os.Getenv("VKSPARSE_REQUIRE_DEVICE") == "" && (errors.Is(err, vk.ErrNoLoader) || errors.Is(err, vk.ErrNoDevice)) {

@@ -39,6 +39,18 @@ func OpenWith(t testing.TB, opts vk.Options) *vk.Device {
 	return dev
 }
 
+// HostLogic skips t, saying why, where VKSPARSE_HOST_TESTS=off. It marks a
+// test whose outcome rests on the library's host-side control (recovery
+// from faults, the dense fallback's switching, timing and pricing), not on
+// the renderer's arithmetic, so that a run of the tests on several
+// renderers (CI's) may take it on one of them only.
+func HostLogic(t testing.TB) {
+	t.Helper()
+	if os.Getenv("VKSPARSE_HOST_TESTS") == "off" {
+		t.Skip("host-side logic, the same on every renderer: tested on another renderer's pass (VKSPARSE_HOST_TESTS=off)")
+	}
+}
+
 // Check fails t if the validation layer has reported errors on dev.
 func Check(t testing.TB, dev *vk.Device) {
 	t.Helper()
