@@ -47,13 +47,13 @@ layout(constant_id = 9) const uint GATHER = 0;
 layout(constant_id = 10) const uint RPT = 1;
 // GATHER = 2: clusters scanned at once (a power of two, at most WG).
 layout(constant_id = 11) const uint WINDOW = 64;
-// APPROX = 1 (with GATHER = 2) adds Double-P's pseudo-tokens (the Double-P
-// paper, Eq. 8-9): after its run of clusters, workgroup a < runs takes
-// the a-th range of chunk clusters (⌈C/runs⌉ with a table of runs) again and gives each query head h of its
-// block, for every cluster c of KV head g that no head of g takes
-// (rank[h'][c] >= cut[h'] for all) and that h keeps (rank[h][c] < keep[h]),
-// one token of logit logit[h][c] and value means[g][c] (fp16), folded
-// into the partial of its run.
+// APPROX = 1 (with GATHER = 2, UNIT = 0) adds Double-P's pseudo-tokens
+// (the Double-P paper, Eq. 8-9): a run lists each of its clusters c of KV
+// head g that no head of g takes (rank[h'][c] >= cut[h'] for all) and
+// that some head h of its block keeps (rank[h][c] < keep[h]) and that
+// has members as one row
+// of its tiles, of logit logit[h][c] for the heads that keep it (−∞ for
+// the others) and value means[g][c] (fp16), beside its members' rows.
 layout(constant_id = 12) const uint APPROX = 0;
 // LOGITS = 1 (with GATHER = 0 or 2) also writes every logit it computes,
 // scale · q_h · k_t, to rows[(seq · qHeads + h) · rowStride + t] for slot
@@ -131,9 +131,8 @@ layout(push_constant) uniform Push {
 	// GATHER = 2 with runTable > 0: a one-dimensional grid whose
 	// workgroups are, head block after head block (runTable of them),
 	// that block's runs (runs[b], a byte each of runLo for b < 4 and of
-	// runHi beyond) and then its fixedChunks chunks of fixed tokens;
-	// clusterChunks then only counts the ranges of pseudo-tokens (APPROX).
-	// With runTable = 0 the grid's y is the head block and every block has
+	// runHi beyond) and then its fixedChunks chunks of fixed tokens
+	// (clusterChunks is then unused). With runTable = 0 the grid's y is the head block and every block has
 	// clusterChunks runs.
 	uint runTable;
 	uint runLo, runHi;
@@ -143,12 +142,14 @@ layout(push_constant) uniform Push {
 
 // The runs of clusters of this workgroup's head block (GATHER = 2).
 uint runs;
-// The first query head of the chunk being attended (LOGITS).
+// The first query head of the chunk being attended (LOGITS, APPROX).
 uint blockHead;
+// The KV head whose means the pseudo-tokens take (APPROX).
+uint meansHead;
+// A listed row (lst) that is a pseudo-token: PSEUDO | its cluster.
+const uint PSEUDO = 0x80000000u;
 
-shared vec4 qs[GROUP * D4];  // the queries; with APPROX, then the run's partial outputs
-// APPROX = 1: the run's partial max and sum per head, for approxChunk.
-shared float runM[GROUP], runL[GROUP];
+shared vec4 qs[GROUP * D4];  // the queries
 shared float sc[SCORE_SLOTS];  // a tile's scores, then weights, of row t and head g at t·GROUP + g
 shared float red[REDUCE_SLOTS];
 // GATHER = 2 only (one slot otherwise): a tile's token ids, and a window's
@@ -219,9 +220,21 @@ void scanSizes(uint size) {
 }
 
 // rowOf returns the first uvec4 word of row t of the tile starting at t0.
+// A pseudo-token's row is the head's first (its key is not used).
 uint rowOf(uint headBase, uint rowBase, uint listBase, uint t0, uint t) {
-	if (GATHER == 2) return headBase + lst[t] * DV;
+	if (GATHER == 2) return headBase + (APPROX != 0 && (lst[t] & PSEUDO) != 0 ? 0 : lst[t] * DV);
 	return GATHER != 0 ? headBase + tok[listBase + t0 + t] * DV : rowBase + t * DV;
+}
+
+// valueWord returns uvec4 word dg of the value row of row t of a tile of
+// rowOf (t0 and the bases as there): of V, or for a pseudo-token of its
+// cluster's mean (two fp16 quads).
+uvec4 valueWord(uint headBase, uint rowBase, uint listBase, uint t0, uint t, uint dg) {
+	if (APPROX != 0 && GATHER == 2 && (lst[t] & PSEUDO) != 0) {
+		uint at = (meansHead * pc.C + (lst[t] & ~PSEUDO)) * D4 + 2 * dg;
+		return uvec4(means[at], means[at + 1]);
+	}
+	return v[rowOf(headBase, rowBase, listBase, t0, t) + dg];
 }
 
 // attendTile folds the len rows of a tile (rowOf's t0, with the head's
@@ -285,10 +298,13 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 			uint r = e / GROUP, g = e % GROUP;
 			uint t = pass + r * STRIDE + tid / TPR;
 			if (e < RPT * GROUP && t < len) {
-				sc[t * GROUP + g] = s[i];
-				if (LOGITS != 0) rows[(pc.seq * pc.qHeads + blockHead + g) * pc.rowStride + (GATHER == 2 ? lst[t] : t0 + t)] = s[i];
+				// A pseudo-token's score is in place already (its listing).
+				float sv = s[i];
+				if (APPROX != 0 && GATHER == 2 && (lst[t] & PSEUDO) != 0) sv = sc[t * GROUP + g];
+				else sc[t * GROUP + g] = sv;
+				if (LOGITS != 0) rows[(pc.seq * pc.qHeads + blockHead + g) * pc.rowStride + (GATHER == 2 ? lst[t] : t0 + t)] = sv;
 				[[unroll]] for (uint x = 0; x < GROUP; x++) {
-					if (x == g) mt[x] = max(mt[x], s[i]);
+					if (x == g) mt[x] = max(mt[x], sv);
 				}
 			}
 		}
@@ -298,8 +314,11 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 	// Rescale what came before to the new max; weights p = exp(s - m).
 	// Each thread sums the weights it computes; the sums are combined
 	// once, after the last tile.
+	// With pseudo-tokens a head may have seen only −∞ (rows it does not
+	// keep): its max stays −∞ and its weights 0.
+	const float NEG = -1.0 / 0.0;
 	[[unroll]] for (uint g = 0; g < GROUP; g++) {
-		float r = exp(m[g] - mt[g]);  // 0 on the first tile
+		float r = APPROX != 0 && mt[g] == NEG ? 1.0 : exp(m[g] - mt[g]);  // 0 on the first tile
 		l[g] *= r;
 		acc[2 * g] *= r;
 		acc[2 * g + 1] *= r;
@@ -307,7 +326,7 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 	}
 	for (uint t = tid; t < len; t += WG) {
 		[[unroll]] for (uint g = 0; g < GROUP; g++) {
-			float p = exp(sc[t * GROUP + g] - m[g]);
+			float p = APPROX != 0 && m[g] == NEG ? 0.0 : exp(sc[t * GROUP + g] - m[g]);
 			sc[t * GROUP + g] = p;
 			l[g] += p;
 		}
@@ -320,7 +339,7 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 		uint t = lane;
 		for (; t + (UNROLL - 1) * LANES < len; t += UNROLL * LANES) {
 			uvec4 w[UNROLL];
-			[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = v[rowOf(headBase, rowBase, listBase, t0, t + r * LANES) + dg];
+			[[unroll]] for (uint r = 0; r < UNROLL; r++) w[r] = valueWord(headBase, rowBase, listBase, t0, t + r * LANES, dg);
 			[[unroll]] for (uint r = 0; r < UNROLL; r++) {
 				vec4 a = vec4(unpackHalf2x16(w[r].x), unpackHalf2x16(w[r].y));
 				vec4 b = vec4(unpackHalf2x16(w[r].z), unpackHalf2x16(w[r].w));
@@ -332,7 +351,7 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 			}
 		}
 		for (; t < len; t += LANES) {
-			uvec4 w = v[rowOf(headBase, rowBase, listBase, t0, t) + dg];
+			uvec4 w = valueWord(headBase, rowBase, listBase, t0, t, dg);
 			vec4 a = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
 			vec4 b = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
 			[[unroll]] for (uint g = 0; g < GROUP; g++) {
@@ -351,6 +370,31 @@ bool takenByGroup(uint g, uint cl) {
 	uint take = 0;
 	for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take |= uint(rank[h * pc.C + cl] < cut[h]);
 	return take != 0;
+}
+
+// clusterRows returns the rows cluster cl of KV head g adds to the run of
+// query heads h0 .. h0 + GROUP − 1 (GATHER = 2, UNIT = 0): its members
+// where some head of g takes it, its first slot in fromv; else, with
+// APPROX, one pseudo-token (fromv = PSEUDO | cl) where some head of the
+// block keeps it and it has members, of score ps[j] for head h0 + j: logit[h][cl] where h
+// keeps it, −∞ otherwise; else none.
+uint clusterRows(uint g, uint cl, uint h0, out uint fromv, out float ps[GROUP]) {
+	fromv = pc.first + starts[g * pc.C + cl];
+	[[unroll]] for (uint j = 0; j < GROUP; j++) ps[j] = -1.0 / 0.0;
+	if (APPROX == 0) return takenByGroup(g, cl) ? sizes[g * pc.C + cl] : 0;
+	uint size = sizes[g * pc.C + cl];
+	bool any = false;
+	[[unroll]] for (uint j = 0; j < GROUP; j++) {
+		uint h = h0 + j;
+		float lg = logit[h * pc.C + cl];
+		bool kept = rank[h * pc.C + cl] < keep[h];
+		if (kept) ps[j] = lg;
+		any = any || kept;
+	}
+	if (takenByGroup(g, cl)) return size;
+	if (!any || size == 0) return 0;
+	fromv = PSEUDO | cl;
+	return 1;
 }
 
 // unitCluster returns (UNIT > 0) the i-th cluster of run c: the runs
@@ -392,25 +436,13 @@ uint takenUnits(uint g, uint c, uint stride, uint w0, uint end) {
 	return mask & valid;
 }
 
-// putML writes the partial max m and sum l of query head h0 + g (base is
-// head h0's slot), or where held keeps them in runM and runL.
-void putML(uint base, uint g, float m, float l, bool held) {
-	if (held) {
-		runM[g] = m;
-		runL[g] = l;
-	} else {
-		pml[base + g * pc.maxChunks] = vec2(m, l);
-	}
-}
-
 // attendChunk writes the partials of chunk c (of chunk tokens, or clusters
 // with GATHER = 2, out of n) of query heads h0 .. h0 + GROUP − 1 (of KV
 // head kvBase + kvLocal): m, l and o per head, or m = −∞ and l = 0 (o
-// unwritten) where the chunk attends no token. Where held (a run whose
-// pseudo-tokens follow), it leaves them in runM, runL and qs instead, for
-// approxChunk. It returns the members of taken clusters it attended (0
+// unwritten) where the chunk attends no token. It returns the members of
+// taken clusters and the pseudo-tokens it attended (0
 // but for runs of clusters).
-uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
+uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 	uint tid = gl_LocalInvocationID.x;
 	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
 	uint listBase = (pc.kvBase + kvLocal) * pc.n;
@@ -428,12 +460,11 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 		cEnd = GATHER == 2 && c < runs && c < blocks ? (blocks - c + stride - 1) / stride * UNIT : 0;
 	}
 	uint size0 = 0, from0 = 0;  // UNIT: size0 is takenUnits' mask
+	float ps0[GROUP];  // APPROX: a pseudo-token's scores (clusterRows)
 	if (UNIT != 0) {
 		size0 = takenUnits(g, c, stride, 0, cEnd);
 	} else if (tid < CW && tid < cEnd) {
-		uint cl = c + tid * stride;
-		size0 = takenByGroup(g, cl) ? sizes[g * pc.C + cl] : 0;
-		from0 = pc.first + starts[g * pc.C + cl];
+		size0 = clusterRows(g, c + tid * stride, h0, from0, ps0);
 	}
 	for (uint i = tid; i < GROUP * D4; i += WG) {
 		qs[i] = q[(pc.seq * pc.qHeads + h0) * D4 + i] * pc.scale;
@@ -459,6 +490,7 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 
 	uint headBase = kvLocal * pc.headStride;
 	blockHead = h0;
+	meansHead = g;
 	uint attended = 1;  // GATHER = 2: the members attended (every chunk attends some tokens otherwise)
 	if (GATHER != 2) {
 		for (uint t0 = chunkStart; t0 < chunkEnd; t0 += TILE) {
@@ -479,24 +511,28 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 			uint cl = c + (w0 + tid) * stride;
 			uint size = 0;
 			uint mask = 0;  // UNIT: this thread's taken clusters (takenUnits)
+			float ps[GROUP];  // APPROX: its cluster's pseudo-token's scores
+			bool pseudo = false;  // whether its cluster is one
 			if (UNIT != 0) {
 				mask = w0 == 0 ? size0 : takenUnits(g, c, stride, w0, cEnd);
 				size = uint(bitCount(mask));
 			} else if (tid < CW && w0 + tid < cEnd) {
+				// Clusters are runs of slots (kvcache Layer.Reorder).
+				uint fv = from0;
 				if (w0 == 0) {
 					size = size0;
-					from[tid] = from0;
+					if (APPROX != 0) [[unroll]] for (uint j = 0; j < GROUP; j++) ps[j] = ps0[j];
 				} else {
-					if (takenByGroup(g, cl)) size = sizes[g * pc.C + cl];
-					// Clusters are runs of slots (kvcache Layer.Reorder).
-					from[tid] = pc.first + starts[g * pc.C + cl];
+					size = clusterRows(g, cl, h0, fv, ps);
 				}
+				from[tid] = fv;
+				pseudo = APPROX != 0 && (fv & PSEUDO) != 0;
 			}
 			scanSizes(size);
 			uint total = pre[CW];
 			attended += total;
 			bool last = w0 + SPAN >= cEnd;
-			uint at = UNIT != 0 ? pre[min(tid, CW)] : 0;  // UNIT: this thread's first member in the window
+			uint at = UNIT != 0 || APPROX != 0 ? pre[min(tid, CW)] : 0;  // UNIT, APPROX: this thread's first row in the window
 			// One call of attendTile in the loop: a full tile, or what
 			// remains after the last window.
 			uint s0 = 0;
@@ -519,6 +555,9 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 						if (pre[mid] <= s0 + y) lo = mid; else hi = mid - 1;
 					}
 					lst[fill + y] = from[lo] + s0 + y - pre[lo];
+				}
+				if (APPROX != 0 && pseudo && at >= s0 && at < s0 + len) {
+					[[unroll]] for (uint j = 0; j < GROUP; j++) sc[(fill + at - s0) * GROUP + j] = ps[j];
 				}
 				fill += len;
 				s0 += len;
@@ -549,7 +588,7 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 	if (attended == 0) {
 		// Nothing taken in this chunk: m = −∞ tells the merge to skip it,
 		// so its output is not written.
-		if (tid < GROUP) putML(base, tid, -1.0 / 0.0, 0.0, held);
+		if (tid < GROUP) pml[base + tid * pc.maxChunks] = vec2(-1.0 / 0.0, 0.0);
 		return 0;
 	}
 	combine(l, 1);  // its last barrier: no thread reads the queries in qs again
@@ -565,121 +604,12 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk, bool held) {
 			float sum = 0.0;
 			for (uint ln = 0; ln < LANES; ln++) sum += sc[j * WG + ln * DV + d];
 			uint e = d * 8 + j;
-			if (held) qs[g * D4 + e / 4][e % 4] = sum;
-			else po[(base + g * pc.maxChunks) * D + e] = sum;
+			po[(base + g * pc.maxChunks) * D + e] = sum;
 		}
 		barrier();
 	}
-	if (tid < GROUP) putML(base, tid, m[tid], l[tid], held);
+	if (tid < GROUP) pml[base + tid * pc.maxChunks] = vec2(m[tid], l[tid]);
 	return GATHER == 2 && c < runs ? attended : 0;
-}
-
-// approxChunk writes the partials of run c (APPROX = 1), its clusters'
-// (runM, runL and qs, from attendChunk) and, for each query head h0 + j of
-// the block, the pseudo-tokens of the clusters of ranges c, c + R, c + 2R,
-// ... (R = runs) below clusterChunks, range r being [r·chunk,
-// (r + 1)·chunk), that the head keeps and no head of the group takes:
-// with a = max logit, la = Σ exp(logit − a), oa = Σ exp(logit − a)·mean,
-// M = max(a, runM), m = M, l = e^(a−M) la + e^(runM−M) runL and
-// o = e^(a−M) oa + e^(runM−M) o_run (a part without tokens adds nothing;
-// m = −∞, l = 0 and o unwritten where neither has any). The clusters some
-// head approximates are listed in lst, TILE at a time, with their weights
-// in sc; then every listed mean row is read once, a vec4 per thread, for
-// all the block's heads, LA lanes of rows at a time. It returns the
-// pseudo-tokens it attended (clusters some head of the block weighs).
-uint approxChunk(uint c, uint h0, uint kvLocal) {
-	uint tid = gl_LocalInvocationID.x;
-	uint base = (pc.seq * pc.qHeads + h0) * pc.maxChunks + c;
-	uint g = pc.kvBase + kvLocal;
-	// The ranges' clusters as one index i < span: range c + (i / per)·R,
-	// its (i % per)-th cluster (past C: none).
-	uint per = pc.chunk;
-	uint span = c < pc.clusterChunks ? (pc.clusterChunks - c + runs - 1) / runs * per : 0;
-	const uint LA = WG / D4;  // lanes of mean rows
-	// Rows whose loads a lane has in flight (16 measured faster than 4:
-	// bench/README.md).
-	const uint MU = 16;
-	uint lane = tid / D4, d4 = tid % D4;
-	float m[GROUP];
-	float l[GROUP];
-	vec4 acc[GROUP];
-	[[unroll]] for (uint j = 0; j < GROUP; j++) {
-		m[j] = -1.0 / 0.0;
-		l[j] = 0.0;
-		acc[j] = vec4(0.0);
-	}
-	for (uint i = tid; i < span; i += WG) {
-		uint cl = (c + i / per * runs) * per + i % per;
-		if (cl >= pc.C || takenByGroup(g, cl)) continue;
-		[[unroll]] for (uint j = 0; j < GROUP; j++) {
-			uint h = h0 + j;
-			if (rank[h * pc.C + cl] < keep[h]) m[j] = max(m[j], logit[h * pc.C + cl]);
-		}
-	}
-	combine(m, 0);
-	uint listed = 0;
-	for (uint w0 = 0; w0 < span; w0 += TILE) {
-		uint len = min(TILE, span - w0);
-		if (tid == 0) pre[0] = 0;
-		barrier();
-		for (uint i = tid; i < len; i += WG) {
-			uint cl = (c + (w0 + i) / per * runs) * per + (w0 + i) % per;
-			if (cl >= pc.C || takenByGroup(g, cl)) continue;
-			float w[GROUP];
-			bool any = false;
-			[[unroll]] for (uint j = 0; j < GROUP; j++) {
-				uint h = h0 + j;
-				w[j] = rank[h * pc.C + cl] < keep[h] ? exp(logit[h * pc.C + cl] - m[j]) : 0.0;
-				l[j] += w[j];
-				any = any || w[j] > 0.0;
-			}
-			if (any) {
-				uint slot = atomicAdd(pre[0], 1);
-				lst[slot] = cl;
-				[[unroll]] for (uint j = 0; j < GROUP; j++) sc[j * TILE + slot] = w[j];
-			}
-		}
-		barrier();
-		uint count = pre[0];
-		listed += count;
-		if (lane < LA) {
-			for (uint s0 = lane; s0 < count; s0 += MU * LA) {
-				vec4 x[MU];
-				[[unroll]] for (uint r = 0; r < MU; r++) {
-					uint slot = min(s0 + r * LA, count - 1);
-					uvec2 mw = means[(g * pc.C + lst[slot]) * D4 + d4];
-					x[r] = vec4(unpackHalf2x16(mw.x), unpackHalf2x16(mw.y));
-				}
-				[[unroll]] for (uint r = 0; r < MU; r++) {
-					uint slot = s0 + r * LA;
-					if (slot < count) {
-						[[unroll]] for (uint j = 0; j < GROUP; j++) acc[j] += sc[j * TILE + slot] * x[r];
-					}
-				}
-			}
-		}
-		barrier();  // the next window rewrites lst, sc and the count
-	}
-	combine(l, 1);
-	// Fold in the run's partial, one head at a time; the lanes' sums meet
-	// in the score slots (4 · WG floats).
-	const float NEG = -1.0 / 0.0;
-	[[unroll]] for (uint j = 0; j < GROUP; j++) {
-		float ma = l[j] > 0.0 ? m[j] : NEG, mr = runM[j];
-		float M = max(ma, mr);
-		float wa = ma == NEG ? 0.0 : exp(ma - M), wr = mr == NEG ? 0.0 : exp(mr - M);
-		[[unroll]] for (uint k = 0; k < 4; k++) sc[4 * tid + k] = lane < LA ? acc[j][k] : 0.0;
-		barrier();
-		for (uint i = tid; i < D && M != NEG; i += WG) {
-			float sum = 0.0;
-			for (uint ln = 0; ln < LA; ln++) sum += sc[4 * (ln * D4 + i / 4) + i % 4];
-			float run = wr > 0.0 ? wr * qs[j * D4 + i / 4][i % 4] : 0.0;
-			po[(base + j * pc.maxChunks) * D + i] = wa * sum + run;
-		}
-		if (tid == 0) pml[base + j * pc.maxChunks] = vec2(M, wa * l[j] + wr * runL[j]);
-		barrier();
-	}
-	return listed;
 }
 
 // mergeChunks writes the output of query heads h0 .. h0 + GROUP − 1 of
@@ -802,14 +732,7 @@ void main() {
 	// more than the separate merge kernel saved), every chunk otherwise.
 	uint used = GATHER == 1 ? min((n + chunk - 1) / chunk, blockChunks) : blockChunks;
 	if (x >= used) return;
-	// A run of clusters followed by its pseudo-tokens holds its partial in
-	// shared memory for approxChunk, which writes both as one.
-	bool held = APPROX != 0 && x < runs;
-	uint members = attendChunk(x, h0, kvLocal, n, chunk, held);
-	if (held) {
-		barrier();  // the run's partial is in shared memory
-		members += approxChunk(x, h0, kvLocal);
-	}
+	uint members = attendChunk(x, h0, kvLocal, n, chunk);
 
 	// Arrive: the partials written (and made visible device-wide) before
 	// one thread counts this workgroup in. Only the last of the head

@@ -81,9 +81,8 @@ type partialPush struct {
 	QueryHeads uint32  `glsl:"qHeads"`    // query heads per sequence
 	GroupSize  uint32  `glsl:"groupSize"` // query heads per KV head
 	Clusters   uint32  `glsl:"C"`         // clusters per KV head
-	// ClusterChunks is the runs of clusters of a head block (with a run
-	// table, the ranges of pseudo-tokens); workgroups past them take fixed
-	// tokens.
+	// ClusterChunks is the runs of clusters of a head block (unused with a
+	// run table); workgroups past them take fixed tokens.
 	ClusterChunks uint32 `glsl:"clusterChunks"`
 	Clustered     uint32 `glsl:"clustered"`    // members per KV head
 	First         uint32 `glsl:"first"`        // the first clustered token

@@ -24,6 +24,20 @@ type clusterCase struct {
 	big         int          // members of one oversized cluster (0: none)
 	opts        DenseOptions // of the kernels
 	none        []int        // KV heads none of whose query heads takes a cluster
+	// pseudo, when set, adds Double-P's pseudo-tokens to the plan and
+	// receives their inputs; the ranks then leave the first half of every
+	// KV head's clusters untaken, kept by the even query heads alone.
+	pseudo *pseudoTokens
+}
+
+// pseudoTokens holds what clusterPlan made for a case with pseudo-tokens:
+// every query head's ranks ([Hq][C]), cuts and keeps, the logits
+// ([Hq][C]), the means as the GPU holds them ([KV][C][D], fp16 values)
+// and each KV head's clusters' members.
+type pseudoTokens struct {
+	rank, cut, keep []uint32
+	logits, means   []float64
+	members         [][][]int32
 }
 
 // clusterPlan builds c's cache in cluster order, its ranks and cuts and a
@@ -59,6 +73,13 @@ func clusterPlan(t *testing.T, dev *vk.Device, rng *rand.Rand, c clusterCase) (*
 	rank := make([]uint32, h.Query*c.clusters)
 	for i := range rank {
 		rank[i] = uint32(rng.Intn(ranks))
+		if hh, cl := i/c.clusters, i%c.clusters; c.pseudo != nil && cl < c.clusters/2 {
+			// Past any cut; kept by even heads only (keep below).
+			rank[i] = uint32(ranks/2 + rng.Intn(ranks/2))
+			if hh%2 == 1 {
+				rank[i] = ranks
+			}
+		}
 	}
 	cut := make([]uint32, h.Query)
 	for i := range cut {
@@ -76,7 +97,11 @@ func clusterPlan(t *testing.T, dev *vk.Device, rng *rand.Rand, c clusterCase) (*
 	require.NoError(t, rankBuf.WriteUint32(0, rank))
 	require.NoError(t, cutBuf.WriteUint32(0, cut))
 
-	plan, err := dense.PlanClusters(layer, x, rankBuf.All(), cutBuf.All())
+	sel := Selection{Clusters: x, Rank: rankBuf.All(), Cut: cutBuf.All()}
+	if c.pseudo != nil {
+		sel.Approx = pseudoBuffers(t, dev, rng, c, members, rank, cut)
+	}
+	plan, err := dense.PlanSelection(layer, sel)
 	require.NoError(t, err)
 	t.Cleanup(func() { plan.Release() })
 
@@ -101,6 +126,114 @@ func clusterPlan(t *testing.T, dev *vk.Device, rng *rand.Rand, c clusterCase) (*
 		lists[g] = list
 	}
 	return plan, k, v, lists
+}
+
+// pseudoBuffers makes the keeps (even heads keep every rank, odd ones
+// ranks below 7), random logits and means of c's pseudo-tokens on dev,
+// leaves them in c.pseudo with the ranks, cuts and members, and returns
+// them as an Approximation.
+func pseudoBuffers(t *testing.T, dev *vk.Device, rng *rand.Rand, c clusterCase, members [][][]int32, rank, cut []uint32) *Approximation {
+	t.Helper()
+	h, p := c.heads, c.pseudo
+	p.rank, p.cut, p.members = rank, cut, members
+	p.keep = make([]uint32, h.Query)
+	for hh := range p.keep {
+		p.keep[hh] = uint32(10 - 3*(hh%2))
+	}
+	logits := make([]float32, h.Query*c.clusters)
+	for i := range logits {
+		logits[i] = float32(rng.NormFloat64()*2 + 1)
+	}
+	means := make([]float32, h.KV*c.clusters*h.Dim)
+	for i := range means {
+		means[i] = float32(rng.NormFloat64())
+	}
+	halves, err := kvcache.ToHalves(means)
+	require.NoError(t, err)
+	p.logits, p.means = make([]float64, len(logits)), HalvesToFloat64(halves)
+	for i, l := range logits {
+		p.logits[i] = float64(l)
+	}
+	buffer := func(size uint64) *vk.Buffer {
+		b, err := dev.NewBuffer(size, vk.DeviceLocal)
+		require.NoError(t, err)
+		t.Cleanup(func() { b.Release() })
+		return b
+	}
+	keep, logitBuf, meanBuf := buffer(uint64(h.Query)*4), buffer(uint64(len(logits))*4), buffer(uint64(len(halves))*2)
+	require.NoError(t, keep.WriteUint32(0, p.keep))
+	require.NoError(t, logitBuf.WriteFloat32(0, logits))
+	require.NoError(t, meanBuf.WriteUint16(0, halves))
+	return &Approximation{Keep: keep.All(), Logits: logitBuf.All(), Means: meanBuf.All()}
+}
+
+// pseudoRef returns DoublePGroupRef's output for every query head of c's
+// plan (q, [Hq][D]) over keys and values k, v ([KV][n][D]) and the fixed
+// tokens, with the pseudo-tokens clusterPlan left in c.pseudo.
+func pseudoRef(t *testing.T, c clusterCase, q []float32, k, v []float64, fixed []int32) []float64 {
+	t.Helper()
+	h, p, d, nc := c.heads, c.pseudo, c.heads.Dim, c.clusters
+	var want []float64
+	for g := range h.KV {
+		idx := &ClusterIndex{D: d, Members: p.members[g], Sizes: make([]int, nc)}
+		for cl, m := range p.members[g] {
+			idx.Sizes[cl] = len(m)
+		}
+		var qs, logits [][]float64
+		var ranks [][]int
+		var exact, keep []int
+		for hh := g * h.Group(); hh < (g+1)*h.Group(); hh++ {
+			qh := make([]float64, d)
+			for i := range qh {
+				qh[i] = float64(q[hh*d+i])
+			}
+			qs = append(qs, qh)
+			logits = append(logits, p.logits[hh*nc:(hh+1)*nc])
+			r := make([]int, nc)
+			for cl := range r {
+				r[cl] = int(p.rank[hh*nc+cl])
+			}
+			ranks = append(ranks, r)
+			exact, keep = append(exact, int(p.cut[hh])), append(keep, int(p.keep[hh]))
+		}
+		outs, _, approx, err := DoublePGroupRef(qs, k[g*c.n*d:(g+1)*c.n*d], v[g*c.n*d:(g+1)*c.n*d], 1/math.Sqrt(float64(d)), idx, fixed,
+			p.means[g*nc*d:(g+1)*nc*d], logits, ranks, exact, keep)
+		require.NoError(t, err)
+		require.NotEmpty(t, approx[0], "KV head %d: head 0 keeps pseudo-tokens", g)
+		for _, o := range outs {
+			want = append(want, o...)
+		}
+	}
+	return want
+}
+
+// TestClusterGatherWithPseudoTokens attends over clusters with Double-P's
+// pseudo-tokens listed in the runs' tiles, where the first half of every
+// KV head's clusters is taken by no head and kept by the even heads
+// alone: the odd heads' first tiles hold only rows they weigh nothing (a
+// max of −∞ they must come back from), in runs of several tiles and
+// windows. It compares every query head with DoublePGroupRef.
+func TestClusterGatherWithPseudoTokens(t *testing.T) {
+	dev := vktest.Open(t)
+	rng := rand.New(rand.NewSource(rand.Int63()))
+	for _, c := range []clusterCase{
+		{heads: Heads{8, 2, 64}, n: 5000, capacity: 5100, first: 2, tail: 30, clusters: 600, opts: DenseOptions{ClusterChunk: 600, ClusterTile: 128, ClusterWindow: 64}},
+		{heads: Heads{16, 2, 128}, n: 7001, capacity: 7001, first: 4, tail: 97, clusters: 900, opts: DenseOptions{ClusterChunk: 300, ClusterTile: 256}},
+		// The default runs, windows and tiles.
+		{heads: Heads{32, 8, 128}, n: 9000, capacity: 9000, first: 4, tail: 64, clusters: 560},
+	} {
+		c.pseudo = &pseudoTokens{}
+		name := fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_C%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, c.clusters)
+		t.Run(name, func(t *testing.T) {
+			h := c.heads
+			plan, k, v, _ := clusterPlan(t, dev, rng, c)
+			fixed, err := TacticFixedTokens(c.first, c.n-c.tail, c.n-1)
+			require.NoError(t, err)
+			q := randomQueries(rng, h.Query*h.Dim, 1.5)
+			got := attendPoisoned(t, dev, plan, q)
+			requireClose(t, pseudoRef(t, c, q, k, v, fixed), got, h.Dim, 1e-3, "over clusters with pseudo-tokens")
+		})
+	}
 }
 
 // TestClusterGatherMatchesReference attends, per KV head, the fixed tokens

@@ -126,7 +126,7 @@ func (m *clusterMode) bindings(d *Dense, b *partialBuffers) *vk.Pipeline {
 }
 
 // spec returns the specialization of attend_partial that attends m: with
-// pseudo-tokens (each run's workgroup then folds in its range's), or over
+// pseudo-tokens (each run lists its clusters' among its members' rows), or over
 // single tokens and writing the logits where m asks for them.
 func (m *clusterMode) spec(d *Dense) partialSpec {
 	s := d.clusterSpec
