@@ -141,8 +141,10 @@ func pseudoBuffers(t *testing.T, dev *vk.Device, rng *rand.Rand, c clusterCase, 
 		p.keep[hh] = uint32(10 - 3*(hh%2))
 	}
 	logits := make([]float32, h.Query*c.clusters)
+	bits := make([]uint32, len(logits))
 	for i := range logits {
 		logits[i] = float32(rng.NormFloat64()*2 + 1)
+		bits[i] = math.Float32bits(logits[i])
 	}
 	means := make([]float32, h.KV*c.clusters*h.Dim)
 	for i := range means {
@@ -154,15 +156,10 @@ func pseudoBuffers(t *testing.T, dev *vk.Device, rng *rand.Rand, c clusterCase, 
 	for i, l := range logits {
 		p.logits[i] = float64(l)
 	}
-	buffer := func(size uint64) *vk.Buffer {
-		b, err := dev.NewBuffer(size, vk.DeviceLocal)
-		require.NoError(t, err)
-		t.Cleanup(func() { b.Release() })
-		return b
-	}
-	keep, logitBuf, meanBuf := buffer(uint64(h.Query)*4), buffer(uint64(len(logits))*4), buffer(uint64(len(halves))*2)
-	require.NoError(t, keep.WriteUint32(0, p.keep))
-	require.NoError(t, logitBuf.WriteFloat32(0, logits))
+	keep, logitBuf := uploadWords(t, dev, p.keep), uploadWords(t, dev, bits)
+	meanBuf, err := dev.NewBuffer(uint64(len(halves))*2, vk.DeviceLocal)
+	require.NoError(t, err)
+	t.Cleanup(func() { meanBuf.Release() })
 	require.NoError(t, meanBuf.WriteUint16(0, halves))
 	return &Approximation{Keep: keep.All(), Logits: logitBuf.All(), Means: meanBuf.All()}
 }
