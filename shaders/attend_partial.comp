@@ -138,6 +138,7 @@ layout(push_constant) uniform Push {
 	uint runLo, runHi;
 	uint fixedChunks;
 	uint rowStride;  // LOGITS: floats between query heads' rows of logits
+	uint fixedTile;  // GATHER = 2: fixed tokens per chunk of them (at most TILE)
 } pc;
 
 // The runs of clusters of this workgroup's head block (GATHER = 2).
@@ -585,12 +586,12 @@ uint attendChunk(uint c, uint h0, uint kvLocal, uint n, uint chunk) {
 			barrier();  // the next window rewrites pre and from
 		}
 	} else {
-		// The fixed tokens [0, first) and [clusteredEnd, n), a tile per chunk.
-		uint f0 = (c - runs) * TILE;
+		// The fixed tokens [0, first) and [clusteredEnd, n), fixedTile a chunk.
+		uint f0 = (c - runs) * pc.fixedTile;
 		uint fixedCount = pc.first + pc.n - pc.clusteredEnd;
 		attended = f0 < fixedCount ? 1 : 0;
 		if (f0 < fixedCount) {
-			uint len = min(TILE, fixedCount - f0);
+			uint len = min(pc.fixedTile, fixedCount - f0);
 			for (uint y = tid; y < len; y += WG) {
 				uint i = f0 + y;
 				lst[y] = i < pc.first ? i : pc.clusteredEnd + (i - pc.first);

@@ -94,6 +94,7 @@ type partialPush struct {
 	Runs        [runTableBlocks]uint8 `glsl:"runLo,runHi"` // runs per head block of the table
 	FixedChunks uint32                `glsl:"fixedChunks"` // chunks of fixed tokens per head block
 	RowStride   uint32                `glsl:"rowStride"`   // floats between query heads' rows of logits (Logits)
+	FixedTile   uint32                `glsl:"fixedTile"`   // fixed tokens per chunk of them, at most the tile
 }
 
 // words returns the push constants as a dispatch takes them; Runs packs
@@ -101,7 +102,7 @@ type partialPush struct {
 func (p partialPush) words() []uint32 {
 	return []uint32{p.N, p.HeadStride, p.KVBase, p.Seq, p.Chunk, p.MaxChunks, math.Float32bits(p.Scale), p.QueryHeads, p.GroupSize,
 		p.Clusters, p.ClusterChunks, p.Clustered, p.First, p.ClusteredEnd, p.RunTable,
-		binary.LittleEndian.Uint32(p.Runs[0:4]), binary.LittleEndian.Uint32(p.Runs[4:8]), p.FixedChunks, p.RowStride}
+		binary.LittleEndian.Uint32(p.Runs[0:4]), binary.LittleEndian.Uint32(p.Runs[4:8]), p.FixedChunks, p.RowStride, p.FixedTile}
 }
 
 // partialBuffers is attend_partial's buffers in binding order. A mode
@@ -155,5 +156,5 @@ func (b partialBuffers) ranges(unused vk.Range) []vk.Range {
 // The kernel's layout: its bindings and push-constant words.
 const (
 	partialBindings  = 20
-	partialPushWords = 19
+	partialPushWords = 20
 )

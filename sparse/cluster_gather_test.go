@@ -236,6 +236,31 @@ func TestClusterGatherWithPseudoTokens(t *testing.T) {
 // TestClusterGatherMatchesReference attends, per KV head, the fixed tokens
 // and the clusters its query heads take under random ranks and cuts, and
 // compares every query head with AttendSubsetRef over that union.
+// TestFixedTile checks the chunks of fixed tokens: about
+// clusterWorkgroups workgroups a sequence for 8 head blocks (fewer a
+// sequence beyond clusterBatchSequences), never under fixedTileLeast
+// tokens or over a tile, and always within the plan's slots.
+func TestFixedTile(t *testing.T) {
+	for _, c := range []struct{ count, capacity, sequences, tile, want int }{
+		{6000, 32768, 1, 896, 256},      // StreamingLLM's fixed tokens at 32 768
+		{16000, 131072, 1, 896, 500},    // and at 131 072
+		{16000, 131072, 8, 896, 896},    // a batch of 8: a quarter of the workgroups
+		{6000, 32768, 4, 896, 375},      // a batch of 4
+		{100, 32768, 1, 896, 256},       // one part-full chunk
+		{60000, 65536, 1, 896, 896},     // a tile at the most
+		{3000, 3000, 1, 200, 200},       // tiles smaller than fixedTileLeast
+		{1 << 20, 1 << 20, 1, 896, 896}, // slots in whole tiles
+	} {
+		slots := fixedSlots(c.capacity, c.tile)
+		got := fixedTile(c.count, slots, 8, c.sequences, c.tile)
+		require.Equal(t, c.want, got, "%d fixed tokens, %d sequences", c.count, c.sequences)
+		require.LessOrEqual(t, ceilDiv(c.count, got), slots, "%d fixed tokens in chunks of %d: more than %d slots", c.count, got, slots)
+	}
+	require.Equal(t, fixedSlotsMost, fixedSlots(20000, 896), "slots for chunks of fixedTileLeast, at most fixedSlotsMost")
+	require.Equal(t, ceilDiv(1<<20, 896), fixedSlots(1<<20, 896), "slots for whole tiles")
+	require.Equal(t, 4, fixedSlots(1000, 896), "slots in chunks of fixedTileLeast")
+}
+
 func TestClusterGatherMatchesReference(t *testing.T) {
 	dev := vktest.Open(t)
 	rng := rand.New(rand.NewSource(rand.Int63()))
@@ -255,6 +280,9 @@ func TestClusterGatherMatchesReference(t *testing.T) {
 		// a group's heads), runs of several windows.
 		{heads: Heads{8, 1, 64}, n: 4000, capacity: 4000, first: 2, tail: 20, clusters: 500, opts: DenseOptions{ClusterChunk: 300, ClusterWindow: 64}},
 		{heads: Heads{16, 1, 64}, n: 3000, capacity: 3000, first: 1, tail: 9, clusters: 400, opts: DenseOptions{ClusterChunk: 200, ClusterWindow: 32}},
+		// Thousands of fixed tokens: chunks of fixedTile tokens, shorter
+		// than a tile, the last one part full.
+		{heads: Heads{8, 2, 64}, n: 6000, capacity: 6500, first: 4, tail: 2700, clusters: 200},
 	} {
 		name := fmt.Sprintf("Hq%d_Hkv%d_D%d_N%d_C%d", c.heads.Query, c.heads.KV, c.heads.Dim, c.n, c.clusters)
 		t.Run(name, func(t *testing.T) {

@@ -75,7 +75,7 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 		per = clusterRun(clusters.C, d.headBlocks(), 1)
 	}
 	most := min(runTableMost, max(1, runTableSpread*ceilDiv(clusters.C, per)))
-	chunks := max(ceilDiv(clusters.C, per), most) + ceilDiv(layer.Capacity()-clusters.Count, d.clusterTile)
+	chunks := max(ceilDiv(clusters.C, per), most) + fixedSlots(layer.Capacity()-clusters.Count, d.clusterTile)
 	if a := sel.Approx; a != nil {
 		c := uint64(h.Query * clusters.C)
 		if a.Keep.Size < uint64(h.Query)*4 || a.Logits.Size < c*4 || a.Means.Size < uint64(h.KV*clusters.C*h.Dim)*2 {
@@ -158,12 +158,14 @@ func (m *clusterMode) record(c *vk.Commands, p *DensePlan, sequences int) error 
 	}
 	per := m.runClusters(d, sequences)
 	runs := ceilDiv(x.C, per)
-	fixed := ceilDiv(n-x.Count, d.clusterTile)
+	capacity := p.seqs[0].Capacity() - x.Count
+	tile := fixedTile(n-x.Count, fixedSlots(capacity, d.clusterTile), d.headBlocks(), sequences, d.clusterTile)
+	fixed := ceilDiv(n-x.Count, tile)
 	pipe := m.pipe
 	blocks := d.blocksPerKV()
 	for _, seg := range p.segments[0] {
 		push := p.push(0, seg)
-		push.N, push.Chunk, push.FixedChunks = uint32(n), uint32(per), uint32(fixed)
+		push.N, push.Chunk, push.FixedChunks, push.FixedTile = uint32(n), uint32(per), uint32(fixed), uint32(tile)
 		if m.saved != nil {
 			push.RowStride = uint32(m.saved.RowStride)
 		}
@@ -217,6 +219,40 @@ func (m *clusterMode) runClusters(d *Dense, sequences int) int {
 	}
 	return clusterRun(m.index.C, d.headBlocks(), sequences)
 }
+
+// fixedSlots returns the chunk slots a plan keeps for up to tokens fixed
+// tokens (outside the clusters) in chunks of at most tile: enough for
+// chunks of fixedTileLeast (or tile, where smaller) up to fixedSlotsMost
+// slots, and for chunks of tile beyond.
+func fixedSlots(tokens, tile int) int {
+	return min(ceilDiv(tokens, min(fixedTileLeast, tile)), max(ceilDiv(tokens, tile), fixedSlotsMost))
+}
+
+// fixedTile returns the fixed tokens a workgroup of attention over
+// clusters takes, for count fixed tokens in at most slots chunks, blocks
+// head blocks and sequences sequences sharing the dispatch: enough chunks
+// for about clusterWorkgroups workgroups a sequence (fewer beyond
+// clusterBatchSequences sequences, as clusterRun), each of at least
+// fixedTileLeast tokens and at most tile. A chunk of tile tokens is a chain
+// of 2·tile/128 round trips to memory for its keys and values, so
+// StreamingLLM's few thousand fixed tokens took chunks of tile tokens, a
+// workgroup for each of a few SMs, and the others idle.
+func fixedTile(count, slots, blocks, sequences, tile int) int {
+	target := clusterWorkgroups
+	if sequences > clusterBatchSequences {
+		target = max(1, clusterBatchSequences*clusterWorkgroups/sequences)
+	}
+	t := min(tile, max(fixedTileLeast, ceilDiv(count*blocks, target)))
+	return max(t, ceilDiv(count, max(1, slots)))
+}
+
+// Chunks of fixed tokens: at least fixedTileLeast tokens each, and a plan
+// keeps slots for at most fixedSlotsMost such chunks (or as many as its
+// fixed tokens need in whole tiles).
+const (
+	fixedTileLeast = 256
+	fixedSlotsMost = 64
+)
 
 // Runs of attention over clusters set per head block (DensePlan.SetRuns):
 // a dispatch's table holds up to runTableBlocks blocks, a byte each; a
