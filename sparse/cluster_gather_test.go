@@ -233,9 +233,6 @@ func TestClusterGatherWithPseudoTokens(t *testing.T) {
 	}
 }
 
-// TestClusterGatherMatchesReference attends, per KV head, the fixed tokens
-// and the clusters its query heads take under random ranks and cuts, and
-// compares every query head with AttendSubsetRef over that union.
 // TestFixedTile checks the chunks of fixed tokens: about
 // clusterWorkgroups workgroups a sequence for 8 head blocks (fewer a
 // sequence beyond clusterBatchSequences), never under fixedTileLeast
@@ -261,6 +258,9 @@ func TestFixedTile(t *testing.T) {
 	require.Equal(t, 4, fixedSlots(1000, 896), "slots in chunks of fixedTileLeast")
 }
 
+// TestClusterGatherMatchesReference attends, per KV head, the fixed tokens
+// and the clusters its query heads take under random ranks and cuts, and
+// compares every query head with AttendSubsetRef over that union.
 func TestClusterGatherMatchesReference(t *testing.T) {
 	dev := vktest.Open(t)
 	rng := rand.New(rand.NewSource(rand.Int63()))

@@ -233,10 +233,10 @@ func fixedSlots(tokens, tile int) int {
 // head blocks and sequences sequences sharing the dispatch: enough chunks
 // for about clusterWorkgroups workgroups a sequence (fewer beyond
 // clusterBatchSequences sequences, as clusterRun), each of at least
-// fixedTileLeast tokens and at most tile. A chunk of tile tokens is a chain
-// of 2·tile/128 round trips to memory for its keys and values, so
-// StreamingLLM's few thousand fixed tokens took chunks of tile tokens, a
-// workgroup for each of a few SMs, and the others idle.
+// fixedTileLeast tokens and at most tile. A chunk is a chain of about
+// 2·chunk/128 round trips to memory for its keys and values, so a few
+// thousand fixed tokens (StreamingLLM's) in whole tiles kept a few SMs
+// busy for 14 round trips while the others idled.
 func fixedTile(count, slots, blocks, sequences, tile int) int {
 	target := clusterWorkgroups
 	if sequences > clusterBatchSequences {
