@@ -24,8 +24,10 @@ type clusterMode struct {
 	// in place of equal runs (SetRuns); mostRuns caps each.
 	runs     []int
 	mostRuns int
-	approx   *Approximation   // the pseudo-tokens' buffers; nil without
-	saved    *AttentionRecord // where logits and normalisers go; nil without
+	// fixedSlots: the chunk slots the plan keeps for fixed tokens.
+	fixedSlots int
+	approx     *Approximation   // the pseudo-tokens' buffers; nil without
+	saved      *AttentionRecord // where logits and normalisers go; nil without
 	// unit: every cluster is one token (kvcache.Clusters.SingleTokens) and
 	// no pseudo-tokens are added, so a kernel for single tokens attends it.
 	unit bool
@@ -75,14 +77,15 @@ func (d *Dense) PlanSelection(layer *kvcache.Layer, sel Selection) (*DensePlan, 
 		per = clusterRun(clusters.C, d.headBlocks(), 1)
 	}
 	most := min(runTableMost, max(1, runTableSpread*ceilDiv(clusters.C, per)))
-	chunks := max(ceilDiv(clusters.C, per), most) + fixedSlots(layer.Capacity()-clusters.Count, d.clusterTile)
+	fixed := fixedSlots(layer.Capacity()-clusters.Count, d.clusterTile)
+	chunks := max(ceilDiv(clusters.C, per), most) + fixed
 	if a := sel.Approx; a != nil {
 		c := uint64(h.Query * clusters.C)
 		if a.Keep.Size < uint64(h.Query)*4 || a.Logits.Size < c*4 || a.Means.Size < uint64(h.KV*clusters.C*h.Dim)*2 {
 			return nil, fmt.Errorf("sparse: pseudo-tokens with keeps of %d bytes, logits of %d and means of %d for %d query heads of %d clusters", a.Keep.Size, a.Logits.Size, a.Means.Size, h.Query, clusters.C)
 		}
 	}
-	m := &clusterMode{index: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most,
+	m := &clusterMode{index: clusters, clusterChunk: per, fixedRuns: sel.RunClusters > 0, rank: rank, cut: cut, approx: sel.Approx, mostRuns: most, fixedSlots: fixed,
 		unit: sel.Approx == nil && clusters.SingleTokens()}
 	if r := sel.Record; r != nil {
 		switch {
@@ -146,9 +149,9 @@ func (m *clusterMode) spec(d *Dense) partialSpec {
 // record records the whole attention over the taken clusters and the
 // fixed tokens in one dispatch per range of KV heads, for a stage that
 // sequences plans share: a workgroup per run of clusters (runClusters, or
-// the plan's runs per head block), then one per tile of fixed tokens,
-// each writing its partial (m = −∞ where it attends nothing), and the last
-// workgroup of each head block merging them into the output.
+// the plan's runs per head block), then one per chunk of fixed tokens
+// (fixedTile), each writing its partial (m = −∞ where it attends nothing),
+// and the last workgroup of each head block merging them into the output.
 func (m *clusterMode) record(c *vk.Commands, p *DensePlan, sequences int) error {
 	d, x := p.d, m.index
 	n := p.seqs[0].Len()
@@ -158,8 +161,7 @@ func (m *clusterMode) record(c *vk.Commands, p *DensePlan, sequences int) error 
 	}
 	per := m.runClusters(d, sequences)
 	runs := ceilDiv(x.C, per)
-	capacity := p.seqs[0].Capacity() - x.Count
-	tile := fixedTile(n-x.Count, fixedSlots(capacity, d.clusterTile), d.headBlocks(), sequences, d.clusterTile)
+	tile := fixedTile(n-x.Count, m.fixedSlots, d.headBlocks(), sequences, d.clusterTile)
 	fixed := ceilDiv(n-x.Count, tile)
 	pipe := m.pipe
 	blocks := d.blocksPerKV()
@@ -203,11 +205,18 @@ func (m *clusterMode) release() error { return nil }
 // µs at 32 768 tokens with 1, 2 and 4 waves of runs, 213, 177 and 175 at
 // 131 072; with equal runs 117, 92 and 89 µs with 8, 4 and 2 waves.
 func clusterRun(c, blocks, sequences int) int {
-	target := clusterWorkgroups
+	return max(clusterChunkMin, ceilDiv(c*blocks, sequenceWorkgroups(sequences)))
+}
+
+// sequenceWorkgroups returns the workgroups of attention over clusters a
+// sequence aims at when sequences sequences share the dispatch:
+// clusterWorkgroups, and beyond clusterBatchSequences sequences
+// clusterBatchSequences·clusterWorkgroups in all.
+func sequenceWorkgroups(sequences int) int {
 	if sequences > clusterBatchSequences {
-		target = max(1, clusterBatchSequences*clusterWorkgroups/sequences)
+		return max(1, clusterBatchSequences*clusterWorkgroups/sequences)
 	}
-	return max(clusterChunkMin, ceilDiv(c*blocks, target))
+	return clusterWorkgroups
 }
 
 // runClusters returns the clusters of a run when the plans of sequences
@@ -238,11 +247,7 @@ func fixedSlots(tokens, tile int) int {
 // thousand fixed tokens (StreamingLLM's) in whole tiles kept a few SMs
 // busy for 14 round trips while the others idled.
 func fixedTile(count, slots, blocks, sequences, tile int) int {
-	target := clusterWorkgroups
-	if sequences > clusterBatchSequences {
-		target = max(1, clusterBatchSequences*clusterWorkgroups/sequences)
-	}
-	t := min(tile, max(fixedTileLeast, ceilDiv(count*blocks, target)))
+	t := min(tile, max(fixedTileLeast, ceilDiv(count*blocks, sequenceWorkgroups(sequences))))
 	return max(t, ceilDiv(count, max(1, slots)))
 }
 
