@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/vksparse/vksparse/evaluate"
 	"github.com/vksparse/vksparse/vk"
@@ -108,7 +109,7 @@ func probeStep(spec, groupList string, reps int, jsonPath, command string) error
 	defer prog.finish()
 	for _, sc := range cases {
 		for _, placement := range []string{"same", "rotated"} {
-			best, err := timeSkeleton(dev, pipe, cmd, dst, sc, placement, groups, warmup, reps, prog)
+			best, err := timeSkeleton(dev, pipe, cmd, dst, sc, placement, groups, skeletonWarm(dev.Info()), warmup, reps, prog)
 			if err != nil {
 				return fmt.Errorf("case %s: %w", sc.Name, err)
 			}
@@ -132,9 +133,22 @@ func probeStep(spec, groupList string, reps int, jsonPath, command string) error
 	return nil
 }
 
+// skeletonWarm returns how long a skeleton's chain runs untimed before it
+// is timed on a device: as the steps it is compared with run for a second
+// before theirs, since a GPU left idle while the host prepared the
+// skeleton may run its first milliseconds at lower clocks; none on a CPU
+// renderer.
+func skeletonWarm(info vk.Info) time.Duration {
+	if info.Type == "cpu" {
+		return 0
+	}
+	return 200 * time.Millisecond
+}
+
 // timeSkeleton times one case with its buffers placed as placement says,
-// for every workgroup count, and returns the fastest.
-func timeSkeleton(dev *vk.Device, pipe *vk.Pipeline, cmd *vk.Commands, dst *vk.Buffer, sc skeletonCase, placement string, groups []int, warmup, reps int, prog *progress) (skeletonResult, error) {
+// for every workgroup count, and returns the fastest. The chain first runs
+// untimed for warm (and warmup runs ahead of each timed submission).
+func timeSkeleton(dev *vk.Device, pipe *vk.Pipeline, cmd *vk.Commands, dst *vk.Buffer, sc skeletonCase, placement string, groups []int, warm time.Duration, warmup, reps int, prog *progress) (skeletonResult, error) {
 	var words []uint32
 	stepBytes := uint64(0)
 	for _, mb := range sc.Stage {
@@ -185,11 +199,10 @@ func timeSkeleton(dev *vk.Device, pipe *vk.Pipeline, cmd *vk.Commands, dst *vk.B
 		return skeletonResult{}, err
 	}
 	defer stamps.Release()
-	var best skeletonResult
-	for _, g := range groups {
-		prog.step(fmt.Sprintf("skeleton %s, %s buffers, %d workgroups", sc.Name, placement, g))
+	// run records and submits warmup + reps chains of g workgroups a dispatch.
+	run := func(g int) error {
 		if err := cmd.Begin(); err != nil {
-			return skeletonResult{}, err
+			return err
 		}
 		cmd.Reset(stamps)
 		cmd.Timestamp(stamps, 0)
@@ -201,9 +214,19 @@ func timeSkeleton(dev *vk.Device, pipe *vk.Pipeline, cmd *vk.Commands, dst *vk.B
 			}
 		}
 		if err := cmd.End(); err != nil {
+			return err
+		}
+		return cmd.Submit()
+	}
+	for start := time.Now(); time.Since(start) < warm; {
+		if err := run(groups[0]); err != nil {
 			return skeletonResult{}, err
 		}
-		if err := cmd.Submit(); err != nil {
+	}
+	var best skeletonResult
+	for _, g := range groups {
+		prog.step(fmt.Sprintf("skeleton %s, %s buffers, %d workgroups", sc.Name, placement, g))
+		if err := run(g); err != nil {
 			return skeletonResult{}, err
 		}
 		d, err := stamps.Durations((warmup+reps)*ns + 1)
@@ -288,7 +311,7 @@ func (t *skeletonTimer) time(name string, sk *evaluate.Skeleton, stepUs float64)
 	if len(sk.Bytes) == 0 {
 		return fmt.Errorf("skeleton of %s: no stages", name)
 	}
-	res, err := timeSkeleton(t.dev, t.pipe, t.cmd, t.dst, skeletonCase{Name: name, Stage: sk.MB()}, "same", t.groups, 5, t.reps, &progress{})
+	res, err := timeSkeleton(t.dev, t.pipe, t.cmd, t.dst, skeletonCase{Name: name, Stage: sk.MB()}, "same", t.groups, skeletonWarm(t.dev.Info()), 5, t.reps, &progress{})
 	if err != nil {
 		return fmt.Errorf("skeleton of %s: %w", name, err)
 	}
