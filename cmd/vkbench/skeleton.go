@@ -107,9 +107,10 @@ func probeStep(spec, groupList string, reps int, jsonPath, command string) error
 	var rows [][]string
 	prog := &progress{total: len(cases) * 2 * len(groups)}
 	defer prog.finish()
-	for _, sc := range cases {
-		for _, placement := range []string{"same", "rotated"} {
-			best, err := timeSkeleton(dev, pipe, cmd, dst, sc, placement, groups, skeletonWarm(dev.Info()), warmup, reps, prog)
+	for ci, sc := range cases {
+		for pi, placement := range []string{"same", "rotated"} {
+			warm := skeletonWarm(dev.Info(), ci == 0 && pi == 0)
+			best, err := timeSkeleton(dev, pipe, cmd, dst, sc, placement, groups, warm, warmup, reps, prog)
 			if err != nil {
 				return fmt.Errorf("case %s: %w", sc.Name, err)
 			}
@@ -134,13 +135,17 @@ func probeStep(spec, groupList string, reps int, jsonPath, command string) error
 }
 
 // skeletonWarm returns how long a skeleton's chain runs untimed before it
-// is timed on a device: as the steps it is compared with run for a second
-// before theirs, since a GPU left idle while the host prepared the
-// skeleton may run its first milliseconds at lower clocks; none on a CPU
-// renderer.
-func skeletonWarm(info vk.Info) time.Duration {
-	if info.Type == "cpu" {
+// is timed on a device: a second for a device's first skeleton, as the
+// steps it is compared with are warmed, and 200 ms for each later one
+// (none on a CPU renderer). A GPU left idle while the host prepared the
+// skeletons ran them up to 2.7 times slower unwarmed (H100, 2026-12-07),
+// and the first of them 2.4 times slower after 200 ms.
+func skeletonWarm(info vk.Info, first bool) time.Duration {
+	switch {
+	case info.Type == "cpu":
 		return 0
+	case first:
+		return time.Second
 	}
 	return 200 * time.Millisecond
 }
@@ -273,6 +278,7 @@ type skeletonTimer struct {
 	dst    *vk.Buffer
 	groups []int
 	reps   int
+	warmed bool // whether a skeleton has been timed
 }
 
 // skeletonGroups returns the workgroup counts a skeleton is tried with on
@@ -311,7 +317,8 @@ func (t *skeletonTimer) time(name string, sk *evaluate.Skeleton, stepUs float64)
 	if len(sk.Bytes) == 0 {
 		return fmt.Errorf("skeleton of %s: no stages", name)
 	}
-	res, err := timeSkeleton(t.dev, t.pipe, t.cmd, t.dst, skeletonCase{Name: name, Stage: sk.MB()}, "same", t.groups, skeletonWarm(t.dev.Info()), 5, t.reps, &progress{})
+	res, err := timeSkeleton(t.dev, t.pipe, t.cmd, t.dst, skeletonCase{Name: name, Stage: sk.MB()}, "same", t.groups, skeletonWarm(t.dev.Info(), !t.warmed), 5, t.reps, &progress{})
+	t.warmed = true
 	if err != nil {
 		return fmt.Errorf("skeleton of %s: %w", name, err)
 	}
