@@ -236,11 +236,13 @@ func plotPolicySteps(path string, rows []compareRow) error {
 		p.Legend.Top = true
 		// About 440 points of a panel's width hold the policies' bars.
 		width := vg.Points(min(14, 0.8*440/float64(len(policies)*len(groups))))
+		most := 1.0
 		for gi, g := range groups {
 			vals := make(plotter.Values, len(policies))
 			for _, r := range rows {
 				if stepGroup(r) == g {
 					vals[slices.Index(policies, r.Policy)] = value(r)
+					most = max(most, value(r))
 				}
 			}
 			bars, err := plotter.NewBarChart(vals, width)
@@ -256,7 +258,9 @@ func plotPolicySteps(path string, rows []compareRow) error {
 		one := plotter.NewFunction(func(float64) float64 { return 1 })
 		one.Dashes = []vg.Length{vg.Points(4), vg.Points(4)}
 		p.Add(one)
-		p.Y.Min = 0
+		// Headroom above the tallest bar keeps the legend, one line a
+		// group at the top, off the bars.
+		p.Y.Min, p.Y.Max = 0, most*(1.1+0.07*float64(len(groups)))
 		return p, nil
 	}
 	speed, err := panel("step vs dense attention", "speed-up (×)", func(r compareRow) float64 { return r.Speedup })
