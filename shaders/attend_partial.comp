@@ -366,25 +366,11 @@ void attendTile(uint len, uint headBase, uint rowBase, uint listBase, uint t0, i
 }
 
 // takenByGroup reports whether some query head of KV head g takes cluster
-// cl (GATHER = 2). The ranks and cuts of up to 8 of g's heads are loaded
-// before any is compared, so that a group of at most 8 heads waits for one
-// round trip, not one a head.
+// cl (GATHER = 2).
 bool takenByGroup(uint g, uint cl) {
-	uint hEnd = (g + 1) * pc.groupSize;
-	bool take = false;
-	for (uint hb = g * pc.groupSize; hb < hEnd; hb += 8) {
-		uint r[8], ct[8];
-		[[unroll]] for (uint j = 0; j < 8; j++) {
-			r[j] = 0;
-			ct[j] = 0;  // a head past the group takes nothing
-			if (hb + j < hEnd) {
-				r[j] = rank[(hb + j) * pc.C + cl];
-				ct[j] = cut[hb + j];
-			}
-		}
-		[[unroll]] for (uint j = 0; j < 8; j++) take = take || r[j] < ct[j];
-	}
-	return take;
+	uint take = 0;
+	for (uint h = g * pc.groupSize; h < (g + 1) * pc.groupSize; h++) take |= uint(rank[h * pc.C + cl] < cut[h]);
+	return take != 0;
 }
 
 // clusterRows returns the rows cluster cl of KV head g adds to the run of
@@ -396,9 +382,8 @@ bool takenByGroup(uint g, uint cl) {
 uint clusterRows(uint g, uint cl, uint h0, out uint fromv, out float ps[GROUP]) {
 	fromv = pc.first + starts[g * pc.C + cl];
 	[[unroll]] for (uint j = 0; j < GROUP; j++) ps[j] = -1.0 / 0.0;
-	// The size is loaded beside the ranks, used only where taken.
+	if (APPROX == 0) return takenByGroup(g, cl) ? sizes[g * pc.C + cl] : 0;
 	uint size = sizes[g * pc.C + cl];
-	if (APPROX == 0) return takenByGroup(g, cl) ? size : 0;
 	bool any = false;
 	[[unroll]] for (uint j = 0; j < GROUP; j++) {
 		uint h = h0 + j;

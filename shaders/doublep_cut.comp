@@ -55,9 +55,6 @@ void main() {
 	uint tid = gl_LocalInvocationID.x;
 	uint h = gl_WorkGroupID.x;
 	uint sb = h * pc.C;
-	// The first BATCH logits of this thread, in flight with the extremes.
-	float lv[BATCH];
-	[[unroll]] for (uint i = 0; i < BATCH; i++) lv[i] = s[sb + min(tid + i * WG, max(pc.C, 1u) - 1u)];
 	uvec2 e = ext[h];
 	float m = unkey(e.x), m0 = unkey(~e.y);
 	float u = 1.0;
@@ -71,12 +68,12 @@ void main() {
 	barrier();
 	if (tid == 0) ext[h] = uvec2(0);  // read by every thread above
 
-	// BATCH logits loaded at once, all in flight together (the first batch
-	// beside the extremes). A thread adds up its run of clusters in one bin
-	// before one atomic.
+	// BATCH logits loaded at once, all in flight together. A thread adds up
+	// its run of clusters in one bin before one atomic.
 	uint runBin = NB, runSum = 0;
 	for (uint c0 = tid; c0 < pc.C; c0 += WG * BATCH) {
-		if (c0 != tid) [[unroll]] for (uint i = 0; i < BATCH; i++) lv[i] = s[sb + min(c0 + i * WG, pc.C - 1)];
+		float lv[BATCH];
+		[[unroll]] for (uint i = 0; i < BATCH; i++) lv[i] = s[sb + min(c0 + i * WG, pc.C - 1)];
 		[[unroll]] for (uint i = 0; i < BATCH; i++) {
 			uint cl = c0 + i * WG;
 			if (cl >= pc.C) break;
