@@ -137,9 +137,10 @@ func probeStep(spec, groupList string, reps int, jsonPath, command string) error
 // skeletonWarm returns how long a skeleton's chain runs untimed before it
 // is timed on a device: a second for a device's first skeleton, as the
 // steps it is compared with are warmed, and 200 ms for each later one
-// (none on a CPU renderer). A GPU left idle while the host prepared the
-// skeletons ran them up to 2.7 times slower unwarmed (H100, 2026-12-07),
-// and the first of them 2.4 times slower after 200 ms.
+// (none on a CPU renderer). Unwarmed, the skeletons timed after a run's
+// steps took up to 2.7 times as long as in a run of one length, and the
+// first of them 2.4 times as long after 200 ms (H100, 2026-12-07; the cause
+// not known: clocks or buffers read for the first time).
 func skeletonWarm(info vk.Info, first bool) time.Duration {
 	switch {
 	case info.Type == "cpu":
